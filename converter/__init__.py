@@ -1,0 +1,1 @@
+"""anec: the command line, recipes, checkpoint loading, the conversion pipeline and emitting."""

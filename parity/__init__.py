@@ -1,0 +1,1 @@
+"""Parity: fixtures, references, gates and reports."""

@@ -1,0 +1,1 @@
+"""Recipes shipped with anec: one YAML file per supported model configuration."""
