@@ -1,0 +1,26 @@
+"""Attention masks in the BC1L score layout ``score[b, key, 0, query]``.
+
+Exclusion is a finite negative number, not -inf: a fully masked row (a left-padded query)
+must stay finite, and two -65504 masks added together would be -inf in fp16. With
+``MASKED = -1e4`` the sum of the causal and key masks is at worst -2e4, and
+``exp(-1e4 + s)`` is exactly 0 in fp16 and fp32 for any realistic score ``s``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASKED = -1.0e4
+
+
+def causal_mask(length: int) -> torch.Tensor:
+    """(1, L, 1, L): 0 where key <= query, ``MASKED`` where the key lies in the future."""
+    key = torch.arange(length)[:, None]
+    query = torch.arange(length)[None, :]
+    mask = torch.where(key > query, MASKED, 0.0)
+    return mask.reshape(1, length, 1, length).to(torch.float32)
+
+
+def key_mask_from_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The model input ``key_mask`` (B, L) from a 0/1 attention mask: 0 real, ``MASKED`` padding."""
+    return torch.where(attention_mask.bool(), 0.0, MASKED).to(torch.float32)
