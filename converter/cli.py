@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from converter.errors import AnecError, InputError
-from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
+from converter.recipe import Recipe, RecipeError, load_recipe, locate_recipe, shipped_recipes
 
 
 def report_error(error: AnecError) -> None:
@@ -148,6 +148,53 @@ def list_recipes(as_json: bool) -> None:
         cells = (row[c] for c in ("name", "task", "source", "shapes", "target"))
         table.add_row(*(Text(c) for c in cells))
     Console(highlight=False).print(table)
+
+
+@main.command("convert")
+@click.argument("recipe_refs", metavar="RECIPE...", nargs=-1, required=True)
+@click.option(
+    "--out", "out_dir", type=click.Path(path_type=Path), default=None,
+    help="Output directory (default: the recipe's output_dir, normally artifacts/).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing artifact (atomically, only once the new one passed).")
+@click.option("--allow-pickle", is_flag=True, help="Allow pickle-based weights, loaded with torch.load(weights_only=True).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary per recipe instead of tables.")
+def convert_command(
+    recipe_refs: tuple[str, ...], out_dir: Path | None, force: bool, allow_pickle: bool, as_json: bool
+) -> None:
+    """Convert each RECIPE (a file or a shipped recipe name) into a proven Core ML artifact.
+
+    Steps: load the checkpoint, rewrite it into BC1L, run the parity gates in torch (fp32 per
+    layer, fp16 end to end), trace, convert to an fp16 ML Program and publish
+    OUT/<name>/ atomically: <name>.mlpackage, manifest.json, parity.json, tokenizer.json and,
+    for host-side embeddings, embeddings.npy. A failed gate publishes nothing under the final
+    name and keeps its reports in OUT/<name>.failed/.
+
+    Exit codes: 0 every recipe converted and passed, 1 a parity gate failed, 2 bad input.
+    """
+    from converter.pipeline import ConvertResult, convert
+    from converter.progress import Steps
+    from converter.publish import Interrupted, signals_as_interrupts
+    from converter.summary import print_summary, result_to_json
+
+    recipes_loaded = [load_recipe(locate_recipe(ref)) for ref in recipe_refs]
+    results: list[ConvertResult] = []
+    with signals_as_interrupts():
+        for recipe in recipes_loaded:
+            try:
+                with Steps(quiet=as_json) as steps:
+                    result = convert(recipe, out_dir, force, allow_pickle, steps)
+            except (Interrupted, KeyboardInterrupt) as e:
+                click.echo(f"error: {recipe.name}: interrupted; nothing was published", err=True)
+                raise SystemExit(getattr(e, "exit_code", 130)) from None
+            results.append(result)
+            if as_json:
+                click.echo(json.dumps(result_to_json(result)))
+            else:
+                print_summary(result, Console(highlight=False))
+    code = max(r.exit_code for r in results)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

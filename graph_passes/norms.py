@@ -10,22 +10,30 @@ class RMSNorm(nn.Module):
     """RMSNorm over the channel axis of ``x[b, c, 0, l]``, with a power-of-two prescale.
 
     ``y = x / sqrt(mean_c(x^2) + eps) * (offset + w)``, computed as
-    ``x' / sqrt(mean_c(x'^2) + eps / a^2) * (offset + w)`` with ``x' = x / a``.
-    Why exact: for any ``a > 0`` the factor ``a`` cancels between numerator and denominator,
-    and for ``a = 2^k`` the division only changes the exponent, so no rounding is added (short
-    of fp16 subnormals). The prescale keeps ``x'^2`` inside fp16's range where the residual
-    stream is large (SmolLM2 reaches |h| ~ 25k, whose square overflows fp16).
+    ``x' / sqrt(sum_c(x'^2) + C * eps / a^2) * (sqrt(C) * (offset + w))`` with ``x' = x / a``.
+
+    Why exact (in real arithmetic): ``mean = sum / C``, so
+    ``1/sqrt(mean + eps) = sqrt(C) / sqrt(sum + C*eps)``; and for any ``a > 0`` the factor
+    ``a`` cancels between numerator and denominator. For ``a = 2^k`` the division only changes
+    the exponent, so it adds no rounding. Why this form: the prescale keeps ``x'^2`` inside
+    fp16's range where the residual stream is large (SmolLM2 reaches |h| ~ 25k, whose square
+    overflows fp16), and the *sum* rather than the mean keeps the stored per-position value
+    C times further from fp16's subnormals, where a mean of ordinary positions would land once
+    ``a`` is large (measured: the mean form flipped an argmax on SmolLM2, the sum form not).
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.weight_offset = weight_offset
-        # (offset + w) is stored pre-added: one constant, same value.
-        self.register_buffer("gamma", (weight + weight_offset).reshape(1, -1, 1, 1).clone())
+        channels = weight.shape[0]
+        self.channels = channels
+        # sqrt(C) * (offset + w) stored as one constant: one op fewer, same real value.
+        gamma = (weight + weight_offset) * channels**0.5
+        self.register_buffer("gamma", gamma.reshape(1, -1, 1, 1).clone())
         # Kept as buffers so a half() module rounds them exactly as the fp16 program stores them.
         self.register_buffer("inv_scale", torch.tensor(1.0))
-        self.register_buffer("scaled_eps", torch.tensor(float(eps)))
+        self.register_buffer("scaled_eps", torch.tensor(float(eps) * channels))
         self.prescale = 1.0
 
     def set_prescale(self, scale: float) -> None:
@@ -35,10 +43,10 @@ class RMSNorm(nn.Module):
             raise ValueError(f"prescale must be a positive power of two, got {scale}")
         self.prescale = scale
         self.inv_scale.fill_(1.0 / scale)
-        self.scaled_eps.fill_(self.eps / (scale * scale))
+        self.scaled_eps.fill_(self.channels * self.eps / (scale * scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prescale != 1.0:
             x = x * self.inv_scale
-        mean_square = (x * x).mean(dim=1, keepdim=True)
-        return x * torch.rsqrt(mean_square + self.scaled_eps) * self.gamma
+        sum_square = (x * x).sum(dim=1, keepdim=True)
+        return x * torch.rsqrt(sum_square + self.scaled_eps) * self.gamma

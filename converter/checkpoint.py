@@ -1,0 +1,152 @@
+"""Load a checkpoint safely: the transformers model (the parity reference), config and tokenizer.
+
+Safe by default: GGUF and safetensors only; pickle-based weights (``pytorch_model.bin``) are
+refused unless asked for, and then read with ``weights_only=True``. Remote code shipped with
+a checkpoint is never run (``trust_remote_code=False``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converter.errors import InputError
+from converter.hashing import sha256_file
+from converter.recipe import ResolvedSource
+
+_CAUSAL_LM_TASKS = {"text-generation"}
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint and what the manifest says about it."""
+
+    model: Any  # transformers PreTrainedModel, fp32, eval mode
+    config: Any
+    tokenizer: Any | None
+    weight_files: list[Path]
+    sha256: str  # over the weight files and config, in name order
+    license: str | None
+    note: str | None  # e.g. that a GGUF reference is the de-quantized model
+
+
+def weight_files(source: ResolvedSource, allow_pickle: bool) -> list[Path]:
+    """The files holding the weights; refuses pickle files unless ``allow_pickle``."""
+    if source.gguf_path is not None:
+        return [source.gguf_path]
+    directory = source.directory
+    safetensors = sorted(directory.glob("*.safetensors"))
+    if safetensors:
+        return safetensors
+    pickles = sorted(directory.glob("*.bin")) + sorted(directory.glob("*.pt"))
+    if pickles and not allow_pickle:
+        raise InputError(
+            f"{directory}: only pickle-based weights ({pickles[0].name}) found; pickle files can "
+            "run code when loaded. Convert them to safetensors, or pass --allow-pickle to load "
+            "them with torch.load(weights_only=True)"
+        )
+    if not pickles:
+        raise InputError(f"{directory}: no weights found (expected *.safetensors or a .gguf file)")
+    return pickles
+
+
+def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = False) -> Checkpoint:
+    """Load config, model and tokenizer from a resolved source."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if task not in _CAUSAL_LM_TASKS:
+        raise InputError(f"task: {task!r} is not supported yet; supported: {sorted(_CAUSAL_LM_TASKS)}")
+    files = weight_files(source, allow_pickle)
+    kwargs: dict[str, Any] = {"trust_remote_code": False}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config = AutoConfig.from_pretrained(source.directory, **kwargs)
+        except Exception as e:  # transformers raises many types for a bad file
+            raise InputError(f"{files[0]}: cannot read the checkpoint's config: {e}") from None
+        _check_supported(config, files[0])
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.directory,
+                dtype=torch.float32,
+                use_safetensors=None if source.gguf_file else files[0].suffix == ".safetensors",
+                **kwargs,
+            )
+        except Exception as e:
+            raise InputError(f"{files[0]}: cannot load the checkpoint: {e}") from None
+    model.eval()
+    tokenizer = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+    except Exception:  # a checkpoint without a tokenizer is allowed: token-id fixtures
+        tokenizer = None
+    hashed = files + ([source.directory / "config.json"] if not source.gguf_file else [])
+    digest = _combined_sha256([f for f in hashed if f.exists()])
+    note = None
+    if source.gguf_file:
+        note = (
+            "GGUF checkpoint de-quantized to fp32 by transformers; parity references the "
+            "de-quantized model, not the original full-precision weights"
+        )
+    return Checkpoint(model, config, tokenizer, files, digest, _license(source), note)
+
+
+def _check_supported(config: Any, where: Path) -> None:
+    from graph_passes.adapters import ADAPTERS
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise InputError(
+            f"{where}: architecture {model_type!r} is not supported; supported: "
+            f"{', '.join(sorted(ADAPTERS))}"
+        )
+
+
+def _combined_sha256(files: list[Path]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda p: p.name):
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _license(source: ResolvedSource) -> str | None:
+    """The checkpoint's licence where it is recorded: GGUF metadata, a model card, a package."""
+    if source.gguf_path is not None:
+        try:
+            from gguf import GGUFReader
+
+            field = GGUFReader(source.gguf_path).fields.get("general.license")
+            if field is not None:
+                return bytes(field.parts[field.data[0]]).decode()
+        except Exception:  # the licence is informative; a reader problem must not fail the run
+            pass
+    card = source.directory / "README.md"
+    if card.is_file():
+        match = re.search(r"^license:\s*(\S+)", card.read_text(errors="replace"), re.MULTILINE)
+        if match:
+            return match.group(1)
+    if source.kind == "python-package":
+        for dist in importlib.metadata.distributions():
+            top = (dist.read_text("top_level.txt") or "").split()
+            if source.directory.name in top or dist.metadata["Name"].replace("-", "_") == source.directory.name:
+                return dist.metadata.get("License")
+    return None
+
+
+def tokenizer_json(tokenizer: Any) -> str | None:
+    """The tokenizer in Hugging Face ``tokenizer.json`` form, when it has a fast backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return json.dumps(json.loads(backend.to_str()), ensure_ascii=False, indent=None)

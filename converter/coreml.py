@@ -1,0 +1,82 @@
+"""Trace a torch module and convert it to a Core ML ML Program (coremltools).
+
+Works on Linux: conversion and saving need no macOS. ``skip_model_load`` keeps coremltools
+from trying to compile the model, which only macOS can do.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+DType = Literal["float16", "float32", "int32"]
+_NP = {"float16": np.float16, "float32": np.float32, "int32": np.int32}
+_TORCH = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32}
+
+
+@dataclass(frozen=True)
+class TensorIO:
+    """One model input or output as the runtime sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    meaning: str
+
+    def example(self) -> torch.Tensor:
+        """A zero tensor of this shape for tracing (fp32 for float inputs: torch runs fp32)."""
+        dtype = torch.int64 if self.dtype == "int32" else torch.float32
+        return torch.zeros(self.shape, dtype=dtype)
+
+
+def trace(module: torch.nn.Module, inputs: Sequence[TensorIO]) -> torch.jit.ScriptModule:
+    """``torch.jit.trace`` the module in eval mode on zero inputs of the declared shapes."""
+    module = module.eval()
+    examples = tuple(spec.example() for spec in inputs)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return torch.jit.trace(module, examples, check_trace=False)
+
+
+def to_mlprogram(
+    traced: torch.jit.ScriptModule,
+    inputs: Sequence[TensorIO],
+    outputs: Sequence[TensorIO],
+    target: Any,
+    precision: Literal["float16", "float32"],
+) -> Any:
+    """Convert a traced module to an ML Program; returns a ``ct.models.MLModel`` (not loaded)."""
+    import coremltools as ct
+
+    compute_precision = ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32
+    # coremltools warns that torch 2.13 is newer than it was tested with; the parity gates are
+    # what vouch for the result, so keep the console readable.
+    logging.getLogger("coremltools").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ct.convert(
+            traced,
+            inputs=[ct.TensorType(name=i.name, shape=i.shape, dtype=_NP[i.dtype]) for i in inputs],
+            outputs=[ct.TensorType(name=o.name, dtype=_NP[o.dtype]) for o in outputs],
+            convert_to="mlprogram",
+            compute_precision=compute_precision,
+            minimum_deployment_target=target,
+            skip_model_load=True,
+        )
+
+
+def live_ops(mlmodel: Any) -> collections.Counter[str]:
+    """Op types of every function in the program, constants excluded."""
+    counts: collections.Counter[str] = collections.Counter()
+    for function in mlmodel._mil_program.functions.values():
+        for op in function.operations:
+            if op.op_type != "const":
+                counts[op.op_type] += 1
+    return counts

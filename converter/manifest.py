@@ -1,0 +1,83 @@
+"""The artifact manifest (``manifest.json``): the contract a runtime engine reads.
+
+Versioned with ``schema_version``; a runtime refuses a major version it does not know.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TensorEntry(_Strict):
+    """One input or output of the package."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    meaning: str
+
+
+class FileEntry(_Strict):
+    """A file shipped beside the package, with its hash."""
+
+    file: str
+    sha256: str
+    dtype: str | None = None
+    shape: list[int] | None = None
+    meaning: str = ""
+
+
+class Deviation(_Strict):
+    """A numeric change forced by the target format, and why it is harmless or how it shows."""
+
+    where: str
+    what: str
+    original: float | str
+    effective: float | str
+    why: str
+
+
+class PackageEntry(_Strict):
+    """The .mlpackage and the hashes of its content files (its Manifest.json excluded)."""
+
+    file: str
+    content_sha256: str
+    files: dict[str, str]
+    function: str
+    live_ops: dict[str, int]
+
+
+class Manifest(_Strict):
+    """Everything a runtime needs to call the package correctly, and how it was made."""
+
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    task: str
+    architecture: str
+    target: str
+    precision: str
+    batch: int
+    sequence_length: int
+    inputs: list[TensorEntry]
+    outputs: list[TensorEntry]
+    conventions: dict[str, str]
+    masked_value: float
+    rope_theta: list[float]
+    vocab_size: int
+    lm_head_chunks: list[int]
+    package: PackageEntry
+    embeddings: FileEntry | None
+    tokenizer: FileEntry | None
+    parity: FileEntry
+    deviations: list[Deviation]
+    checkpoint: dict[str, Any]
+    recipe: dict[str, Any]
+    tools: dict[str, str]

@@ -1,0 +1,344 @@
+"""The conversion pipeline for draft decoders: recipe -> proven mlpackage + manifest.
+
+    load checkpoint -> adapt -> BC1L module -> prescales -> torch parity (fp32 + fp16)
+        -> trace -> ML Program (fp16) -> emit atomically
+
+Each step is a function with plain inputs and outputs; `convert` runs them in order inside an
+artifact stage, so a failure at any point publishes nothing under the final name.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io as _io
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from converter.checkpoint import Checkpoint, load_checkpoint, tokenizer_json
+from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
+from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
+from converter.manifest import Deviation, FileEntry, Manifest, PackageEntry, TensorEntry
+from converter.progress import Steps
+from converter.publish import (
+    clean_leftovers,
+    stage_artifact,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from converter.recipe import Recipe, recipe_to_dict
+from converter.targets import TARGETS
+from graph_passes.adapters import adapt
+from graph_passes.decoder import BC1LDecoder, DecoderIO
+from graph_passes.masks import MASKED
+from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
+from graph_passes.spec import CanonicalModel
+from parity.fixtures import Batch, build_fixtures, make_batches
+from parity.gates import ParityReport, Thresholds, check_decoder, module_inputs
+from parity.reference import run_reference
+from parity.report import report_to_json, report_to_text
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion produced; ``exit_code`` 0 published, 1 a gate failed."""
+
+    name: str
+    passed: bool
+    artifact_dir: Path | None
+    report_dir: Path
+    parity: ParityReport
+    timings: dict[str, float]
+    live_ops: int = 0
+    live_ops_per_layer: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every gate passed and the artifact was published, else 1."""
+        return 0 if self.passed else 1
+
+
+def decoder_io(recipe: Recipe, canonical: CanonicalModel) -> DecoderIO:
+    """Resolve the recipe's I/O choices against the checkpoint (``auto`` inputs)."""
+    inputs = recipe.io.inputs
+    if inputs == "auto":
+        # Tied embeddings: keep the table on the host so it is not stored twice (SPEC 2).
+        inputs = "embeddings" if canonical.spec.tied_embeddings else "token-ids"
+    return DecoderIO(
+        batch=recipe.shapes.batch,
+        length=recipe.shapes.sequence_length,
+        inputs=inputs,
+        logit_positions=recipe.logits_positions,
+        lm_head_chunk=recipe.io.lm_head_chunk,
+    )
+
+
+def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], list[TensorIO]]:
+    """The inputs and outputs of the emitted function, with their meaning."""
+    io, spec = module.io, module.spec
+    b, length, d = io.batch, io.length, spec.hidden_size
+    if io.inputs == "token-ids":
+        first = TensorIO("input_ids", (b, length), "int32", "token ids, left-padded")
+    else:
+        first = TensorIO(
+            "inputs_embeds", (b, length, d), dtype,  # type: ignore[arg-type]
+            "rows of embeddings.npy gathered on the host for each token id, left-padded",
+        )
+    key_mask = TensorIO(
+        "key_mask", (b, length), dtype,  # type: ignore[arg-type]
+        f"additive key mask: 0 for a real token, {MASKED:g} for padding",
+    )
+    outputs = []
+    start = 0
+    for k, size in enumerate(module.chunk_sizes):
+        outputs.append(
+            TensorIO(
+                f"logits_{k}", (b, size, 1, io.logit_positions), dtype,  # type: ignore[arg-type]
+                f"logits of token ids {start}..{start + size - 1} at the last "
+                f"{io.logit_positions} window position(s): [batch, token, 0, position]",
+            )
+        )
+        start += size
+    return [first, key_mask], outputs
+
+
+def choose_scales(
+    module: BC1LDecoder, batches: list[Batch], embed_table: torch.Tensor
+) -> list[NormScale]:
+    """Measure every norm's input range on the fixtures (fp32) and set power-of-two prescales."""
+    norms = module.norms()
+
+    def run_all() -> None:
+        for batch in batches:
+            x, mask = module_inputs(module, batch, embed_table, torch.float32)
+            module.head(module.run_layers(x, mask)[-1])
+
+    return apply_prescales(norms, measure_norm_inputs(norms, run_all))
+
+
+def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
+    """Every numeric change the fp16 program forces, grouped by value."""
+    out = [
+        Deviation(
+            where="attention masks",
+            what="exclusion by a finite additive mask instead of -inf",
+            original="-inf",
+            effective=MASKED,
+            why="keeps fully masked (padded) rows finite and sums of masks inside fp16; "
+            "exp(-1e4) is exactly 0 in fp16 and fp32",
+        )
+    ]
+    groups: dict[tuple[float, float, float], list[str]] = {}
+    for s in scales:
+        stored = s.fp16_scaled_eps if precision == "float16" else s.scaled_eps
+        groups.setdefault((s.prescale, s.scaled_eps, stored), []).append(s.name)
+    for (prescale, scaled_eps, stored), names in sorted(groups.items()):
+        if prescale != 1.0:
+            out.append(
+                Deviation(
+                    where=", ".join(names),
+                    what=f"norm input divided by {prescale:g} (power of two) inside the norm",
+                    original=1.0,
+                    effective=prescale,
+                    why="exact: the factor cancels; keeps x^2 inside fp16 (measured max |x| "
+                    "above 64 on the fixtures)",
+                )
+            )
+        if stored != scaled_eps:
+            out.append(
+                Deviation(
+                    where=", ".join(names),
+                    what="C * eps / prescale^2, added to the sum of squares, as stored in fp16",
+                    original=scaled_eps,
+                    effective=stored,
+                    why="fp16 cannot hold the value; its effect is measured by the fp16 parity gates",
+                )
+            )
+    return out
+
+
+def _tools() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for dist in ("anec", "coremltools", "torch", "transformers", "numpy"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "unknown"
+    return versions
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = _io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def convert(
+    recipe: Recipe,
+    out_dir: Path | None = None,
+    force: bool = False,
+    allow_pickle: bool = False,
+    steps: Steps | None = None,
+) -> ConvertResult:
+    """Run the whole pipeline for one recipe; publishes ``<out>/<name>/`` only if all gates pass."""
+    steps = steps or Steps(quiet=True)
+    out_dir = out_dir or recipe.output_dir
+    name = recipe.name
+    clean_leftovers(out_dir) if out_dir.is_dir() else None
+    target = TARGETS[recipe.target]
+
+    with stage_artifact(out_dir, name, force=force) as stage:
+        with steps.step("load checkpoint"):
+            source = recipe.resolve_source()
+            ckpt = load_checkpoint(source, recipe.task, allow_pickle=allow_pickle)
+
+        with steps.step("rewrite to BC1L"):
+            canonical = adapt(ckpt.config, ckpt.model.state_dict())
+            io = decoder_io(recipe, canonical)
+            module = BC1LDecoder(canonical, io).eval()
+            embed_table = canonical.weights["embed.weight"]
+            fixtures = build_fixtures(
+                recipe.fixtures.prompts,
+                recipe.fixtures.token_ids,
+                ckpt.tokenizer,
+                io.length,
+                canonical.spec.vocab_size,
+                recipe.fixtures.padded_variants,
+            )
+            batches = make_batches(fixtures, io.batch, io.length, _pad_id(ckpt))
+            scales = choose_scales(module, batches, embed_table)
+
+        with steps.step("parity (torch fp32, fp16)", total=len(fixtures) + len(batches)) as advance:
+            references = {}
+            for fixture in fixtures:
+                references[fixture.name] = run_reference(ckpt.model, fixture.token_ids)
+                advance()
+            thresholds = Thresholds(**recipe.gates.model_dump())
+            report = check_decoder(module, batches, references, embed_table, thresholds, advance)
+        del ckpt.model  # the reference is no longer needed; free its memory before converting
+
+        parity_doc = report_to_json(report, {"recipe": name})
+        write_json_atomic(stage.path / "parity.json", parity_doc)
+        write_text_atomic(stage.path / "parity.txt", report_to_text(report) + "\n")
+        if not report.passed:
+            failed = stage.keep_as_failed()
+            return ConvertResult(name, False, None, failed, report, steps.timings)
+
+        inputs, outputs = tensor_contract(module, recipe.io.dtype)
+        with steps.step("trace"):
+            traced = trace(module, inputs)
+        with steps.step("convert to ML Program"):
+            mlmodel = to_mlprogram(traced, inputs, outputs, target.ct_target(), recipe.precision)
+            ops = live_ops(mlmodel)
+
+        with steps.step("save"):
+            package = stage.path / f"{name}.mlpackage"
+            mlmodel.save(str(package))
+            embeddings = None
+            if io.inputs == "embeddings":
+                data = _npy_bytes(embed_table.to(torch.float16).numpy())
+                path = write_bytes_atomic(stage.path / "embeddings.npy", data)
+                embeddings = FileEntry(
+                    file=path.name, sha256=sha256_file(path), dtype="float16",
+                    shape=list(embed_table.shape),
+                    meaning="embedding table (vocab, hidden); row t is the input for token id t",
+                )
+            tokenizer = None
+            text = tokenizer_json(ckpt.tokenizer) if ckpt.tokenizer is not None else None
+            if text is not None:
+                path = write_text_atomic(stage.path / "tokenizer.json", text)
+                tokenizer = FileEntry(
+                    file=path.name, sha256=sha256_file(path),
+                    meaning="the checkpoint's tokenizer; a runtime refuses a draft whose "
+                    "vocabulary differs from its target's",
+                )
+            manifest = _manifest(recipe, source, ckpt, module, scales, inputs, outputs, package,
+                                 ops, embeddings, tokenizer, stage.path / "parity.json")
+            write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
+        final = stage.commit()
+
+    n_ops = sum(ops.values())
+    return ConvertResult(
+        name, True, final, final, report, steps.timings,
+        live_ops=n_ops, live_ops_per_layer=n_ops / canonical.spec.num_layers,
+    )
+
+
+def _pad_id(ckpt: Checkpoint) -> int:
+    for holder in (ckpt.tokenizer, ckpt.config):
+        value = getattr(holder, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    eos = getattr(ckpt.config, "eos_token_id", None)
+    return eos if isinstance(eos, int) else 0
+
+
+def _manifest(
+    recipe: Recipe,
+    source: Any,
+    ckpt: Checkpoint,
+    module: BC1LDecoder,
+    scales: list[NormScale],
+    inputs: list[TensorIO],
+    outputs: list[TensorIO],
+    package: Path,
+    ops: Any,
+    embeddings: FileEntry | None,
+    tokenizer: FileEntry | None,
+    parity_path: Path,
+) -> Manifest:
+    spec = module.spec
+
+    def entry(t: TensorIO) -> TensorEntry:
+        return TensorEntry(name=t.name, shape=list(t.shape), dtype=t.dtype, meaning=t.meaning)
+
+    return Manifest(
+        name=recipe.name,
+        task=recipe.task,
+        architecture=spec.architecture,
+        target=recipe.target,
+        precision=recipe.precision,
+        batch=module.io.batch,
+        sequence_length=module.io.length,
+        inputs=[entry(t) for t in inputs],
+        outputs=[entry(t) for t in outputs],
+        conventions={
+            "layout": "activations are [batch, channels, 1, sequence] (BC1L) inside the program",
+            "padding": "left: the last real token sits in the last slot, sequence_length - 1",
+            "positions": "slot l has RoPE position l; left padding shifts all real positions "
+            "equally, which leaves attention unchanged (RoPE is relative)",
+            "mask": "key_mask masks keys only; the causal mask is built into the program; "
+            "outputs at padded positions are finite and meaningless",
+            "logits": "one output per LM-head chunk, in vocabulary order; concatenate on the "
+            "token axis (or take the argmax per chunk) on the host",
+        },
+        masked_value=MASKED,
+        rope_theta=[layer.attention.rope_theta for layer in spec.layers],
+        vocab_size=spec.vocab_size,
+        lm_head_chunks=module.chunk_sizes,
+        package=PackageEntry(
+            file=package.name,
+            content_sha256=mlpackage_content_hash(package),
+            files=mlpackage_content_files(package),
+            function="main",
+            live_ops=dict(sorted(ops.items())),
+        ),
+        embeddings=embeddings,
+        tokenizer=tokenizer,
+        parity=FileEntry(file=parity_path.name, sha256=sha256_file(parity_path)),
+        deviations=deviations(scales, recipe.precision),
+        checkpoint={
+            "source": {"kind": source.kind, "directory": str(source.directory), "gguf_file": source.gguf_file},
+            "sha256": ckpt.sha256,
+            "license": ckpt.license,
+            "note": ckpt.note,
+        },
+        recipe={**recipe_to_dict(recipe), "sha256": sha256_file(recipe.source_file) if recipe.source_file else None},
+        tools=_tools(),
+    )

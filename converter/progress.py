@@ -1,0 +1,57 @@
+"""Progress display for the long steps of a conversion, and their timings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+
+class Steps:
+    """Shows one line per step (spinner or bar) on stderr and records each step's wall time.
+
+    With ``quiet`` (``--json``, or output that is not a terminal) nothing is drawn; the
+    timings are still recorded.
+    """
+
+    def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
+        self.timings: dict[str, float] = {}
+        self._progress: Progress | None = None
+        if not quiet:
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description:<28}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}", style="dim"),
+                TimeElapsedColumn(),
+                console=console or Console(stderr=True),
+            )
+
+    def __enter__(self) -> Steps:
+        if self._progress:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress:
+            self._progress.stop()
+
+    @contextmanager
+    def step(self, name: str, total: int | None = None) -> Iterator[Callable[[], None]]:
+        """Time the block as step ``name``; yields ``advance()`` for steps with a ``total``."""
+        task = self._progress.add_task(name, total=total) if self._progress else None
+        start = time.perf_counter()
+
+        def advance() -> None:
+            if self._progress and task is not None:
+                self._progress.advance(task)
+
+        try:
+            yield advance
+        finally:
+            self.timings[name] = time.perf_counter() - start
+            if self._progress and task is not None:
+                self._progress.update(task, total=total or 1, completed=total or 1)

@@ -1,0 +1,54 @@
+"""The one-screen summary printed after a conversion, as a table or as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from converter.pipeline import ConvertResult
+
+
+def result_to_json(result: ConvertResult) -> dict[str, Any]:
+    """A JSON summary of one conversion (the full figures are in parity.json)."""
+    gates = {g.name: {"value": g.value, "threshold": g.threshold, "passed": g.passed} for g in result.parity.gates}
+    return {
+        "name": result.name,
+        "passed": result.passed,
+        "artifact": str(result.artifact_dir) if result.artifact_dir else None,
+        "reports": str(result.report_dir),
+        "first_diverging_layer": result.parity.first_diverging_layer,
+        "gates": gates,
+        "live_ops": result.live_ops,
+        "live_ops_per_layer": round(result.live_ops_per_layer, 1),
+        "timings_s": {k: round(v, 2) for k, v in result.timings.items()},
+    }
+
+
+def print_summary(result: ConvertResult, console: Console) -> None:
+    """Gates, where the artifact and its reports are, and how long each step took."""
+    status = "[green]converted[/]" if result.passed else "[red]parity gate failed[/]"
+    console.print(f"\n[bold]{result.name}[/]: {status}")
+    table = Table(show_header=True, header_style="bold")
+    for column in ("gate", "implementation", "value", "threshold", ""):
+        table.add_column(column)
+    for g in result.parity.gates:
+        table.add_row(
+            g.name, g.implementation, f"{g.value:.3g}", f"{g.comparison} {g.threshold:.3g}",
+            "[green]pass[/]" if g.passed else "[red]FAIL[/]",
+        )
+    console.print(table)
+    if result.parity.first_diverging_layer is not None:
+        console.print(f"first diverging layer: {result.parity.first_diverging_layer}")
+    worst = max(result.parity.layers, key=lambda row: row.fp16_max_abs)
+    console.print(
+        f"largest fp16 |h|: {worst.fp16_max_abs:.0f} at layer {worst.layer} "
+        f"(overflow margin {worst.fp16_overflow_margin:.1f}x)"
+    )
+    if result.artifact_dir:
+        console.print(f"artifact: {result.artifact_dir}")
+        console.print(f"  program: {result.live_ops} live ops ({result.live_ops_per_layer:.1f} per layer)")
+    console.print(f"reports:  {result.report_dir / 'parity.json'}, {result.report_dir / 'parity.txt'}")
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
+    console.print(f"time:     {times}", style="dim")

@@ -1,0 +1,70 @@
+"""Parity reports: JSON for machines, a text table for people."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from parity.gates import ParityReport
+
+SCHEMA_VERSION = 1
+
+
+def _finite(value: float) -> float | str:
+    # JSON has no inf/NaN; spell them out rather than emit invalid JSON.
+    return value if math.isfinite(value) else str(value)
+
+
+def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The parity report as JSON-ready data (``parity.json``)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "passed": report.passed,
+        "first_diverging_layer": report.first_diverging_layer,
+        "implementations": report.implementations,
+        "gates": [
+            {k: _finite(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(g).items()}
+            for g in report.gates
+        ],
+        "layers": [
+            {
+                **{k: _finite(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(row).items()},
+                "fp16_overflow_margin": _finite(row.fp16_overflow_margin),
+            }
+            for row in report.layers
+        ],
+        "fixtures": [
+            {k: _finite(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(row).items()}
+            for row in report.fixtures
+        ],
+        **(extra or {}),
+    }
+
+
+def report_to_text(report: ParityReport) -> str:
+    """A readable summary: gates, the first diverging layer, the per-layer table."""
+    lines = ["Parity gates:"]
+    for g in report.gates:
+        mark = "PASS" if g.passed else "FAIL"
+        lines.append(
+            f"  {mark}  {g.name:<26} [{g.implementation}] {g.value:.3g} {g.comparison} "
+            f"{g.threshold:.3g}  {g.detail}"
+        )
+    if report.first_diverging_layer is not None:
+        lines.append(f"  first diverging layer: {report.first_diverging_layer}")
+    lines.append("")
+    lines.append("layer  fp32 rel err  fp16 rel err  fp16 max|h|  overflow margin")
+    for row in report.layers:
+        lines.append(
+            f"{row.layer:>5}  {row.fp32_rel_error:>12.3g}  {row.fp16_rel_error:>12.3g}  "
+            f"{row.fp16_max_abs:>11.1f}  {row.fp16_overflow_margin:>14.1f}x"
+        )
+    lines.append("")
+    lines.append("fixture                          slice        tokens  argmax  max|dp|  certified")
+    for f in report.fixtures:
+        lines.append(
+            f"{f.name[:32]:<32} {f.slice:<12} {f.tokens:>6}  {f.fp16_argmax_agreement:>6.1%}  "
+            f"{f.fp16_max_abs_dprob:>7.4f}  {f.certified_positions}/{f.tokens}"
+        )
+    return "\n".join(lines)
