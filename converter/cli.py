@@ -172,8 +172,10 @@ def convert_command(
 
     Exit codes: 0 every recipe converted and passed, 1 a parity gate failed, 2 bad input.
     """
+    from converter.progress import Steps, quiet_third_party_output
+
+    quiet_third_party_output()  # before torch is imported
     from converter.pipeline import ConvertResult, convert
-    from converter.progress import Steps
     from converter.publish import Interrupted, signals_as_interrupts
     from converter.summary import print_summary, result_to_json
 

@@ -7,7 +7,6 @@ from trying to compile the model, which only macOS can do.
 from __future__ import annotations
 
 import collections
-import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,9 +55,6 @@ def to_mlprogram(
     import coremltools as ct
 
     compute_precision = ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32
-    # coremltools warns that torch 2.13 is newer than it was tested with; the parity gates are
-    # what vouch for the result, so keep the console readable.
-    logging.getLogger("coremltools").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ct.convert(

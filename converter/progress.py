@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+
+def quiet_third_party_output() -> None:
+    """Silence other libraries' progress bars and expected warnings; anec shows its own steps.
+
+    Must run before torch is imported: tqdm reads ``TQDM_DISABLE`` when it is imported.
+    coremltools warns on Linux that its macOS runtime library is missing (expected: anec never
+    runs models here) and that torch 2.13 is newer than it was tested with (the parity gates
+    vouch for the result).
+    """
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    logging.getLogger("coremltools").setLevel(logging.ERROR)
 
 
 class Steps:
