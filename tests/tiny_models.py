@@ -1,0 +1,192 @@
+"""Tiny perturbed Llama / Qwen2 models and everything a parity check needs (SPEC section 4).
+
+transformers initialises biases to 0 and norm weights to 1, which hides dropped biases and
+wrong norm conventions; `perturb_` moves every parameter away from those values. Everything
+is built with transformers' own classes, in fp32, eval mode, from a fixed seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from graph_passes.adapters import adapt
+from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
+from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
+from graph_passes.spec import CanonicalModel
+from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
+from parity.gates import Thresholds, module_inputs
+from parity.reference import ReferenceRun, run_reference
+
+VOCAB = 300
+LENGTH = 16
+PAD_ID = 0
+FIXTURE_LENGTHS = (5, 8, 11, 16)
+DEFAULT_THRESHOLDS = Thresholds(
+    fp32_layer_rel_error=1e-4,
+    fp32_logits_rel_error=1e-4,
+    fp16_argmax_agreement=1.0,
+    fp16_max_abs_dprob=0.02,
+)
+
+
+def one_torch_thread() -> Iterator[None]:
+    """Run torch single-threaded, then restore (body of an autouse fixture).
+
+    These models are tiny, so threads buy nothing; on a 2-core machine shared with another
+    torch process, intra-op threads contend and a 0.1 s parity check took 6 s (measured).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_CONFIGS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    """A tiny config: D=64, 4 heads of 16, 2 kv heads, I=128, 3 layers, vocab 300."""
+    config_cls, _ = _CONFIGS[arch]
+    kwargs: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "rms_norm_eps": 1e-5 if arch == "llama" else 1e-6,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": arch == "llama",
+        "attn_implementation": "eager",
+    }
+    kwargs.update(overrides)
+    return config_cls(**kwargs)
+
+
+@torch.no_grad()
+def perturb_(model: nn.Module, scale: float = 0.1, norm_scale: float = 0.2) -> None:
+    """Move every parameter off its init: norm weights to ``1 + 0.2 randn``, others ``+ 0.1 randn``.
+
+    ``named_parameters`` lists a tied LM head once (it is the embedding table).
+    """
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1.0 + norm_scale * torch.randn_like(p))
+        else:
+            p.add_(torch.randn_like(p) * scale)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A perturbed tiny ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` in fp32, eval mode."""
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    _, model_cls = _CONFIGS[arch]
+    model = model_cls(config).float().eval()
+    perturb_(model)
+    return model
+
+
+def random_sequences(seed: int, lengths: tuple[int, ...] = FIXTURE_LENGTHS) -> list[list[int]]:
+    """Random token ids (never the pad id, so padding is visible in the ids too)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def build_module(
+    canonical: CanonicalModel,
+    inputs: InputKind = "token-ids",
+    *,
+    batch: int = 3,
+    length: int = LENGTH,
+    logit_positions: int = 1,
+    lm_head_chunk: int = 128,
+) -> BC1LDecoder:
+    """The BC1L module for a canonical model, eval mode, fp32."""
+    io = DecoderIO(
+        batch=batch,
+        length=length,
+        inputs=inputs,
+        logit_positions=logit_positions,
+        lm_head_chunk=lm_head_chunk,
+    )
+    return BC1LDecoder(canonical, io).eval()
+
+
+def set_prescales(
+    module: BC1LDecoder, batches: list[Batch], embed_table: torch.Tensor
+) -> list[NormScale]:
+    """Measure norm inputs on the batches and set power-of-two prescales (as the pipeline does)."""
+    norms = module.norms()
+
+    def run_all() -> None:
+        for b in batches:
+            x, mask = module_inputs(module, b, embed_table, torch.float32)
+            module.head(module.run_layers(x, mask)[-1])
+
+    return apply_prescales(norms, measure_norm_inputs(norms, run_all))
+
+
+@dataclass
+class Tiny:
+    """A tiny perturbed checkpoint, its BC1L module, fixtures and references."""
+
+    arch: str
+    model: nn.Module
+    canonical: CanonicalModel
+    module: BC1LDecoder
+    fixtures: list[Fixture]
+    batches: list[Batch]
+    references: dict[str, ReferenceRun]
+    embed_table: torch.Tensor
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
+
+    def rebuild(self, canonical: CanonicalModel | None = None, **io: Any) -> BC1LDecoder:
+        """Another module from (a possibly altered) canonical model, same I/O unless given."""
+        current = self.module.io
+        kwargs = {
+            "batch": current.batch,
+            "length": current.length,
+            "logit_positions": current.logit_positions,
+            "lm_head_chunk": current.lm_head_chunk,
+        }
+        inputs = io.pop("inputs", current.inputs)
+        kwargs.update(io)
+        module = build_module(canonical or self.canonical, inputs, **kwargs)
+        set_prescales(module, self.batches, self.embed_table)
+        return module
+
+
+def build_tiny(
+    arch: str = "llama",
+    inputs: InputKind = "token-ids",
+    *,
+    seed: int = 0,
+    batch: int = 3,
+    length: int = LENGTH,
+    padded_variants: bool = True,
+    lm_head_chunk: int = 128,
+    **overrides: Any,
+) -> Tiny:
+    """Model, canonical model, BC1L module (prescaled), fixtures, batches and references."""
+    model = tiny_hf_model(arch, seed, **overrides)
+    canonical = adapt(model.config, model.state_dict())
+    module = build_module(
+        canonical, inputs, batch=batch, length=length, lm_head_chunk=lm_head_chunk
+    )
+    fixtures = build_fixtures(
+        [], random_sequences(seed + 1000), None, length, VOCAB, padded_variants
+    )
+    batches = make_batches(fixtures, batch, length, PAD_ID)
+    embed_table = canonical.weights["embed.weight"]
+    set_prescales(module, batches, embed_table)
+    references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
+    return Tiny(arch, model, canonical, module, fixtures, batches, references, embed_table)
