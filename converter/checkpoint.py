@@ -62,7 +62,9 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if task not in _CAUSAL_LM_TASKS:
-        raise InputError(f"task: {task!r} is not supported yet; supported: {sorted(_CAUSAL_LM_TASKS)}")
+        raise InputError(
+            f"task: {task!r} is not supported yet; supported: {sorted(_CAUSAL_LM_TASKS)}"
+        )
     files = weight_files(source, allow_pickle)
     kwargs: dict[str, Any] = {"trust_remote_code": False}
     if source.gguf_file:
@@ -139,8 +141,11 @@ def _license(source: ResolvedSource) -> str | None:
     if source.kind == "python-package":
         for dist in importlib.metadata.distributions():
             top = (dist.read_text("top_level.txt") or "").split()
-            if source.directory.name in top or dist.metadata["Name"].replace("-", "_") == source.directory.name:
-                return dist.metadata.get("License")
+            if (
+                source.directory.name in top
+                or dist.metadata["Name"].replace("-", "_") == source.directory.name
+            ):
+                return dist.metadata["License"]
     return None
 
 

@@ -153,14 +153,31 @@ def list_recipes(as_json: bool) -> None:
 @main.command("convert")
 @click.argument("recipe_refs", metavar="RECIPE...", nargs=-1, required=True)
 @click.option(
-    "--out", "out_dir", type=click.Path(path_type=Path), default=None,
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=None,
     help="Output directory (default: the recipe's output_dir, normally artifacts/).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing artifact (atomically, only once the new one passed).")
-@click.option("--allow-pickle", is_flag=True, help="Allow pickle-based weights, loaded with torch.load(weights_only=True).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary per recipe instead of tables.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing artifact (atomically, only once the new one passed).",
+)
+@click.option(
+    "--allow-pickle",
+    is_flag=True,
+    help="Allow pickle-based weights, loaded with torch.load(weights_only=True).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON summary per recipe instead of tables."
+)
 def convert_command(
-    recipe_refs: tuple[str, ...], out_dir: Path | None, force: bool, allow_pickle: bool, as_json: bool
+    recipe_refs: tuple[str, ...],
+    out_dir: Path | None,
+    force: bool,
+    allow_pickle: bool,
+    as_json: bool,
 ) -> None:
     """Convert each RECIPE (a file or a shipped recipe name) into a proven Core ML artifact.
 

@@ -87,11 +87,15 @@ def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], li
         first = TensorIO("input_ids", (b, length), "int32", "token ids, left-padded")
     else:
         first = TensorIO(
-            "inputs_embeds", (b, length, d), dtype,  # type: ignore[arg-type]
+            "inputs_embeds",
+            (b, length, d),
+            dtype,  # type: ignore[arg-type]
             "rows of embeddings.npy gathered on the host for each token id, left-padded",
         )
     key_mask = TensorIO(
-        "key_mask", (b, length), dtype,  # type: ignore[arg-type]
+        "key_mask",
+        (b, length),
+        dtype,  # type: ignore[arg-type]
         f"additive key mask: 0 for a real token, {MASKED:g} for padding",
     )
     outputs = []
@@ -99,7 +103,9 @@ def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], li
     for k, size in enumerate(module.chunk_sizes):
         outputs.append(
             TensorIO(
-                f"logits_{k}", (b, size, 1, io.logit_positions), dtype,  # type: ignore[arg-type]
+                f"logits_{k}",
+                (b, size, 1, io.logit_positions),
+                dtype,  # type: ignore[arg-type]
                 f"logits of token ids {start}..{start + size - 1} at the last "
                 f"{io.logit_positions} window position(s): [batch, token, 0, position]",
             )
@@ -146,8 +152,8 @@ def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
                     what=f"norm input divided by {prescale:g} (power of two) inside the norm",
                     original=1.0,
                     effective=prescale,
-                    why="exact: the factor cancels; keeps x^2 inside fp16 (measured max |x| "
-                    "above 64 on the fixtures)",
+                    why="exact: the factor cancels; keeps the sum of squares inside fp16 "
+                    "(measured per-position L2 norm above 64 on the fixtures)",
                 )
             )
         if stored != scaled_eps:
@@ -157,7 +163,7 @@ def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
                     what="C * eps / prescale^2, added to the sum of squares, as stored in fp16",
                     original=scaled_eps,
                     effective=stored,
-                    why="fp16 cannot hold the value; its effect is measured by the fp16 parity gates",
+                    why="fp16 cannot hold the value; the fp16 parity gates measure its effect",
                 )
             )
     return out
@@ -245,7 +251,9 @@ def convert(
                 data = _npy_bytes(embed_table.to(torch.float16).numpy())
                 path = write_bytes_atomic(stage.path / "embeddings.npy", data)
                 embeddings = FileEntry(
-                    file=path.name, sha256=sha256_file(path), dtype="float16",
+                    file=path.name,
+                    sha256=sha256_file(path),
+                    dtype="float16",
                     shape=list(embed_table.shape),
                     meaning="embedding table (vocab, hidden); row t is the input for token id t",
                 )
@@ -254,19 +262,38 @@ def convert(
             if text is not None:
                 path = write_text_atomic(stage.path / "tokenizer.json", text)
                 tokenizer = FileEntry(
-                    file=path.name, sha256=sha256_file(path),
+                    file=path.name,
+                    sha256=sha256_file(path),
                     meaning="the checkpoint's tokenizer; a runtime refuses a draft whose "
                     "vocabulary differs from its target's",
                 )
-            manifest = _manifest(recipe, source, ckpt, module, scales, inputs, outputs, package,
-                                 ops, embeddings, tokenizer, stage.path / "parity.json")
+            manifest = _manifest(
+                recipe,
+                source,
+                ckpt,
+                module,
+                scales,
+                inputs,
+                outputs,
+                package,
+                ops,
+                embeddings,
+                tokenizer,
+                stage.path / "parity.json",
+            )
             write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
         final = stage.commit()
 
     n_ops = sum(ops.values())
     return ConvertResult(
-        name, True, final, final, report, steps.timings,
-        live_ops=n_ops, live_ops_per_layer=n_ops / canonical.spec.num_layers,
+        name,
+        True,
+        final,
+        final,
+        report,
+        steps.timings,
+        live_ops=n_ops,
+        live_ops_per_layer=n_ops / canonical.spec.num_layers,
     )
 
 
@@ -334,11 +361,18 @@ def _manifest(
         parity=FileEntry(file=parity_path.name, sha256=sha256_file(parity_path)),
         deviations=deviations(scales, recipe.precision),
         checkpoint={
-            "source": {"kind": source.kind, "directory": str(source.directory), "gguf_file": source.gguf_file},
+            "source": {
+                "kind": source.kind,
+                "directory": str(source.directory),
+                "gguf_file": source.gguf_file,
+            },
             "sha256": ckpt.sha256,
             "license": ckpt.license,
             "note": ckpt.note,
         },
-        recipe={**recipe_to_dict(recipe), "sha256": sha256_file(recipe.source_file) if recipe.source_file else None},
+        recipe={
+            **recipe_to_dict(recipe),
+            "sha256": sha256_file(recipe.source_file) if recipe.source_file else None,
+        },
         tools=_tools(),
     )

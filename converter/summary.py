@@ -12,7 +12,10 @@ from converter.pipeline import ConvertResult
 
 def result_to_json(result: ConvertResult) -> dict[str, Any]:
     """A JSON summary of one conversion (the full figures are in parity.json)."""
-    gates = {g.name: {"value": g.value, "threshold": g.threshold, "passed": g.passed} for g in result.parity.gates}
+    gates = {
+        g.name: {"value": g.value, "threshold": g.threshold, "passed": g.passed}
+        for g in result.parity.gates
+    }
     return {
         "name": result.name,
         "passed": result.passed,
@@ -35,7 +38,10 @@ def print_summary(result: ConvertResult, console: Console) -> None:
         table.add_column(column)
     for g in result.parity.gates:
         table.add_row(
-            g.name, g.implementation, f"{g.value:.3g}", f"{g.comparison} {g.threshold:.3g}",
+            g.name,
+            g.implementation,
+            f"{g.value:.3g}",
+            f"{g.comparison} {g.threshold:.3g}",
             "[green]pass[/]" if g.passed else "[red]FAIL[/]",
         )
     console.print(table)
@@ -48,7 +54,11 @@ def print_summary(result: ConvertResult, console: Console) -> None:
     )
     if result.artifact_dir:
         console.print(f"artifact: {result.artifact_dir}")
-        console.print(f"  program: {result.live_ops} live ops ({result.live_ops_per_layer:.1f} per layer)")
-    console.print(f"reports:  {result.report_dir / 'parity.json'}, {result.report_dir / 'parity.txt'}")
+        console.print(
+            f"  program: {result.live_ops} live ops ({result.live_ops_per_layer:.1f} per layer)"
+        )
+    console.print(
+        f"reports:  {result.report_dir / 'parity.json'}, {result.report_dir / 'parity.txt'}"
+    )
     times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
     console.print(f"time:     {times}", style="dim")

@@ -19,7 +19,7 @@ attention scores unchanged because RoPE depends only on position differences.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -80,6 +80,8 @@ def chunk_sizes(vocab: int, chunk: int) -> list[int]:
 class BC1LDecoder(nn.Module):
     """A decoder-only transformer with an LM head, in BC1L layout."""
 
+    causal: torch.Tensor
+
     def __init__(self, model: CanonicalModel, io: DecoderIO) -> None:
         super().__init__()
         spec = model.spec
@@ -105,12 +107,16 @@ class BC1LDecoder(nn.Module):
 
     def norms(self) -> list[tuple[str, RMSNorm]]:
         """Every norm with its stable name, in execution order."""
-        named = []
-        for i, layer in enumerate(self.layers):
+        named: list[tuple[str, RMSNorm]] = []
+        for i, layer in enumerate(self.decoder_layers()):
             named.append((f"layers.{i}.input_norm", layer.input_norm))
             named.append((f"layers.{i}.post_attention_norm", layer.post_attention_norm))
         named.append(("final_norm", self.final_norm))
         return named
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The transformer layers, typed."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def embed_bc1l(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, L) or embedding rows (B, L, D) -> (B, D, 1, L)."""
@@ -124,7 +130,7 @@ class BC1LDecoder(nn.Module):
         # One combined mask for all layers and heads, keys on axis 1 like the scores.
         mask = self.causal + key_mask.reshape(-1, self.io.length, 1, 1)
         states = []
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             h = layer(h, mask)
             states.append(h)
         return states

@@ -22,6 +22,10 @@ class RMSNorm(nn.Module):
     ``a`` is large (measured: the mean form flipped an argmax on SmolLM2, the sum form not).
     """
 
+    gamma: torch.Tensor
+    inv_scale: torch.Tensor
+    scaled_eps: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 
-def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, theta: float, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin tables of shape (1, 1, head_dim, L) for the given positions.
 
     ``rotate_half(x) = concat(-x2, x1)``; the minus sign is folded into the first half of the
@@ -29,6 +31,9 @@ def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[t
 
 class Rope(nn.Module):
     """Apply RoPE to ``x[b, n*d, 0, l]`` holding ``n`` heads of ``d`` channels each."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, positions: torch.Tensor) -> None:
         super().__init__()

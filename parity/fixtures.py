@@ -65,11 +65,15 @@ def build_fixtures(
             )
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise InputError(f"fixtures.{name}: token ids {bad[:5]} outside the vocabulary (0..{vocab_size - 1})")
+            raise InputError(
+                f"fixtures.{name}: token ids {bad[:5]} outside the vocabulary (0..{vocab_size - 1})"
+            )
         fixtures.append(Fixture(name, tuple(ids), "padded" if len(ids) < length else "full-window"))
         if padded_variants and len(ids) < length:
             repeats = -(-length // len(ids))
-            fixtures.append(Fixture(f"{name}/full-window", tuple((ids * repeats)[:length]), "full-window"))
+            fixtures.append(
+                Fixture(f"{name}/full-window", tuple((ids * repeats)[:length]), "full-window")
+            )
     return fixtures
 
 

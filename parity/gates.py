@@ -158,7 +158,9 @@ def check_decoder(
             bool(torch.isfinite(s).all()) for s in states16
         )
         for i in range(n_layers):
-            layers[i].fp16_max_abs = max(layers[i].fp16_max_abs, float(states16[i].float().abs().max()))
+            layers[i].fp16_max_abs = max(
+                layers[i].fp16_max_abs, float(states16[i].float().abs().max())
+            )
 
         for r, fixture in enumerate(batch.fixtures):
             ref = references[fixture.name]
@@ -172,7 +174,11 @@ def check_decoder(
                 row.fp32_rel_error = max(row.fp32_rel_error, rel_error(h32, ref_h))
                 row.fp16_rel_error = max(row.fp16_rel_error, rel_error(h16, ref_h))
                 row.fp32_max_abs = max(row.fp32_max_abs, float(h32.abs().max()))
-            rows.append(_fixture_row(fixture, ref, logits32[r, :, 0, real].T, logits16[r, :, 0, real].T.float()))
+            rows.append(
+                _fixture_row(
+                    fixture, ref, logits32[r, :, 0, real].T, logits16[r, :, 0, real].T.float()
+                )
+            )
             agree += round(rows[-1].fp16_argmax_agreement * n)
             total += n
             worst_dprob = max(worst_dprob, rows[-1].fp16_max_abs_dprob)
@@ -183,28 +189,58 @@ def check_decoder(
     agreement = agree / total if total else 0.0
     gates = [
         GateResult(
-            "per-layer relative error", "torch-fp32", worst_layer, thresholds.fp32_layer_rel_error,
-            "<=", worst_layer <= thresholds.fp32_layer_rel_error,
+            "per-layer relative error",
+            "torch-fp32",
+            worst_layer,
+            thresholds.fp32_layer_rel_error,
+            "<=",
+            worst_layer <= thresholds.fp32_layer_rel_error,
             "max over layers and fixtures of ||h'-h||/||h|| at real positions",
         ),
         GateResult(
-            "logits relative error", "torch-fp32", worst_logits, thresholds.fp32_logits_rel_error,
-            "<=", worst_logits <= thresholds.fp32_logits_rel_error,
+            "logits relative error",
+            "torch-fp32",
+            worst_logits,
+            thresholds.fp32_logits_rel_error,
+            "<=",
+            worst_logits <= thresholds.fp32_logits_rel_error,
         ),
         GateResult(
-            "argmax agreement", "torch-fp16", agreement, thresholds.fp16_argmax_agreement,
-            ">=", agreement >= thresholds.fp16_argmax_agreement,
+            "argmax agreement",
+            "torch-fp16",
+            agreement,
+            thresholds.fp16_argmax_agreement,
+            ">=",
+            agreement >= thresholds.fp16_argmax_agreement,
             f"{agree}/{total} real positions",
         ),
         GateResult(
-            "max |dp|", "torch-fp16", worst_dprob, thresholds.fp16_max_abs_dprob,
-            "<=", worst_dprob <= thresholds.fp16_max_abs_dprob,
+            "max |dp|",
+            "torch-fp16",
+            worst_dprob,
+            thresholds.fp16_max_abs_dprob,
+            "<=",
+            worst_dprob <= thresholds.fp16_max_abs_dprob,
             "softmax at T=1 over the whole vocabulary, real positions",
         ),
-        GateResult("finite outputs", "torch-fp16", float(finite), 1.0, "==", finite,
-                   "every layer and logit, padded positions included"),
-        GateResult("deterministic", "torch-fp16", float(deterministic), 1.0, "==", deterministic,
-                   "two runs, identical bits"),
+        GateResult(
+            "finite outputs",
+            "torch-fp16",
+            float(finite),
+            1.0,
+            "==",
+            finite,
+            "every layer and logit, padded positions included",
+        ),
+        GateResult(
+            "deterministic",
+            "torch-fp16",
+            float(deterministic),
+            1.0,
+            "==",
+            deterministic,
+            "two runs, identical bits",
+        ),
     ]
     return ParityReport(
         gates=gates,
@@ -214,7 +250,8 @@ def check_decoder(
         implementations={
             "reference": "transformers, fp32, each fixture unpadded at positions 0..n-1",
             "torch-fp32": "anec BC1L module, torch fp32 on the CPU, left-padded window",
-            "torch-fp16": "anec BC1L module cast to fp16, torch on the CPU (fp16 storage between ops)",
+            "torch-fp16": "anec BC1L module cast to fp16, torch on the CPU "
+            "(fp16 storage between ops)",
         },
     )
 

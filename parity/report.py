@@ -29,13 +29,19 @@ def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) ->
         ],
         "layers": [
             {
-                **{k: _finite(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(row).items()},
+                **{
+                    k: _finite(v) if isinstance(v, float) else v
+                    for k, v in dataclasses.asdict(row).items()
+                },
                 "fp16_overflow_margin": _finite(row.fp16_overflow_margin),
             }
             for row in report.layers
         ],
         "fixtures": [
-            {k: _finite(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(row).items()}
+            {
+                k: _finite(v) if isinstance(v, float) else v
+                for k, v in dataclasses.asdict(row).items()
+            }
             for row in report.fixtures
         ],
         **(extra or {}),

@@ -19,3 +19,28 @@ def write_file(tmp_path: Path) -> Callable[[str, str], Path]:
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Convert the shipped SmolLM2 recipe once, through the CLI, for every test that needs it."""
+    from click.testing import CliRunner
+
+    from converter.cli import main
+
+    out = tmp_path_factory.mktemp("artifacts")
+    result = CliRunner().invoke(
+        main, ["convert", "smollm2-135m-draft", "--out", str(out), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    return out / "smollm2-135m-draft"
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> object:
+    """The packaged SmolLM2 checkpoint loaded once (transformers model, tokenizer, config)."""
+    from converter.checkpoint import load_checkpoint
+    from converter.recipe import load_recipe, locate_recipe
+
+    recipe = load_recipe(locate_recipe("smollm2-135m-draft"))
+    return load_checkpoint(recipe.resolve_source(), recipe.task)

@@ -8,6 +8,7 @@ does not implement by name instead of dropping it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from graph_passes.spec import (
 )
 
 
-def config_value(config: object, key: str, default: object = None) -> object:
+def config_value(config: Any, key: str, default: Any = None) -> Any:
     """``config.key`` or ``default``; transformers configs are attribute bags."""
     return getattr(config, key, default)
 
@@ -31,9 +32,7 @@ def require(config: object, key: str, expected: object, why: str) -> None:
     """Fail naming ``key`` unless the config's effective value equals ``expected``."""
     value = config_value(config, key, expected)
     if value != expected:
-        raise InputError(
-            f"config.{key} = {value!r}: {why}; only {expected!r} is implemented"
-        )
+        raise InputError(f"config.{key} = {value!r}: {why}; only {expected!r} is implemented")
 
 
 def rope_theta(config: object) -> float:
@@ -55,7 +54,7 @@ def rope_theta(config: object) -> float:
     theta = config_value(config, "rope_theta")
     if theta is None:
         raise InputError("config: neither rope_parameters nor rope_theta is set")
-    return float(theta)  # type: ignore[arg-type]
+    return float(theta)
 
 
 class _WeightReader:
@@ -102,14 +101,14 @@ def map_decoder(
 ) -> CanonicalModel:
     """Map a Llama-style ``*ForCausalLM`` config and state dict to a `CanonicalModel`."""
     require(config, "hidden_act", "silu", "the MLP activation")
-    d_model = int(config_value(config, "hidden_size"))  # type: ignore[arg-type]
-    n_heads = int(config_value(config, "num_attention_heads"))  # type: ignore[arg-type]
-    n_kv = int(config_value(config, "num_key_value_heads", n_heads) or n_heads)  # type: ignore[arg-type]
-    head_dim = int(config_value(config, "head_dim", None) or d_model // n_heads)  # type: ignore[arg-type]
-    inter = int(config_value(config, "intermediate_size"))  # type: ignore[arg-type]
-    vocab = int(config_value(config, "vocab_size"))  # type: ignore[arg-type]
-    n_layers = int(config_value(config, "num_hidden_layers"))  # type: ignore[arg-type]
-    eps = float(config_value(config, "rms_norm_eps"))  # type: ignore[arg-type]
+    d_model = int(config_value(config, "hidden_size"))
+    n_heads = int(config_value(config, "num_attention_heads"))
+    n_kv = int(config_value(config, "num_key_value_heads", n_heads) or n_heads)
+    head_dim = int(config_value(config, "head_dim", None) or d_model // n_heads)
+    inter = int(config_value(config, "intermediate_size"))
+    vocab = int(config_value(config, "vocab_size"))
+    n_layers = int(config_value(config, "num_hidden_layers"))
+    eps = float(config_value(config, "rms_norm_eps"))
     tied = bool(config_value(config, "tie_word_embeddings", False))
     theta = rope_theta(config)
     if n_heads % n_kv:
@@ -140,7 +139,9 @@ def map_decoder(
     )
 
     r = _WeightReader(state_dict, architecture)
-    w: dict[str, torch.Tensor] = {"embed.weight": r.take("model.embed_tokens.weight", (vocab, d_model))}
+    w: dict[str, torch.Tensor] = {
+        "embed.weight": r.take("model.embed_tokens.weight", (vocab, d_model))
+    }
     q_out, kv_out = n_heads * head_dim, n_kv * head_dim
     for i in range(n_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -158,12 +159,16 @@ def map_decoder(
             if has_bias:
                 w[dst + name + ".bias"] = r.take(src + hf_name + ".bias", (shape[0],))
         w[dst + "input_norm.weight"] = r.take(src + "input_layernorm.weight", (d_model,))
-        w[dst + "post_attn_norm.weight"] = r.take(src + "post_attention_layernorm.weight", (d_model,))
+        w[dst + "post_attn_norm.weight"] = r.take(
+            src + "post_attention_layernorm.weight", (d_model,)
+        )
     w["final_norm.weight"] = r.take("model.norm.weight", (d_model,))
     if tied:
         if "lm_head.weight" in state_dict:
             # transformers lists the tied head under its own name; it must be the same table.
-            if not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]):
+            if not torch.equal(
+                state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]
+            ):
                 raise InputError(
                     "config.tie_word_embeddings is true but tensor 'lm_head.weight' differs "
                     "from 'model.embed_tokens.weight'"

@@ -15,8 +15,8 @@ def adapt(config: object, state_dict: Mapping[str, torch.Tensor]) -> CanonicalMo
     """Map a transformers ``Qwen2Config`` and ``Qwen2ForCausalLM`` state dict."""
     # Judge the sliding window by its effect: transformers applies it only to layers whose
     # layer_types entry says so (use_sliding_window alone is not enough in transformers 5).
-    layer_types = config_value(config, "layer_types") or []
-    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]  # type: ignore[attr-defined]
+    layer_types: list[str] = list(config_value(config, "layer_types") or [])
+    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
     if sliding:
         raise InputError(
             f"config.layer_types: layers {sliding} use sliding-window attention "
