@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import io as _io
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,9 @@ from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.masks import MASKED
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
 from graph_passes.spec import CanonicalModel
-from parity.fixtures import Batch, build_fixtures, make_batches
+from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gates import ParityReport, Thresholds, check_decoder, module_inputs
-from parity.reference import run_reference
+from parity.reference import ReferenceRun, run_reference
 from parity.report import report_to_json, report_to_text
 
 
@@ -169,6 +170,48 @@ def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
     return out
 
 
+@dataclass
+class Rewrite:
+    """The BC1L module for a recipe, with the fixtures it is checked on."""
+
+    canonical: CanonicalModel
+    module: BC1LDecoder
+    embed_table: torch.Tensor
+    fixtures: list[Fixture]
+    batches: list[Batch]
+    scales: list[NormScale]
+
+
+def rewrite_decoder(recipe: Recipe, ckpt: Checkpoint) -> Rewrite:
+    """Adapt the checkpoint, build the BC1L module and set its prescales from the fixtures."""
+    canonical = adapt(ckpt.config, ckpt.model.state_dict())
+    io = decoder_io(recipe, canonical)
+    module = BC1LDecoder(canonical, io).eval()
+    embed_table = canonical.weights["embed.weight"]
+    fixtures = build_fixtures(
+        recipe.fixtures.prompts,
+        recipe.fixtures.token_ids,
+        ckpt.tokenizer,
+        io.length,
+        canonical.spec.vocab_size,
+        recipe.fixtures.padded_variants,
+    )
+    batches = make_batches(fixtures, io.batch, io.length, _pad_id(ckpt))
+    scales = choose_scales(module, batches, embed_table)
+    return Rewrite(canonical, module, embed_table, fixtures, batches, scales)
+
+
+def reference_runs(
+    ckpt: Checkpoint, rewrite: Rewrite, advance: Callable[[], None] = lambda: None
+) -> dict[str, ReferenceRun]:
+    """The original model on every fixture, unpadded."""
+    runs = {}
+    for fixture in rewrite.fixtures:
+        runs[fixture.name] = run_reference(ckpt.model, fixture.token_ids)
+        advance()
+    return runs
+
+
 def _tools() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for dist in ("anec", "coremltools", "torch", "transformers", "numpy"):
@@ -205,28 +248,16 @@ def convert(
             ckpt = load_checkpoint(source, recipe.task, allow_pickle=allow_pickle)
 
         with steps.step("rewrite to BC1L"):
-            canonical = adapt(ckpt.config, ckpt.model.state_dict())
-            io = decoder_io(recipe, canonical)
-            module = BC1LDecoder(canonical, io).eval()
-            embed_table = canonical.weights["embed.weight"]
-            fixtures = build_fixtures(
-                recipe.fixtures.prompts,
-                recipe.fixtures.token_ids,
-                ckpt.tokenizer,
-                io.length,
-                canonical.spec.vocab_size,
-                recipe.fixtures.padded_variants,
-            )
-            batches = make_batches(fixtures, io.batch, io.length, _pad_id(ckpt))
-            scales = choose_scales(module, batches, embed_table)
-
-        with steps.step("parity (torch fp32, fp16)", total=len(fixtures) + len(batches)) as advance:
-            references = {}
-            for fixture in fixtures:
-                references[fixture.name] = run_reference(ckpt.model, fixture.token_ids)
-                advance()
+            rewrite = rewrite_decoder(recipe, ckpt)
+        module, embed_table = rewrite.module, rewrite.embed_table
+        total = len(rewrite.fixtures) + len(rewrite.batches)
+        with steps.step("parity (torch fp32, fp16)", total=total) as advance:
+            references = reference_runs(ckpt, rewrite, advance)
             thresholds = Thresholds(**recipe.gates.model_dump())
-            report = check_decoder(module, batches, references, embed_table, thresholds, advance)
+            report = check_decoder(
+                module, rewrite.batches, references, embed_table, thresholds, advance
+            )
+        scales = rewrite.scales
         del ckpt.model  # the reference is no longer needed; free its memory before converting
 
         parity_doc = report_to_json(report, {"recipe": name})
@@ -247,7 +278,7 @@ def convert(
             package = stage.path / f"{name}.mlpackage"
             mlmodel.save(str(package))
             embeddings = None
-            if io.inputs == "embeddings":
+            if module.io.inputs == "embeddings":
                 data = _npy_bytes(embed_table.to(torch.float16).numpy())
                 path = write_bytes_atomic(stage.path / "embeddings.npy", data)
                 embeddings = FileEntry(
@@ -293,7 +324,7 @@ def convert(
         report,
         steps.timings,
         live_ops=n_ops,
-        live_ops_per_layer=n_ops / canonical.spec.num_layers,
+        live_ops_per_layer=n_ops / module.spec.num_layers,
     )
 
 
