@@ -22,6 +22,7 @@ from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
 
 _CAUSAL_LM_TASKS = {"text-generation"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclass
@@ -87,10 +88,14 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
             raise InputError(f"{files[0]}: cannot load the checkpoint: {e}") from None
     model.eval()
     tokenizer = None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
-    except Exception:  # a checkpoint without a tokenizer is allowed: token-id fixtures
-        tokenizer = None
+    # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer
+    # files; only a GGUF or real tokenizer files count. No tokenizer is allowed (token-id
+    # fixtures), a placeholder shipped as tokenizer.json would not be.
+    if source.gguf_file or any((source.directory / f).is_file() for f in _TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+        except Exception as e:
+            raise InputError(f"{source.directory}: cannot load the tokenizer: {e}") from None
     hashed = files + ([source.directory / "config.json"] if not source.gguf_file else [])
     digest = _combined_sha256([f for f in hashed if f.exists()])
     note = None
