@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import perturb_
 
 from converter.checkpoint import load_checkpoint
 from converter.coreml import live_ops, to_mlprogram, trace
@@ -20,7 +21,6 @@ from converter.pipeline import reference_runs, rewrite_decoder, tensor_contract
 from converter.recipe import load_recipe
 from converter.targets import TARGETS
 from parity.gates import Thresholds, check_decoder
-from tests.tiny_models import perturb_
 
 pytestmark = pytest.mark.slow
 
