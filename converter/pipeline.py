@@ -22,6 +22,7 @@ import torch
 
 from converter.checkpoint import Checkpoint, load_checkpoint, tokenizer_json
 from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
+from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import Deviation, FileEntry, Manifest, PackageEntry, TensorEntry
 from converter.progress import Steps
@@ -239,7 +240,10 @@ def convert(
     steps = steps or Steps(quiet=True)
     out_dir = out_dir or recipe.output_dir
     name = recipe.name
-    clean_leftovers(out_dir) if out_dir.is_dir() else None
+    if recipe.attention != "per-head":
+        raise InputError(f"attention: {recipe.attention!r} is not implemented yet; use 'per-head'")
+    if out_dir.is_dir():
+        clean_leftovers(out_dir)
     target = TARGETS[recipe.target]
 
     with stage_artifact(out_dir, name, force=force) as stage:
