@@ -15,12 +15,13 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from converter.pipeline import choose_scales
 from graph_passes.adapters import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
-from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
+from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
-from parity.gates import Thresholds, module_inputs
+from parity.gates import Thresholds
 from parity.reference import ReferenceRun, run_reference
 
 VOCAB = 300
@@ -124,15 +125,8 @@ def build_module(
 def set_prescales(
     module: BC1LDecoder, batches: list[Batch], embed_table: torch.Tensor
 ) -> list[NormScale]:
-    """Measure norm inputs on the batches and set power-of-two prescales (as the pipeline does)."""
-    norms = module.norms()
-
-    def run_all() -> None:
-        for b in batches:
-            x, mask = module_inputs(module, b, embed_table, torch.float32)
-            module.head(module.run_layers(x, mask)[-1])
-
-    return apply_prescales(norms, measure_norm_inputs(norms, run_all))
+    """Measure norm inputs on the batches and set power-of-two prescales, as the pipeline does."""
+    return choose_scales(module, batches, embed_table)
 
 
 @dataclass
