@@ -52,14 +52,17 @@ class Attention(nn.Module):
         # One conv for q, k and v: one weight read, one op; the output channels are split.
         self.qkv = conv1x1(torch.cat([wq * scale, wk, wv]), bias)
         self.o = conv1x1(weights[f"{prefix}.o.weight"], weights.get(f"{prefix}.o.bias"))
-        self.rope = Rope(d, spec.rope_theta, positions)
+        # Absolute-position models (BERT) have no rotation: spec.rope is False.
+        self.rope = Rope(d, spec.rope_theta, positions) if spec.rope else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``x`` (B, D, 1, L) normalised input; ``mask`` (B, L, 1, L) additive, key on axis 1."""
         s = self.spec
         d = s.head_dim
         qk, v = self.qkv(x).split([(s.num_heads + s.num_kv_heads) * d, s.num_kv_heads * d], dim=1)
-        heads = self.rope(qk, s.num_heads + s.num_kv_heads).split(d, dim=1)
+        if self.rope is not None:
+            qk = self.rope(qk, s.num_heads + s.num_kv_heads)
+        heads = qk.split(d, dim=1)
         queries, keys = heads[: s.num_heads], heads[s.num_heads :]
         keys_t = [k.transpose(1, 3) for k in keys]  # (B, L, 1, d)
         values = v.split(d, dim=1)
