@@ -24,3 +24,19 @@ def causal_mask(length: int) -> torch.Tensor:
 def key_mask_from_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     """The model input ``key_mask`` (B, L) from a 0/1 attention mask: 0 real, ``MASKED`` padding."""
     return torch.where(attention_mask.bool(), 0.0, MASKED).to(torch.float32)
+
+
+def folded_band_mask(batch: int, length: int, window: int | None) -> torch.Tensor:
+    """(1, B*L, 1, B*L) structural mask for ``batch`` samples folded into one sequence.
+
+    Key slot ``k`` is visible from query slot ``q`` iff both belong to the same sample
+    (block-diagonal) and, for a local layer, ``abs(q - k) <= window`` (the inclusive band).
+    One ``MASKED`` marks every exclusion, so adding the key mask gives at worst ``2 * MASKED``.
+    """
+    slots = torch.arange(batch * length)
+    sample, pos = slots // length, slots % length
+    allowed = sample[:, None] == sample[None, :]
+    if window is not None:
+        allowed &= (pos[:, None] - pos[None, :]).abs() <= window
+    mask = torch.where(allowed, 0.0, MASKED)  # [key, query]; symmetric, so the order is moot
+    return mask.reshape(1, batch * length, 1, batch * length).to(torch.float32)
