@@ -129,7 +129,7 @@ class CanonicalModel:
 #     layers.i.mlp.down.weight / .bias  (D, I)
 #     layers.i.mlp_norm.weight / .bias  (D,)
 #     final_norm.weight / .bias         (D,)            pre-norm models only
-#     head.dense.weight / .bias         (D, D)          classification: BERT pooler / ModernBERT head
+#     head.dense.weight / .bias         (D, D)          BERT pooler / ModernBERT head dense
 #     head.norm.weight / .bias          (D,)            ModernBERT head norm
 #     head.classifier.weight / .bias    (labels, D)
 
