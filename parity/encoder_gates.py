@@ -1,0 +1,457 @@
+"""Parity gates for BC1L encoders against the original transformers model (SPEC section 4).
+
+The reference is the checkpoint run by transformers in fp32 on each fixture alone, unpadded.
+Candidates run the fixtures right-padded in fixed (B, L) batches:
+
+* ``torch-fp32``: the BC1L module in fp32 - the rewrite itself, gated per layer and on the task
+  output (sentence embeddings: min cosine; hidden states and logits: relative error);
+* ``torch-fp16``: the module with the fp16 epsilon floors, cast to fp16, run by torch on the
+  CPU; gated on the task output (cosine, or argmax agreement and max |dp| for logits), on
+  finiteness and on bitwise determinism;
+* any further implementation handed in by name with a `Runner` - the partitioned pieces (host
+  embedding -> island -> tail) or, through `MIL_LEVEL`, the emitted program run by the MIL
+  evaluator - gated like ``torch-fp16``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from graph_passes.encoder import BC1LEncoder, EncoderOutput
+from graph_passes.layer_norm import FP16_EPS_FLOOR
+from graph_passes.masks import key_mask_from_padding
+from parity.fixtures import Batch, Fixture
+from parity.gates import FP16_DIVERGENCE, GateResult, LayerRow, ParityReport, rel_error
+
+# A runner maps a batch to (folded per-layer states or None, the task output for the batch).
+Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, torch.Tensor]]
+
+# The name under which the MIL evaluator's run of the emitted program is gated, once the
+# evaluator exists (parity/mil/): pass {MIL_LEVEL: runner} as `extra` to `check_encoder`.
+MIL_LEVEL = "mil-fp16"
+
+
+@dataclass(frozen=True)
+class EncoderThresholds:
+    """Gate thresholds, fixed in the recipe before anything is measured."""
+
+    fp32_layer_rel_error: float
+    fp32_output_rel_error: float
+    fp32_min_cosine: float
+    fp16_min_cosine: float
+    fp16_argmax_agreement: float
+    fp16_max_abs_dprob: float
+
+
+@dataclass(frozen=True)
+class EncoderReference:
+    """Per-layer hidden states (n, D) and the task output of one unpadded fixture, fp32."""
+
+    hidden: list[torch.Tensor]
+    output: torch.Tensor  # (n, D) hidden state, (D,) sentence embedding or (labels,) logits
+
+
+@dataclass
+class EncoderFixtureRow:
+    """Per-fixture figures: the output of each implementation against the reference."""
+
+    name: str
+    slice: str
+    tokens: int
+    cosine: dict[str, float] = field(default_factory=dict)  # min over tokens for hidden states
+    max_abs_error: dict[str, float] = field(default_factory=dict)
+    rel_error: dict[str, float] = field(default_factory=dict)
+    argmax_kept: dict[str, bool] = field(default_factory=dict)  # logits only
+    max_abs_dprob: dict[str, float] = field(default_factory=dict)  # logits only
+    certified: dict[str, bool] = field(default_factory=dict)  # top1 - top2 > 2 max|dlogit|
+
+
+# ---- batches and the reference ----------------------------------------------------------------
+
+
+def make_encoder_batches(
+    fixtures: list[Fixture], batch: int, length: int, pad_id: int
+) -> list[Batch]:
+    """Group fixtures into (B, L) batches, right-padded with ``pad_id`` (slot l = position l);
+    rows beyond the fixtures repeat the first one."""
+    batches = []
+    for start in range(0, len(fixtures), batch):
+        group = fixtures[start : start + batch]
+        rows = list(group) + [group[0]] * (batch - len(group))
+        ids = torch.full((batch, length), pad_id, dtype=torch.int64)
+        mask = torch.zeros((batch, length), dtype=torch.int64)
+        for r, fixture in enumerate(rows):
+            n = len(fixture.token_ids)
+            ids[r, :n] = torch.tensor(fixture.token_ids)
+            mask[r, :n] = 1
+        batches.append(Batch(tuple(group), ids, mask))
+    return batches
+
+
+def encoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer layers of a transformers BERT / ModernBERT model (base or task)."""
+    base = getattr(model, "bert", None) or getattr(model, "model", None) or model
+    encoder = getattr(base, "encoder", None)
+    layers = encoder.layer if encoder is not None else base.layers
+    return layers  # type: ignore[return-value]
+
+
+def reference_sentence_embedding(hidden: torch.Tensor) -> torch.Tensor:
+    """sentence-transformers' Pooling(mean) + Normalize on an unpadded (n, D) hidden state."""
+    mean = hidden.double().mean(dim=0)
+    return (mean / mean.norm().clamp_min(1e-12)).float()
+
+
+def run_encoder_reference(
+    model: nn.Module, token_ids: tuple[int, ...], output: EncoderOutput
+) -> EncoderReference:
+    """Run the unpadded fixture at positions 0..n-1 as the checkpoint itself would."""
+    hidden: list[torch.Tensor] = []
+
+    def keep(_: nn.Module, __: object, out: object) -> None:
+        tensor = out[0] if isinstance(out, tuple) else out
+        hidden.append(tensor[0].detach().clone())  # type: ignore[index]
+
+    handles = [layer.register_forward_hook(keep) for layer in encoder_layers(model)]
+    try:
+        with torch.no_grad():
+            result = model(input_ids=torch.tensor([token_ids], dtype=torch.int64))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if output == "logits":
+        out = result.logits[0]
+    else:
+        out = result.last_hidden_state[0]
+        if output == "sentence-embedding":
+            out = reference_sentence_embedding(out)
+    return EncoderReference(hidden=hidden, output=out.detach().float())
+
+
+# ---- candidates -------------------------------------------------------------------------------
+
+
+def module_inputs(
+    module: BC1LEncoder, batch: Batch, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """The single program's inputs for a batch: ids [, token types], key mask."""
+    key_mask = key_mask_from_padding(batch.attention_mask).to(dtype)
+    if module.embedding.types is not None:
+        return batch.input_ids, torch.zeros_like(batch.input_ids), key_mask
+    return batch.input_ids, key_mask
+
+
+def fp16_module(module: BC1LEncoder) -> BC1LEncoder:
+    """A copy with the fp16 epsilon floors, cast to fp16: what the fp16 program stores."""
+    half = copy.deepcopy(module)
+    half.set_eps_floor(FP16_EPS_FLOOR)
+    return half.half().eval()
+
+
+def module_runner(module: BC1LEncoder, dtype: torch.dtype) -> Runner:
+    """Run the whole module (embedding, layers, tail) on a batch, keeping per-layer states."""
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        *x, key_mask = module_inputs(module, batch, dtype)
+        with torch.no_grad():
+            h = module.embed(x[0], x[1] if len(x) > 1 else None)
+            states = module.run_layers(h, key_mask)
+            out = module.tail(module.finish(states[-1]), key_mask)
+        return states, out
+
+    return run
+
+
+def real_part(output: torch.Tensor, kind: EncoderOutput, row: int, n: int) -> torch.Tensor:
+    """One sample's output at its real positions."""
+    return output[row, :n] if kind == "last-hidden-state" else output[row]
+
+
+def state_rows(state: torch.Tensor, length: int, row: int, n: int) -> torch.Tensor:
+    """(n, D): sample ``row``'s real slots of a folded (1, D, 1, B*L) state."""
+    start = row * length
+    return state[0, :, 0, start : start + n].T
+
+
+# ---- the gates --------------------------------------------------------------------------------
+
+
+def _cosines(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    c, r = candidate.double(), reference.double()
+    if c.dim() == 1:
+        c, r = c[None], r[None]
+    return torch.nn.functional.cosine_similarity(c, r, dim=-1)
+
+
+@dataclass
+class _Measured:
+    finite: bool = True
+    deterministic: bool = True
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _measure(
+    name: str,
+    runner: Runner,
+    batches: list[Batch],
+    references: dict[str, EncoderReference],
+    kind: EncoderOutput,
+    length: int,
+    layers: list[LayerRow] | None,
+    rows: dict[str, EncoderFixtureRow],
+    fp32: bool,
+) -> _Measured:
+    m = _Measured()
+    for batch in batches:
+        states, out = runner(batch)
+        again_states, again = runner(batch)
+        m.deterministic &= torch.equal(out, again)
+        m.finite &= bool(torch.isfinite(out).all())
+        if states is not None and again_states is not None:
+            m.deterministic &= all(
+                torch.equal(a, b) for a, b in zip(states, again_states, strict=True)
+            )
+            m.finite &= all(bool(torch.isfinite(s).all()) for s in states)
+        for r, fixture in enumerate(batch.fixtures):
+            ref = references[fixture.name]
+            n = len(fixture.token_ids)
+            got = real_part(out, kind, r, n).float()
+            m.outputs[fixture.name] = got
+            row = rows[fixture.name]
+            _score(row, name, got, ref.output, kind)
+            if states is None or layers is None:
+                continue
+            for i, state in enumerate(states):
+                h = state_rows(state, length, r, n).float()
+                err = rel_error(h, ref.hidden[i])
+                if fp32:
+                    layers[i].fp32_rel_error = max(layers[i].fp32_rel_error, err)
+                    layers[i].fp32_max_abs = max(layers[i].fp32_max_abs, float(h.abs().max()))
+                else:
+                    layers[i].fp16_rel_error = max(layers[i].fp16_rel_error, err)
+        if states is not None and layers is not None and not fp32:
+            for i, state in enumerate(states):  # every slot, padding included
+                layers[i].fp16_max_abs = max(layers[i].fp16_max_abs, float(state.abs().max()))
+    return m
+
+
+def _score(
+    row: EncoderFixtureRow,
+    name: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    kind: EncoderOutput,
+) -> None:
+    finite = bool(torch.isfinite(got).all())
+    row.rel_error[name] = rel_error(got, ref)
+    row.max_abs_error[name] = float((got - ref).abs().max()) if finite else float("inf")
+    cos = _cosines(got, ref)
+    row.cosine[name] = float(cos.min()) if finite else float("-inf")
+    if kind == "logits":
+        top2 = ref.topk(min(2, ref.numel())).values
+        margin = float(top2[0] - top2[-1]) if ref.numel() > 1 else float("inf")
+        delta = row.max_abs_error[name]
+        row.argmax_kept[name] = finite and int(got.argmax()) == int(ref.argmax())
+        dprob = (got.softmax(-1) - ref.softmax(-1)).abs().max()
+        row.max_abs_dprob[name] = float(dprob) if finite else float("inf")
+        row.certified[name] = finite and margin > 2 * delta
+
+
+def _output_gates(
+    name: str,
+    m: _Measured,
+    rows: list[EncoderFixtureRow],
+    kind: EncoderOutput,
+    t: EncoderThresholds,
+    fp32: bool,
+) -> list[GateResult]:
+    gates = []
+    if kind == "sentence-embedding" or (kind == "last-hidden-state" and not fp32):
+        threshold = t.fp32_min_cosine if fp32 else t.fp16_min_cosine
+        worst = min(row.cosine[name] for row in rows)
+        what = "sentence" if kind == "sentence-embedding" else "real token"
+        gates.append(
+            GateResult(
+                "min cosine",
+                name,
+                worst,
+                threshold,
+                ">=",
+                worst >= threshold,
+                f"per {what}, against the reference; max |error| "
+                f"{max(row.max_abs_error[name] for row in rows):.3g}",
+            )
+        )
+    if fp32 and kind != "sentence-embedding":
+        worst = max(row.rel_error[name] for row in rows)
+        gates.append(
+            GateResult(
+                "output relative error",
+                name,
+                worst,
+                t.fp32_output_rel_error,
+                "<=",
+                worst <= t.fp32_output_rel_error,
+                "||y'-y||/||y|| per fixture, real positions",
+            )
+        )
+    if kind == "logits" and not fp32:
+        kept = sum(row.argmax_kept[name] for row in rows) / len(rows)
+        dprob = max(row.max_abs_dprob[name] for row in rows)
+        certified = sum(row.certified[name] for row in rows)
+        gates.append(
+            GateResult(
+                "argmax agreement",
+                name,
+                kept,
+                t.fp16_argmax_agreement,
+                ">=",
+                kept >= t.fp16_argmax_agreement,
+                f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
+            )
+        )
+        gates.append(
+            GateResult(
+                "max |dp|",
+                name,
+                dprob,
+                t.fp16_max_abs_dprob,
+                "<=",
+                dprob <= t.fp16_max_abs_dprob,
+                "softmax at T=1 over the labels",
+            )
+        )
+    if not fp32:
+        gates.append(GateResult("finite outputs", name, float(m.finite), 1.0, "==", m.finite, ""))
+        gates.append(
+            GateResult(
+                "deterministic",
+                name,
+                float(m.deterministic),
+                1.0,
+                "==",
+                m.deterministic,
+                "two runs, identical bits",
+            )
+        )
+    return gates
+
+
+def check_encoder(
+    module: BC1LEncoder,
+    batches: list[Batch],
+    references: dict[str, EncoderReference],
+    thresholds: EncoderThresholds,
+    extra: dict[str, Runner] | None = None,
+    descriptions: dict[str, str] | None = None,
+) -> tuple[ParityReport, list[EncoderFixtureRow]]:
+    """Run every gate of SPEC section 4 for an encoder; ``extra`` adds fp16-level candidates
+    (e.g. ``{"partitioned-fp16": ..., MIL_LEVEL: ...}``) gated like ``torch-fp16``."""
+    kind = module.io.output
+    length = module.io.length
+    layers = [LayerRow(i) for i in range(len(module.layers))]
+    fixtures = [f for b in batches for f in b.fixtures]
+    rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
+    row_list = list(rows.values())
+
+    gates: list[GateResult] = []
+    m32 = _measure(
+        "torch-fp32",
+        module_runner(module, torch.float32),
+        batches,
+        references,
+        kind,
+        length,
+        layers,
+        rows,
+        fp32=True,
+    )
+    worst_layer = max(row.fp32_rel_error for row in layers)
+    gates.append(
+        GateResult(
+            "per-layer relative error",
+            "torch-fp32",
+            worst_layer,
+            thresholds.fp32_layer_rel_error,
+            "<=",
+            worst_layer <= thresholds.fp32_layer_rel_error,
+            "max over layers and fixtures of ||h'-h||/||h|| at real positions",
+        )
+    )
+    gates += _output_gates("torch-fp32", m32, row_list, kind, thresholds, fp32=True)
+    half = fp16_module(module)
+    m16 = _measure(
+        "torch-fp16",
+        module_runner(half, torch.float16),
+        batches,
+        references,
+        kind,
+        length,
+        layers,
+        rows,
+        fp32=False,
+    )
+    gates += _output_gates("torch-fp16", m16, row_list, kind, thresholds, fp32=False)
+    implementations = {
+        "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
+        "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
+        "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, torch on the CPU",
+        **(descriptions or {}),
+    }
+    for name, runner in (extra or {}).items():
+        m = _measure(name, runner, batches, references, kind, length, None, rows, fp32=False)
+        gates += _output_gates(name, m, row_list, kind, thresholds, fp32=False)
+    report = ParityReport(
+        gates=gates,
+        layers=layers,
+        fixtures=[],
+        first_diverging_layer=_first_diverging(layers, thresholds),
+        implementations=implementations,
+    )
+    return report, row_list
+
+
+def _first_diverging(layers: list[LayerRow], thresholds: EncoderThresholds) -> int | None:
+    for row in layers:
+        if not row.fp32_rel_error <= thresholds.fp32_layer_rel_error:
+            return row.layer
+    for row in layers:
+        if not row.fp16_rel_error <= FP16_DIVERGENCE:
+            return row.layer
+    return None
+
+
+def fixture_rows_to_json(rows: list[EncoderFixtureRow]) -> list[dict[str, object]]:
+    """Per-fixture figures as JSON-ready data (inf spelt out)."""
+
+    def clean(value: object) -> object:
+        # JSON has no inf/NaN; spell them out rather than emit invalid JSON.
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return value
+
+    return [{k: clean(v) for k, v in vars(row).items()} for row in rows]
+
+
+def fixture_rows_to_text(rows: list[EncoderFixtureRow]) -> str:
+    """A table: per fixture and implementation, cosine, max |error| and relative error."""
+    lines = [
+        "fixture                          slice        tokens  implementation      "
+        "min cos      max|err|   rel err"
+    ]
+    for row in rows:
+        for name in row.cosine:
+            lines.append(
+                f"{row.name[:32]:<32} {row.slice:<12} {row.tokens:>6}  {name:<18} "
+                f"{row.cosine[name]:>10.7f}  {row.max_abs_error[name]:>10.3g}  "
+                f"{row.rel_error[name]:>8.3g}"
+            )
+    return "\n".join(lines)
