@@ -291,6 +291,27 @@ class Fixtures(_Model):
         return self
 
 
+class EncoderOptions(_Model):
+    """Encoder tasks only (feature-extraction, sentence-similarity, text-classification)."""
+
+    # single: one program (embedding gather inside, on the CPU); host-embedding: embedding rows
+    # and their norm on the host | one NE island with every layer | the tail (pooling, heads)
+    # as a second small package (SPEC section 2).
+    partition: Literal["single", "host-embedding"] = "single"
+    # host-embedding only, and only where the embedding norm reads the token row alone
+    # (ModernBERT): ship the table already normalised (checked at conversion).
+    prenormalize_embeddings: bool = Field(default=False, strict=True)
+    # sentence-similarity: how token states become one vector, and whether it is L2-normalised
+    # (all-MiniLM-L6-v2: mean over real tokens, normalised). Classification heads use the
+    # checkpoint's own pooling.
+    pooling: Literal["mean"] = "mean"
+    normalize: bool = Field(default=True, strict=True)
+    # Gates on sentence embeddings (and, in fp16, on per-token hidden states): fixed here,
+    # before anything is measured.
+    fp32_min_cosine: float = Field(default=0.99999, gt=0, le=1, strict=True)
+    fp16_min_cosine: float = Field(default=0.9995, gt=0, le=1, strict=True)
+
+
 # --------------------------------------------------------------------------------------------
 # the recipe
 
@@ -361,6 +382,7 @@ class Recipe(_Model):
     gates: Gates = Field(default_factory=Gates)
     fixtures: Fixtures
     output_dir: Path = Path("artifacts")
+    encoder: EncoderOptions | None = None
 
     _source_file: Path | None = PrivateAttr(None)
 
@@ -384,6 +406,8 @@ class Recipe(_Model):
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         problems = _cross_field_problems(self.target, self.shapes, self.io, self.fixtures)
+        if self.encoder is not None and self.task == "text-generation":
+            problems.append((("encoder",), "only for encoder tasks; remove it for text-generation"))
         _raise_rules("Recipe", problems, None)
         return self
 
