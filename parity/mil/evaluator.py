@@ -1,0 +1,244 @@
+"""Run an ML Program's function on numpy inputs, op by op, under a numeric profile.
+
+``Evaluator`` prepares a function once (kernels looked up, constants and compressed weights
+decoded and stored as the profile says, each value's last use found) and then runs it on any
+number of inputs. Every float is held as an fp32 array; under fp16 storage its values are
+fp16 values. Every result's shape is checked against the shape the program declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import parity.mil.kernels  # noqa: F401  (registers every kernel)
+from parity.mil.errors import MILError, OpEvaluationError, UnsupportedOpError
+from parity.mil.numerics import Arithmetic, round_fp16
+from parity.mil.profiles import Profile, get_profile
+from parity.mil.program import const_array, dtype_name, is_constant
+from parity.mil.registry import KERNELS, Call, KernelSpec, unsupported
+
+FLOAT_TYPES = frozenset({"fp16", "fp32", "fp64", "bf16"})
+INT_TYPES: dict[str, type[np.generic]] = {
+    "bool": np.bool_,
+    "int4": np.int8,
+    "int8": np.int8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "uint1": np.uint8,
+    "uint2": np.uint8,
+    "uint3": np.uint8,
+    "uint4": np.uint8,
+    "uint6": np.uint8,
+    "uint8": np.uint8,
+    "uint16": np.uint16,
+    "uint32": np.uint32,
+    "uint64": np.uint64,
+}
+
+# Where an op input comes from: a named value, a list of named values, or a fixed value
+# (an optional input left at its default, which has no op of its own).
+_Source = tuple[str, Any]
+
+
+@dataclass
+class _Step:
+    op: Any
+    spec: KernelSpec
+    inputs: dict[str, _Source]
+    outputs: list[tuple[str, str, tuple[int, ...] | None]]
+    free: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Evaluation:
+    """The outputs of one run (by output name) and the captured intermediate values."""
+
+    outputs: dict[str, np.ndarray]
+    captured: dict[str, np.ndarray]
+
+
+def _static_shape(var: Any) -> tuple[int, ...] | None:
+    shape = var.shape
+    if all(isinstance(d, int | np.integer) for d in shape):
+        return tuple(int(d) for d in shape)
+    return None
+
+
+def coerce(value: Any, dtype: str, arith: Arithmetic) -> Any:
+    """A kernel result (or constant) in the evaluator's representation of ``dtype``."""
+    if dtype in FLOAT_TYPES:
+        return arith.store(np.asarray(value))
+    if dtype in INT_TYPES:
+        return np.asarray(value).astype(INT_TYPES[dtype], copy=False)
+    return value  # strings and other non-tensor constants
+
+
+class Evaluator:
+    """Evaluates one function of an ML Program under one numeric profile."""
+
+    def __init__(self, program: Any, profile: Profile | str, function: str = "main") -> None:
+        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.arith = Arithmetic(self.profile)
+        if function not in program.functions:
+            raise MILError(
+                f"no function {function!r} in the program; it has {sorted(program.functions)}"
+            )
+        self.function_name = function
+        self.function = program.functions[function]
+        self.inputs = {
+            name: (dtype_name(var), _static_shape(var))
+            for name, var in self.function.inputs.items()
+        }
+        self.output_names = [var.name for var in self.function.outputs]
+        self._constants: dict[str, Any] = {}
+        self._steps: list[_Step] = []
+        self._prepare()
+
+    # ----------------------------------------------------------------------------------
+    # preparation
+
+    def _prepare(self) -> None:
+        missing = []
+        for op in self.function.operations:
+            if op.blocks:
+                missing.append(UnsupportedOpError(op.op_type, op.name, "nested blocks"))
+                continue
+            if op.op_type == "const":
+                continue
+            reason = unsupported(op)
+            if reason is not None:
+                missing.append(UnsupportedOpError(op.op_type, op.name, reason))
+        if missing:
+            if len(missing) == 1:
+                raise missing[0]
+            lines = "\n".join(f"  {e}" for e in missing)
+            raise UnsupportedOpError(
+                missing[0].op_type, missing[0].op_name, f"and {len(missing) - 1} more:\n{lines}"
+            )
+
+        for op in self.function.operations:
+            if op.op_type == "const":
+                var = op.outputs[0]
+                self._constants[var.name] = coerce(const_array(var), dtype_name(var), self.arith)
+                continue
+            step = self._step(op)
+            if is_constant(op):
+                # constexpr_* ops: compile-time decompression, done once here.
+                env = dict(self._constants)
+                self._execute(step, env)
+                for name, _, _ in step.outputs:
+                    self._constants[name] = env[name]
+                continue
+            self._steps.append(step)
+        self._plan_frees()
+
+    def _step(self, op: Any) -> _Step:
+        inputs: dict[str, _Source] = {}
+        for name in op.input_spec.input_types:
+            var = getattr(op, name, None)
+            if var is None:
+                continue
+            if isinstance(var, list | tuple):
+                inputs[name] = ("list", [v.name for v in var])
+            elif var.op is None and var.name not in self.function.inputs:
+                # A default for an optional input: a value without an op.
+                inputs[name] = ("value", coerce(const_array(var), dtype_name(var), self.arith))
+            else:
+                inputs[name] = ("var", var.name)
+        outputs = [(v.name, dtype_name(v), _static_shape(v)) for v in op.outputs]
+        return _Step(op, KERNELS[op.op_type], inputs, outputs)
+
+    def _plan_frees(self) -> None:
+        last: dict[str, int] = {}
+        for i, step in enumerate(self._steps):
+            for kind, ref in step.inputs.values():
+                for name in ref if kind == "list" else [ref] if kind == "var" else []:
+                    last[name] = i
+        keep = set(self.output_names) | set(self._constants)
+        for name, i in last.items():
+            if name not in keep:
+                self._steps[i].free.append(name)
+
+    # ----------------------------------------------------------------------------------
+    # running
+
+    def var_names(self) -> list[str]:
+        """Names of every value the function computes, in program order."""
+        return [name for step in self._steps for name, _, _ in step.outputs]
+
+    def run(self, inputs: dict[str, np.ndarray], capture: Iterable[str] = ()) -> Evaluation:
+        """Evaluate the function; ``capture`` names intermediate values to return as well."""
+        wanted = set(capture)
+        unknown = wanted - set(self.var_names()) - set(self.inputs)
+        if unknown:
+            raise MILError(f"cannot capture {sorted(unknown)}: no such values in the function")
+        env: dict[str, Any] = dict(self._constants)
+        for name, (dtype, shape) in self.inputs.items():
+            if name not in inputs:
+                raise MILError(f"missing input {name!r}")
+            value = np.asarray(inputs[name])
+            if shape is not None and value.shape != shape:
+                raise MILError(f"input {name!r}: shape {value.shape}, expected {shape}")
+            if dtype == "fp16":
+                value = round_fp16(value.astype(np.float32))  # the runtime receives fp16
+            env[name] = coerce(value, dtype, self.arith)
+        extra = set(inputs) - set(self.inputs)
+        if extra:
+            raise MILError(f"unknown inputs {sorted(extra)}; expected {sorted(self.inputs)}")
+
+        captured: dict[str, np.ndarray] = {n: env[n] for n in wanted if n in self.inputs}
+        for step in self._steps:
+            self._execute(step, env)
+            for name, _, _ in step.outputs:
+                if name in wanted:
+                    captured[name] = env[name]
+            for name in step.free:
+                env.pop(name, None)
+        return Evaluation({name: env[name] for name in self.output_names}, captured)
+
+    def _execute(self, step: _Step, env: dict[str, Any]) -> None:
+        op = step.op
+        values: dict[str, Any] = {}
+        for name, (kind, ref) in step.inputs.items():
+            if kind == "var":
+                values[name] = env[ref]
+            elif kind == "list":
+                values[name] = [env[r] for r in ref]
+            else:
+                values[name] = ref
+        try:
+            result = step.spec.fn(Call(op, values, self.arith))
+        except MILError:
+            raise
+        except Exception as e:  # a kernel bug or a value the kernel rejects: name the op
+            raise OpEvaluationError(op.op_type, op.name, f"{type(e).__name__}: {e}") from e
+        results: Sequence[Any] = result if isinstance(result, list | tuple) else [result]
+        if len(results) != len(step.outputs):
+            raise OpEvaluationError(
+                op.op_type, op.name, f"{len(results)} results for {len(step.outputs)} outputs"
+            )
+        for (name, dtype, shape), value in zip(step.outputs, results, strict=True):
+            value = coerce(value, dtype, self.arith)
+            if shape is not None and np.shape(value) != shape:
+                raise OpEvaluationError(
+                    op.op_type,
+                    op.name,
+                    f"output {name!r} has shape {np.shape(value)}, the program declares {shape}",
+                )
+            env[name] = value
+
+
+def evaluate(
+    program: Any,
+    inputs: dict[str, np.ndarray],
+    profile: Profile | str = "fp32",
+    function: str = "main",
+    capture: Iterable[str] = (),
+) -> Evaluation:
+    """Prepare and run one function once (use ``Evaluator`` to run several inputs)."""
+    return Evaluator(program, profile, function).run(inputs, capture)
