@@ -22,6 +22,12 @@ from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
 
 _CAUSAL_LM_TASKS = {"text-generation"}
+# Encoder tasks and the transformers auto class that loads each one's reference model.
+_ENCODER_TASKS = {
+    "feature-extraction": "AutoModel",
+    "sentence-similarity": "AutoModel",
+    "text-classification": "AutoModelForSequenceClassification",
+}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -60,12 +66,19 @@ def weight_files(source: ResolvedSource, allow_pickle: bool) -> list[Path]:
 
 def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = False) -> Checkpoint:
     """Load config, model and tokenizer from a resolved source."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if task not in _CAUSAL_LM_TASKS:
-        raise InputError(
-            f"task: {task!r} is not supported yet; supported: {sorted(_CAUSAL_LM_TASKS)}"
-        )
+    if task not in _CAUSAL_LM_TASKS and task not in _ENCODER_TASKS:
+        supported = sorted(_CAUSAL_LM_TASKS | set(_ENCODER_TASKS))
+        raise InputError(f"task: {task!r} is not supported yet; supported: {supported}")
+    model_class = AutoModelForCausalLM
+    if task in _ENCODER_TASKS:
+        model_class = getattr(transformers, _ENCODER_TASKS[task])
+        # The reference is the plain softmax path (transformers' eager attention).
+        kwargs_model: dict[str, Any] = {"attn_implementation": "eager"}
+    else:
+        kwargs_model = {}
     files = weight_files(source, allow_pickle)
     kwargs: dict[str, Any] = {"trust_remote_code": False}
     if source.gguf_file:
@@ -78,11 +91,12 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
             raise InputError(f"{files[0]}: cannot read the checkpoint's config: {e}") from None
         _check_supported(config, files[0])
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = model_class.from_pretrained(
                 source.directory,
                 dtype=torch.float32,
                 use_safetensors=None if source.gguf_file else files[0].suffix == ".safetensors",
                 **kwargs,
+                **kwargs_model,
             )
         except Exception as e:
             raise InputError(f"{files[0]}: cannot load the checkpoint: {e}") from None
@@ -108,13 +122,13 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
 
 
 def _check_supported(config: Any, where: Path) -> None:
-    from graph_passes.adapters import ADAPTERS
+    from graph_passes.adapters import ADAPTERS, ENCODER_ADAPTERS
 
     model_type = getattr(config, "model_type", None)
-    if model_type not in ADAPTERS:
+    if model_type not in ADAPTERS and model_type not in ENCODER_ADAPTERS:
         raise InputError(
             f"{where}: architecture {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(ADAPTERS))}"
+            f"{', '.join(sorted(set(ADAPTERS) | set(ENCODER_ADAPTERS)))}"
         )
 
 
