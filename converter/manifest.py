@@ -55,6 +55,26 @@ class PackageEntry(_Strict):
     live_ops: dict[str, int]
 
 
+class PieceEntry(_Strict):
+    """One piece of a partitioned model; ``Manifest.pieces`` lists them in call order."""
+
+    name: str
+    runs_on: str  # "host", "neural-engine" (intended, not observed), ...
+    files: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    meaning: str
+
+
+class BoundaryEntry(_Strict):
+    """One copy between two pieces per call: what crosses and how many bytes."""
+
+    source: str
+    target: str
+    tensors: list[str]
+    bytes: int
+
+
 class Manifest(_Strict):
     """Everything a runtime needs to call the package correctly, and how it was made."""
 
@@ -81,3 +101,10 @@ class Manifest(_Strict):
     checkpoint: dict[str, Any]
     recipe: dict[str, Any]
     tools: dict[str, str]
+    # Encoders (optional, absent for draft decoders): task details, and for a partitioned
+    # encoder its pieces in call order, the boundary copies, host-side files and the tail.
+    encoder: dict[str, Any] | None = None
+    pieces: list[PieceEntry] | None = None
+    boundaries: list[BoundaryEntry] | None = None
+    host_files: list[FileEntry] | None = None
+    extra_packages: list[PackageEntry] | None = None
