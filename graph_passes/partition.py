@@ -1,0 +1,160 @@
+"""The boundary partition of an encoder (SPEC section 2): host embedding | NE island | tail.
+
+* **host embedding** - what the runtime does on the CPU: gather the token rows (the tables are
+  shipped in fp16), add position and type rows, apply the embedding LayerNorm in fp32 with the
+  original epsilon, hand fp16 rows to the island. Where the norm reads the token row alone
+  (ModernBERT) the table may be normalised offline instead (``prenormalized``): the same real
+  arithmetic, different rounding, checked by its own parity run. Not where the norm reads word +
+  position + type rows (BERT): a sum of rows cannot be normalised row by row.
+* **island** - one program with every transformer layer and the final norm (nothing per layer
+  crosses an engine boundary).
+* **tail** - pooling, selection, heads: a second small program (feature extraction has none:
+  the island returns the last hidden state).
+
+`HostEmbedding` is the executable description of the host step; the runtime reimplements it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graph_passes.encoder import BC1LEncoder, fold
+from graph_passes.spec import EncoderModel
+
+FP16_BYTES = 2
+
+
+@dataclass
+class HostEmbedding:
+    """The host-side embedding step and the tables it ships (fp16)."""
+
+    word: torch.Tensor  # (V, D) fp16; normalised rows when ``prenormalized``
+    position: torch.Tensor | None  # (L, D) fp16: the rows of positions 0..L-1
+    types: torch.Tensor | None  # (T, D) fp16
+    norm_weight: torch.Tensor | None  # (D,) fp32, None when prenormalized
+    norm_bias: torch.Tensor | None
+    eps: float
+    prenormalized: bool
+
+    def __call__(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(B, L) ids -> (B, L, D) fp16 normalised embedding rows, as the runtime computes them."""
+        x = self.word[input_ids].float()
+        if self.prenormalized:
+            return x.half()
+        if self.types is not None:
+            types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            x = x + self.types[types].float()
+        if self.position is not None:
+            x = x + self.position.float()
+        # fp32 on the host: BERT's epsilon 1e-12 is kept exactly here (unlike in fp16).
+        assert self.norm_weight is not None
+        y = nn.functional.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.eps)
+        return y.half()
+
+
+def host_embedding(model: EncoderModel, length: int, prenormalize: bool) -> HostEmbedding:
+    """The host step for ``model``; ``prenormalize`` only where the norm reads the token row
+    alone (raises ValueError otherwise)."""
+    spec, w = model.spec.embedding, model.weights
+    if prenormalize and not spec.norm_reads_token_row_alone:
+        raise ValueError(
+            "prenormalize_embeddings: the embedding norm reads word + position + type rows; "
+            "it cannot be applied to the token table alone"
+        )
+    weight = w["embed.norm.weight"]
+    bias = w.get("embed.norm.bias")
+    word = w["embed.word.weight"]
+    if prenormalize:
+        # LayerNorm of each row in fp64, rounded once to fp16: the same real arithmetic as
+        # normalising the gathered row, with one rounding instead of two.
+        word64 = word.double()
+        word = nn.functional.layer_norm(
+            word64,
+            (word64.shape[-1],),
+            weight.double(),
+            None if bias is None else bias.double(),
+            spec.norm.eps,
+        )
+    return HostEmbedding(
+        word=word.half(),
+        position=w["embed.position.weight"][:length].half() if spec.max_positions else None,
+        types=w["embed.type.weight"].half() if spec.type_vocab_size else None,
+        norm_weight=None if prenormalize else weight.float(),
+        norm_bias=None if prenormalize or bias is None else bias.float(),
+        eps=spec.norm.eps,
+        prenormalized=prenormalize,
+    )
+
+
+class Island(nn.Module):
+    """Every transformer layer and the final norm: (B, L, D) rows, key mask -> the folded last
+    hidden state (1, D, 1, B*L), or (B, L, D) for feature extraction (no tail)."""
+
+    def __init__(self, encoder: BC1LEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.returns_task_output = encoder.io.output == "last-hidden-state"
+
+    def forward(self, inputs_embeds: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        h = self.encoder.finish(self.encoder.run_layers(fold(inputs_embeds), key_mask)[-1])
+        if self.returns_task_output:
+            return self.encoder.tail(h, key_mask)
+        return h
+
+
+class Tail(nn.Module):
+    """Pooling / selection / heads on the island's folded hidden state."""
+
+    def __init__(self, encoder: BC1LEncoder) -> None:
+        super().__init__()
+        self.tail = encoder.tail
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        return self.tail(hidden, key_mask)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One copy per call between two pieces."""
+
+    source: str
+    target: str
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape), fp16 each
+
+    @property
+    def bytes(self) -> int:
+        """Bytes copied per call (fp16 tensors)."""
+        total = 0
+        for _, shape in self.tensors:
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * FP16_BYTES
+        return total
+
+
+def boundaries(encoder: BC1LEncoder, output_shape: tuple[int, ...]) -> list[Boundary]:
+    """The copies of one partitioned call: host -> island -> tail -> host."""
+    io = encoder.io
+    d = encoder.spec.hidden_size
+    mask = ("key_mask", (io.batch, io.length))
+    out = [
+        Boundary("embedding (host)", "island", (("inputs_embeds", (io.batch, io.length, d)), mask))
+    ]
+    if io.output == "last-hidden-state":
+        out.append(Boundary("island", "host", (("last_hidden_state", output_shape),)))
+        return out
+    out.append(Boundary("island", "tail", (("hidden", (1, d, 1, io.slots)), mask)))
+    out.append(Boundary("tail", "host", ((_output_name(io.output), output_shape),)))
+    return out
+
+
+def _output_name(output: str) -> str:
+    return {"sentence-embedding": "sentence_embedding", "logits": "logits"}.get(
+        output, "last_hidden_state"
+    )
