@@ -237,6 +237,10 @@ def convert(
     steps: Steps | None = None,
 ) -> ConvertResult:
     """Run the whole pipeline for one recipe; publishes ``<out>/<name>/`` only if all gates pass."""
+    if recipe.task != "text-generation":
+        from converter.encoder_pipeline import convert_encoder
+
+        return convert_encoder(recipe, out_dir, force, allow_pickle, steps)
     steps = steps or Steps(quiet=True)
     out_dir = out_dir or recipe.output_dir
     name = recipe.name
