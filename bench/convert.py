@@ -11,7 +11,6 @@ import argparse
 import gc
 import importlib.util
 import json
-import math
 import os
 import platform
 import resource
@@ -149,41 +148,14 @@ CHECK_PADS = (0, 24)
 
 
 def set_prescales(module: Any, embeds: Any, key_mask: Any) -> dict[str, Any]:
-    """Measure each norm's input range on a forward pass and set its power-of-two prescale.
-
-    Uses ``graph_passes.prescale`` (the real pipeline's choice) when present; otherwise a
-    forward pre-hook and ``k = ceil(log2(max|x| / 64))``, as that module defines it.
-    """
-    import torch
+    """Measure each norm's input range on one forward pass; set prescales as the pipeline does."""
+    from graph_passes.prescale import apply_prescales, measure_norm_inputs
 
     norms = module.norms()
-    if importlib.util.find_spec("graph_passes.prescale") is not None:
-        from graph_passes.prescale import apply_prescales, measure_norm_inputs
-
-        maxima = measure_norm_inputs(norms, lambda: module(embeds, key_mask))
-        chosen = {c.name: c.prescale for c in apply_prescales(norms, maxima)}
-        source = "graph_passes.prescale"
-    else:
-        maxima = {}
-        handles = [
-            norm.register_forward_pre_hook(
-                lambda _m, args, name=name: maxima.__setitem__(name, float(args[0].abs().max()))
-            )
-            for name, norm in norms
-        ]
-        with torch.no_grad():
-            module(embeds, key_mask)
-        for handle in handles:
-            handle.remove()
-        chosen = {}
-        for name, norm in norms:
-            k = max(0, math.ceil(math.log2(maxima[name] / 64.0)))
-            norm.set_prescale(2.0**k)
-            chosen[name] = 2.0**k
-        source = "bench forward pre-hook"
+    maxima = measure_norm_inputs(norms, lambda: module(embeds, key_mask))
+    chosen = {c.name: c.prescale for c in apply_prescales(norms, maxima)}
     return {
-        "source": source,
-        "max_input": max(maxima.values()),
+        "max_input_l2": max(maxima.values()),
         "max_prescale": max(chosen.values()),
         "scaled_norms": sum(1 for v in chosen.values() if v != 1.0),
         "norms": len(chosen),
@@ -241,12 +213,8 @@ def run_bc1l(name: str) -> dict[str, Any]:
         del canonical
         gc.collect()
 
-        prescale: dict[str, Any] | None = None
-        if real:
-            with steps.time("calibrate"):
-                prescale = set_prescales(module, embeds, padded_key_mask(0))
-        else:
-            notes.append("prescale 1 on every norm: random weights, no real activation range")
+        with steps.time("calibrate"):
+            prescale = set_prescales(module, embeds, padded_key_mask(0))
 
         checks = {}
         with steps.time("check"):
@@ -485,8 +453,8 @@ def report(results: list[dict[str, Any]], comp: dict[str, Any]) -> None:
         if r.get("prescale"):
             p = r["prescale"]
             console.print(
-                f"{r['case']}: prescales from {p['source']}: {p['scaled_norms']}/{p['norms']} "
-                f"norms scaled, max |input| {p['max_input']:.0f}, max prescale "
+                f"{r['case']}: power-of-two prescales: {p['scaled_norms']}/{p['norms']} "
+                f"norms scaled, max per-position L2 norm {p['max_input_l2']:.0f}, max prescale "
                 f"{p['max_prescale']:g}"
             )
         for note in r["notes"]:
