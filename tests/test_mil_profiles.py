@@ -1,0 +1,82 @@
+"""Numeric profiles: fp16 storage rounds between ops (overflow to inf, subnormals kept),
+fp32 inside an op; fp16-acc holds running sums in fp16 and flushes subnormals."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mil_ops import rand, run1
+
+from parity.mil.numerics import Arithmetic, round_fp16
+from parity.mil.profiles import FP16, FP16_ACC, FP32
+
+
+def test_round_fp16_is_ieee_round_to_nearest_even() -> None:
+    x = np.concatenate(
+        [rand(1000, seed=70) * 1e3, [65504.0, 65520.0, 1e-7, -6e-8, 2.0**-25, 3 * 2.0**-25]]
+    ).astype(np.float32)
+    np.testing.assert_array_equal(round_fp16(x), torch.from_numpy(x).half().float().numpy())
+
+
+def test_fp16_storage_overflows_between_ops_but_not_inside_one() -> None:
+    from coremltools.converters.mil import Builder as mb
+
+    x = np.full((1, 4, 1, 3), 300.0, np.float32)  # x*x = 9e4 > 65504
+    sum_of_squares = lambda a: mb.reduce_sum(x=mb.mul(x=a, y=a), axes=[1])  # noqa: E731
+    assert np.isinf(run1(sum_of_squares, x, profile="fp16")).all()
+    assert np.isfinite(run1(sum_of_squares, x, profile="fp32")).all()
+    # layer_norm squares inside the op, in fp32: finite under fp16 storage.
+    x[0, :, 0, 0] = [300.0, -300.0, 100.0, 0.0]
+    out = run1(lambda a: mb.layer_norm(x=a, axes=[1], epsilon=1e-5), x, profile="fp16")
+    assert np.isfinite(out).all()
+
+
+def test_fp16_storage_matches_torch_half_elementwise() -> None:
+    from coremltools.converters.mil import Builder as mb
+
+    x, y = rand(64, seed=71) * 100, rand(64, seed=72) * 1e-3
+    x[:2] = [60000.0, 1e-4]
+    y[:2] = [10000.0, 1e-3]  # overflow to inf; 1e-7 is an fp16 subnormal
+    out = run1(lambda a, b: mb.mul(x=mb.add(x=a, y=b), y=b), x, y, profile="fp16")
+    xt, yt = torch.from_numpy(x).half(), torch.from_numpy(y).half()
+    np.testing.assert_array_equal(out, ((xt + yt) * yt).float().numpy())
+    assert np.isinf(out[0]) and 0 < out[1] < 2.0**-14  # the subnormal survives in fp16
+
+
+def test_fp16_acc_flushes_subnormals() -> None:
+    from coremltools.converters.mil import Builder as mb
+
+    x, y = np.array([1e-4, 1.0], np.float32), np.array([1e-3, 1e-3], np.float32)
+    out = run1(lambda a, b: mb.mul(x=a, y=b), x, y, profile="fp16-acc")
+    assert out[0] == 0.0 and out[1] == round_fp16(np.float32(1e-3))
+
+
+def test_fp16_matmul_accumulates_in_fp32_and_rounds_once() -> None:
+    a = round_fp16(rand(4, 300, seed=73))
+    b = round_fp16(rand(300, 5, seed=74))
+    out = Arithmetic(FP16).store(Arithmetic(FP16).matmul(a, b))
+    expected = (torch.from_numpy(a).double() @ torch.from_numpy(b).double()).half().float()
+    # fp32 vs fp64 sums may straddle an fp16 rounding boundary: at most one fp16 ulp apart.
+    ulp = np.spacing(np.abs(expected.numpy()).astype(np.float16)).astype(np.float32)
+    assert (np.abs(out - expected.numpy()) <= ulp).all()
+
+
+def test_fp16_acc_rounds_the_running_sum_after_every_block() -> None:
+    a = round_fp16(rand(3, 100, seed=75))
+    b = round_fp16(rand(100, 4, seed=76))
+    out = Arithmetic(FP16_ACC).matmul(a, b)
+    at, bt = torch.from_numpy(a).double(), torch.from_numpy(b).double()
+    acc = torch.zeros(3, 4, dtype=torch.float64)
+    for start in range(0, 100, FP16_ACC.acc_block):  # blocks of 32, 32, 32, 4
+        acc = (acc + at[:, start : start + 32] @ bt[start : start + 32]).half().double()
+    np.testing.assert_allclose(out, acc.float().numpy(), rtol=0, atol=0)
+
+
+def test_fp16_acc_sum_is_rounded_and_worse_than_fp32_accumulation() -> None:
+    x = round_fp16(np.abs(rand(1, 4096, seed=77)) + 1.0)
+    exact = x.astype(np.float64).sum()
+    fp16 = float(Arithmetic(FP16).store(Arithmetic(FP16).sum(x, (1,), keepdims=False))[0])
+    acc16 = float(Arithmetic(FP16_ACC).sum(x, (1,), keepdims=False)[0])
+    assert abs(fp16 - exact) <= np.spacing(np.float16(exact)) / 2  # rounded once
+    assert abs(acc16 - exact) > abs(fp16 - exact)  # 128 roundings of a growing sum
+    assert float(Arithmetic(FP32).sum(x, (1,), keepdims=False)[0]) == np.float32(exact)
