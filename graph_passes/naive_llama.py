@@ -1,4 +1,4 @@
-"""A naive (B, L, C) Llama decoder: the baseline that ``bench/convert.py`` compares anec with.
+"""A naive (B, L, C) Llama decoder: the baseline bench/convert.py and ``anec plan-baseline`` use.
 
 Written the way a typical hand-written port looks, on purpose: ``nn.Linear`` projections,
 heads batched as (B, H, L, d), GQA by ``repeat_interleave`` of k and v, HF-style
