@@ -145,6 +145,10 @@ class Layer(nn.Module):
 class NaiveLlama(nn.Module):
     """Llama-style decoder over (B, L, C) returning the last position's logits (B, 1, vocab)."""
 
+    cos: torch.Tensor  # buffers, declared for the type checker
+    sin: torch.Tensor
+    causal: torch.Tensor
+
     def __init__(self, cfg: NaiveConfig, length: int) -> None:
         super().__init__()
         self.cfg = cfg

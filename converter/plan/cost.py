@@ -1,0 +1,140 @@
+"""The cost model (evidence ``predicted``): a latency floor per chip from a placement report.
+
+For each function: the NE part is ``max(NE FLOPs / peak, NE weight bytes / weight-stream
+bandwidth)`` (SPEC section 6); ops placed on the CPU add ``max(FLOPs / CPU rate, weight bytes /
+CPU bandwidth)``; the bytes crossing devices, the inputs read by the NE and the outputs are
+copies at the NE bandwidth; every NE segment pays one dispatch. The central figure uses each
+chip's central values; the range uses the optimistic and pessimistic ends of every figure.
+It is a model: a floor from published figures, never a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from converter.evidence import MEANING, Evidence
+from converter.plan.chips import Chip
+from converter.plan.report import FunctionReport, PlacementReport
+
+MODEL_NOTE = (
+    "a model, not a measurement: a floor from published chip figures (converter/plan/chips.py); "
+    "real latency is higher"
+)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the cost model reads from one function's placement."""
+
+    ne_flops: int
+    ne_weight_bytes: int
+    cpu_flops: int
+    cpu_weight_bytes: int
+    copy_bytes: int  # crossing + NE-read inputs
+    output_bytes: int
+    ne_segments: int
+    w8a8: bool  # int8 activations: the int8 throughput applies
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The predicted floor of one function on one chip, in milliseconds."""
+
+    function: str
+    chip: str
+    ms: float
+    low_ms: float
+    high_ms: float
+    bound: str  # "compute" or "weights": which term of the NE max is larger
+    components_ms: dict[str, float]
+    evidence: Evidence = Evidence.PREDICTED
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form; carries the evidence label and says it is a model."""
+        data = asdict(self)
+        data["evidence"] = self.evidence.value
+        data["note"] = MODEL_NOTE
+        return data
+
+
+def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
+    """The work of one function, split by device (constants excluded)."""
+    ne = [r for r in function.rows if r.device == "NE"]
+    off = [r for r in function.rows if r.device not in ("NE", "none")]
+    s = function.summary
+    return Work(
+        ne_flops=sum(r.flops or 0 for r in ne),
+        ne_weight_bytes=sum(r.weight_bytes for r in ne),
+        cpu_flops=sum(r.flops or 0 for r in off),
+        cpu_weight_bytes=sum(r.weight_bytes for r in off),
+        copy_bytes=s.boundary_bytes + s.input_bytes,
+        output_bytes=s.output_bytes,
+        ne_segments=s.ne_segments,
+        w8a8=w8a8,
+    )
+
+
+def _terms(work: Work, chip: Chip, end: str) -> dict[str, float]:
+    """Milliseconds per component with the figures' ``value``, ``high`` (fast) or ``low``."""
+    fast = end == "high"
+
+    def pick(figure: Any, time_like: bool = False) -> float:
+        if end == "value":
+            return float(figure.value)
+        # For rates the fast end is the high figure; for a time (dispatch) the low one.
+        return float(figure.low if fast == time_like else figure.high)
+
+    peak = chip.int8_tops if work.w8a8 else chip.fp16_tflops
+    tflops = pick(peak)
+    gbps = pick(chip.weight_stream_gbps)
+    return {
+        "ne_compute": work.ne_flops / (tflops * 1e12) * 1e3,
+        "ne_weights": work.ne_weight_bytes / (gbps * 1e9) * 1e3,
+        "cpu": max(
+            work.cpu_flops / (pick(chip.cpu_gflops) * 1e9),
+            work.cpu_weight_bytes / (pick(chip.cpu_gbps) * 1e9),
+        )
+        * 1e3,
+        "copies": work.copy_bytes / (gbps * 1e9) * 1e3,
+        "outputs": work.output_bytes / (gbps * 1e9) * 1e3,
+        "dispatch": work.ne_segments * pick(chip.dispatch_ms, time_like=True),
+    }
+
+
+def _total(t: dict[str, float]) -> float:
+    ne = max(t["ne_compute"], t["ne_weights"])
+    return ne + t["cpu"] + t["copies"] + t["outputs"] + t["dispatch"]
+
+
+def floor(function: FunctionReport, chip: Chip, w8a8: bool = False) -> Floor:
+    """The predicted floor of ``function`` on ``chip`` (central value and range)."""
+    work = work_of(function, w8a8)
+    central = _terms(work, chip, "value")
+    return Floor(
+        function=function.name,
+        chip=chip.name,
+        ms=_total(central),
+        low_ms=_total(_terms(work, chip, "high")),
+        high_ms=_total(_terms(work, chip, "low")),
+        bound="compute" if central["ne_compute"] > central["ne_weights"] else "weights",
+        components_ms=central,
+    )
+
+
+def cost_section(
+    placements: list[tuple[Chip, PlacementReport]], w8a8: bool = False
+) -> dict[str, Any]:
+    """The ``predicted`` section: floors per function and chip, each from that chip's own
+    placement, with the chips' figures and sources."""
+    floors = [floor(f, c, w8a8).to_json() for c, report in placements for f in report.functions]
+    return {
+        "evidence": Evidence.PREDICTED.value,
+        "meaning": MEANING[Evidence.PREDICTED],
+        "note": MODEL_NOTE,
+        "placement_from": sorted({report.evidence.value for _, report in placements}),
+        "formula": "max(NE FLOPs / peak, NE weight bytes / bandwidth) + CPU ops + copies "
+        "(crossing + NE inputs) + outputs at NE bandwidth + dispatch per NE segment",
+        "floors": floors,
+        "chips": {c.name: c.to_json() for c, _ in placements},
+    }
