@@ -73,14 +73,13 @@ def build_layer_norm(spec: NormSpec, weights: dict[str, torch.Tensor], name: str
 
 def fold(rows: torch.Tensor) -> torch.Tensor:
     """(B, L, D) rows -> (1, D, 1, B*L): sample b's slot l becomes slot b*L + l."""
-    b, length, d = rows.shape
-    return rows.reshape(1, b * length, d).transpose(1, 2).unsqueeze(2)
+    # No shape reads: traced shape reads become int casts coremltools rejects.
+    return rows.flatten(0, 1).transpose(0, 1).unsqueeze(0).unsqueeze(2)
 
 
 def unfold(h: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     """(1, D, 1, B*L) -> (B, L, D), the inverse of `fold`."""
-    d = h.shape[1]
-    return h.reshape(d, batch * length).transpose(0, 1).reshape(batch, length, d)
+    return h.flatten(0, 2).transpose(0, 1).reshape(batch, length, -1)
 
 
 def real_weights(key_mask: torch.Tensor) -> torch.Tensor:
@@ -215,9 +214,8 @@ def masked_mean(h: torch.Tensor, key_mask: torch.Tensor, batch: int, length: int
     """
     w = real_weights(key_mask)  # (B, L)
     share = (w / w.sum(dim=1, keepdim=True)).reshape(1, 1, batch, length)
-    d = h.shape[1]
-    pooled = (h.reshape(1, d, batch, length) * share).sum(dim=3)
-    return pooled.reshape(1, d, 1, batch)
+    pooled = (h.reshape(1, -1, batch, length) * share).sum(dim=3)
+    return pooled.unsqueeze(2)
 
 
 class HiddenTail(nn.Module):
