@@ -267,6 +267,9 @@ class Gates(_Model):
     fp32_logits_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
     fp16_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
     fp16_max_abs_dprob: float = Field(default=0.02, gt=0, le=1, strict=True)
+    # The emitted program run by the MIL evaluator in fp32 against the BC1L module with the
+    # program's constants, per layer: the same function, so only rounding differs.
+    mil_fp32_layer_rel_error: float = Field(default=1.0e-5, gt=0, lt=1, strict=True)
 
 
 class Fixtures(_Model):

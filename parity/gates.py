@@ -37,6 +37,7 @@ class Thresholds:
     fp32_logits_rel_error: float
     fp16_argmax_agreement: float
     fp16_max_abs_dprob: float
+    mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program (parity.conversion)
 
 
 @dataclass(frozen=True)

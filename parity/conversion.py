@@ -1,0 +1,440 @@
+"""Parity of the emitted program itself (the conversion level), for decoders.
+
+The MIL evaluator runs the saved ``.mlpackage`` on the fixtures, in each numeric profile:
+
+* ``mil-fp32`` against the BC1L torch module in fp32 *with the program's constants* (the
+  module's parameters and buffers rounded to fp16 when the program stores fp16), per layer
+  through the layer markers and on the logits: what coremltools made of the graph (lowering,
+  fused ops, folded constants, clamped epsilons) must agree to ``mil_fp32_layer_rel_error``;
+* ``mil-fp16`` against the original model: gated like torch fp16 (argmax agreement, max |dp|,
+  finite), with KL, top-k overlap, the argmax certificate and the slices reported;
+* ``mil-fp16-acc`` against the original model: the same figures, reported, not gated;
+
+and, on macOS only, Core ML's own predictions (``parity.runtime``); elsewhere that level is
+marked not run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from converter.markers import MarkerError, find_markers
+from graph_passes.decoder import BC1LDecoder
+from parity import runtime
+from parity.fixtures import Batch
+from parity.gates import GateResult, Thresholds, module_inputs, rel_error, run_module
+from parity.metrics import PositionRow, Summary, compare_positions, slices, summarize
+from parity.mil import Evaluator, get_profile, load_package
+from parity.mil.program import dtype_name
+from parity.reference import ReferenceRun
+
+DEFAULT_PROFILES = ("fp32", "fp16", "fp16-acc")
+GATED_PROFILE = "fp16"
+
+
+@dataclass
+class ProfileRun:
+    """One implementation over every fixture: per-layer errors, logit rows, timing."""
+
+    implementation: str
+    baseline: str
+    description: str
+    layer_rel_error: list[float]  # worst over fixtures, real positions
+    logits_rel_error: float  # worst over fixtures, real positions the program returns
+    finite: bool  # every layer output and logit, padded positions included
+    positions: list[PositionRow] = field(default_factory=list)  # against the reference only
+    seconds: float = 0.0  # time spent evaluating the program (all batches)
+
+    def summary(self) -> Summary:
+        """Aggregates over all compared positions."""
+        return summarize(self.positions)
+
+
+@dataclass
+class RuntimeLevel:
+    """The Core ML level: run or not, and its run when it ran."""
+
+    status: str
+    run: ProfileRun | None = None
+
+
+@dataclass
+class ConversionReport:
+    """Everything the conversion level measured, its gates, and the runtime level."""
+
+    gates: list[GateResult]
+    runs: list[ProfileRun]
+    markers: list[str]
+    runtime: RuntimeLevel
+    length: int
+    implementations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """True when every conversion-level gate passed."""
+        return all(g.passed for g in self.gates)
+
+
+def program_constants(module: BC1LDecoder, precision: str) -> BC1LDecoder:
+    """A copy of ``module`` whose parameters and buffers hold the values the program stores."""
+    copy_ = copy.deepcopy(module).eval()
+    if precision == "float16":
+        with torch.no_grad():
+            for tensor in [*copy_.parameters(), *copy_.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(tensor.half().float())
+    return copy_
+
+
+def _feed(
+    specs: dict[str, str], module: BC1LDecoder, batch: Batch, embed_table: torch.Tensor
+) -> tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]:
+    """The program's inputs for a batch in their declared dtypes, and the same values as
+    the torch module's inputs (an fp16 input reaches the module rounded to fp16 too)."""
+    x, mask = module_inputs(module, batch, embed_table, torch.float32)
+    (first, first_dtype), (second, second_dtype) = specs.items()
+    feed: dict[str, np.ndarray] = {}
+    if x.dtype == torch.int64:
+        feed[first] = x.numpy().astype(np.int32)
+    elif first_dtype == "fp16":
+        feed[first] = x.half().numpy()
+        x = x.half().float()
+    else:
+        feed[first] = x.numpy()
+    if second_dtype == "fp16":
+        feed[second] = mask.half().numpy()
+        mask = mask.half().float()
+    else:
+        feed[second] = mask.numpy()
+    return feed, x, mask
+
+
+def check_conversion(
+    package: Path,
+    module: BC1LDecoder,
+    batches: list[Batch],
+    references: dict[str, ReferenceRun],
+    embed_table: torch.Tensor,
+    thresholds: Thresholds,
+    precision: str,
+    profiles: Sequence[str] = DEFAULT_PROFILES,
+    progress: Callable[[], None] = lambda: None,
+) -> ConversionReport:
+    """Run the emitted program in each profile and gate it; ``progress`` is called per batch."""
+    program = load_package(package)
+    specs = {name: dtype_name(var) for name, var in program.functions["main"].inputs.items()}
+    n_layers = len(module.layers)
+    length = module.io.length
+    gates: list[GateResult] = []
+    try:
+        markers = find_markers(program.functions["main"], n_layers)
+        marker_problem = ""
+    except MarkerError as e:
+        markers, marker_problem = [], str(e)
+    gates.append(
+        GateResult(
+            "layer markers present",
+            "mil",
+            float(not marker_problem),
+            1.0,
+            "==",
+            not marker_problem,
+            marker_problem or f"layer_0_out..layer_{n_layers - 1}_out found in the program",
+        )
+    )
+
+    runs: list[ProfileRun] = []
+    for name in profiles:
+        profile = get_profile(name)
+        evaluator = Evaluator(program, profile)
+        if name == "fp32":
+            baseline = program_constants(module, precision)
+            run = _run_against_module(
+                evaluator, baseline, module, batches, embed_table, markers, specs, progress
+            )
+        else:
+            run = _run_against_reference(
+                evaluator, module, batches, references, embed_table, markers, specs, progress
+            )
+        run.description = f"anec MIL evaluator on the emitted program, profile {name}: " + (
+            profile.description
+        )
+        runs.append(run)
+        del evaluator
+    gates += _gates(runs, thresholds, bool(markers))
+    runtime_level = _runtime_level(package, module, batches, references, embed_table, specs)
+    implementations = {run.implementation: run.description for run in runs}
+    if runtime_level.run is not None:
+        implementations[runtime.IMPLEMENTATION] = runtime_level.run.description
+    return ConversionReport(gates, runs, markers, runtime_level, length, implementations)
+
+
+def _logits(outputs: dict[str, np.ndarray]) -> torch.Tensor:
+    # Outputs are the LM-head chunks in vocabulary order: (B, V_k, 1, n) each.
+    return torch.from_numpy(np.concatenate(list(outputs.values()), axis=1))
+
+
+def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], slice]:
+    """Fixture positions whose logits the program returns, and their index in its output."""
+    first = max(0, tokens - n_logits)
+    positions = list(range(first, tokens))
+    start = n_logits - (tokens - first)
+    return positions, slice(start, n_logits)
+
+
+def _run_against_module(
+    evaluator: Evaluator,
+    baseline: BC1LDecoder,
+    module: BC1LDecoder,
+    batches: list[Batch],
+    embed_table: torch.Tensor,
+    markers: list[str],
+    specs: dict[str, str],
+    progress: Callable[[], None],
+) -> ProfileRun:
+    length, n_logits = module.io.length, module.io.logit_positions
+    layers = [0.0] * len(module.layers)
+    logits_err = 0.0
+    finite = True
+    seconds = 0.0
+    for batch in batches:
+        inputs, x, mask = _feed(specs, module, batch, embed_table)
+        start = time.perf_counter()
+        result = evaluator.run(inputs, capture=markers)
+        seconds += time.perf_counter() - start
+        states, logits_all = run_module(baseline, x, mask)
+        logits = _logits(result.outputs)
+        finite &= bool(torch.isfinite(logits).all())
+        for r, fixture in enumerate(batch.fixtures):
+            n = len(fixture.token_ids)
+            real = slice(length - n, length)
+            for i, marker in enumerate(markers):
+                h = torch.from_numpy(result.captured[marker][r, :, 0, real])
+                finite &= bool(torch.isfinite(h).all())
+                layers[i] = max(layers[i], rel_error(h, states[i][r, :, 0, real]))
+            _, out_slice = _logit_slots(n, length, n_logits)
+            want = logits_all[r, :, 0, length - n_logits :][:, out_slice]
+            logits_err = max(logits_err, rel_error(logits[r, :, 0, out_slice], want))
+        progress()
+    if not markers:
+        layers = [math.inf] * len(layers)
+    return ProfileRun(
+        implementation="mil-fp32",
+        baseline="torch-fp32 BC1L module with the program's constants (fp16-rounded when "
+        "the program stores fp16), same inputs",
+        description="",
+        layer_rel_error=layers,
+        logits_rel_error=logits_err,
+        finite=finite,
+        seconds=seconds,
+    )
+
+
+def _run_against_reference(
+    evaluator: Evaluator,
+    module: BC1LDecoder,
+    batches: list[Batch],
+    references: dict[str, ReferenceRun],
+    embed_table: torch.Tensor,
+    markers: list[str],
+    specs: dict[str, str],
+    progress: Callable[[], None],
+) -> ProfileRun:
+    length, n_logits = module.io.length, module.io.logit_positions
+    layers = [0.0] * len(module.layers)
+    logits_err = 0.0
+    finite = True
+    rows: list[PositionRow] = []
+    seconds = 0.0
+    for batch in batches:
+        inputs, _, _ = _feed(specs, module, batch, embed_table)
+        start = time.perf_counter()
+        result = evaluator.run(inputs, capture=markers)
+        seconds += time.perf_counter() - start
+        logits = _logits(result.outputs)
+        finite &= bool(torch.isfinite(logits).all()) and all(
+            bool(np.isfinite(result.captured[m]).all()) for m in markers
+        )
+        for r, fixture in enumerate(batch.fixtures):
+            ref = references[fixture.name]
+            n = len(fixture.token_ids)
+            real = slice(length - n, length)
+            for i, marker in enumerate(markers):
+                h = torch.from_numpy(result.captured[marker][r, :, 0, real]).T
+                layers[i] = max(layers[i], rel_error(h, ref.hidden[i]))
+            positions, out_slice = _logit_slots(n, length, n_logits)
+            cand = logits[r, :, 0, out_slice].T
+            want = ref.logits[positions]
+            logits_err = max(logits_err, rel_error(cand, want))
+            rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
+        progress()
+    if not markers:
+        layers = [math.inf] * len(layers)
+    return ProfileRun(
+        implementation=f"mil-{evaluator.profile.name}",
+        baseline="reference",
+        description="",
+        layer_rel_error=layers,
+        logits_rel_error=logits_err,
+        finite=finite,
+        positions=rows,
+        seconds=seconds,
+    )
+
+
+def _gates(
+    runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool
+) -> list[GateResult]:
+    gates = []
+    by_name = {run.implementation: run for run in runs}
+    fp32 = by_name.get("mil-fp32")
+    if fp32 is not None:
+        worst = max([*fp32.layer_rel_error, fp32.logits_rel_error])
+        gates.append(
+            GateResult(
+                "per-layer relative error",
+                "mil-fp32",
+                worst,
+                thresholds.mil_fp32_layer_rel_error,
+                "<=",
+                have_markers and worst <= thresholds.mil_fp32_layer_rel_error,
+                "max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
+                "positions, against the torch BC1L module with the program's constants",
+            )
+        )
+    gated = by_name.get(f"mil-{GATED_PROFILE}")
+    if gated is not None:
+        summary = gated.summary()
+        kept = sum(r.argmax_kept for r in gated.positions)
+        gates += [
+            GateResult(
+                "argmax agreement",
+                gated.implementation,
+                summary.argmax_agreement,
+                thresholds.fp16_argmax_agreement,
+                ">=",
+                summary.positions > 0
+                and summary.argmax_agreement >= thresholds.fp16_argmax_agreement,
+                f"{kept}/{summary.positions} real positions the program returns logits for",
+            ),
+            GateResult(
+                "max |dp|",
+                gated.implementation,
+                summary.max_abs_dprob,
+                thresholds.fp16_max_abs_dprob,
+                "<=",
+                summary.max_abs_dprob <= thresholds.fp16_max_abs_dprob,
+                "softmax at T=1 over the whole vocabulary, real positions",
+            ),
+            GateResult(
+                "finite outputs",
+                gated.implementation,
+                float(gated.finite),
+                1.0,
+                "==",
+                gated.finite,
+                "every layer output and logit, padded positions included",
+            ),
+        ]
+    return gates
+
+
+def _runtime_level(
+    package: Path,
+    module: BC1LDecoder,
+    batches: list[Batch],
+    references: dict[str, ReferenceRun],
+    embed_table: torch.Tensor,
+    specs: dict[str, str],
+) -> RuntimeLevel:
+    available, status = runtime.availability()
+    if not available:
+        return RuntimeLevel(status)
+    predict = runtime.predictor(package)
+    length, n_logits = module.io.length, module.io.logit_positions
+    rows: list[PositionRow] = []
+    logits_err = 0.0
+    finite = True
+    seconds = 0.0
+    for batch in batches:
+        feed, _, _ = _feed(specs, module, batch, embed_table)
+        start = time.perf_counter()
+        outputs = predict(feed)
+        seconds += time.perf_counter() - start
+        chunks = sorted((k for k in outputs if k.startswith("logits_")), key=lambda k: int(k[7:]))
+        logits = torch.from_numpy(
+            np.concatenate([outputs[k].astype(np.float32) for k in chunks], axis=1)
+        )
+        finite &= bool(torch.isfinite(logits).all())
+        for r, fixture in enumerate(batch.fixtures):
+            ref = references[fixture.name]
+            n = len(fixture.token_ids)
+            positions, out_slice = _logit_slots(n, length, n_logits)
+            cand, want = logits[r, :, 0, out_slice].T, ref.logits[positions]
+            logits_err = max(logits_err, rel_error(cand, want))
+            rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
+    run = ProfileRun(
+        implementation=runtime.IMPLEMENTATION,
+        baseline="reference",
+        description=f"Core ML predictions ({status}); placement not observed",
+        layer_rel_error=[],
+        logits_rel_error=logits_err,
+        finite=finite,
+        positions=rows,
+        seconds=seconds,
+    )
+    return RuntimeLevel(status, run)
+
+
+def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
+    """The conversion and runtime levels as JSON-ready data (inf spelt as a string)."""
+
+    def num(value: float) -> float | str:
+        return value if math.isfinite(value) else str(value)
+
+    def run_doc(run: ProfileRun) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "implementation": run.implementation,
+            "baseline": run.baseline,
+            "description": run.description,
+            "status": "run",
+            "seconds": round(run.seconds, 3),
+            "finite": run.finite,
+            "layer_rel_error": [num(v) for v in run.layer_rel_error],
+            "logits_rel_error": num(run.logits_rel_error),
+        }
+        if run.positions:
+            doc["slices"] = {
+                name: {k: num(v) if isinstance(v, float) else v for k, v in vars(s).items()}
+                for name, s in slices(run.positions, report.length).items()
+            }
+            doc["positions"] = [
+                {k: num(v) if isinstance(v, float) else v for k, v in vars(row).items()}
+                | {"certified": row.certified}
+                for row in run.positions
+            ]
+        return doc
+
+    runtime_doc: dict[str, Any] = {
+        "level": "runtime",
+        "implementation": runtime.IMPLEMENTATION,
+        "status": report.runtime.status,
+    }
+    if report.runtime.run is not None:
+        runtime_doc |= run_doc(report.runtime.run) | {"status": report.runtime.status}
+    return {
+        "conversion": {
+            "markers": report.markers,
+            "runs": [{"level": "conversion"} | run_doc(run) for run in report.runs],
+        },
+        "runtime": runtime_doc,
+    }
