@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from converter.errors import AnecError, InputError
+from converter.plan.cli import plan_commands
 from converter.recipe import Recipe, RecipeError, load_recipe, locate_recipe, shipped_recipes
 
 
@@ -214,6 +215,10 @@ def convert_command(
     code = max(r.exit_code for r in results)
     if code:
         raise SystemExit(code)
+
+
+for _command in plan_commands():  # plan-inspect, bench-device, plan-baseline
+    main.add_command(_command)
 
 
 if __name__ == "__main__":
