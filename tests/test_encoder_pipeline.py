@@ -1,0 +1,177 @@
+"""`anec convert` for encoders end to end on tiny perturbed checkpoints saved to disk: the single
+program and the partition (host embedding -> NE island -> tail), manifests and gates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from encoder_models import hf_model, random_sequences, tiny_config
+from tiny_models import one_torch_thread
+
+from converter.encoder_pipeline import mil_level_runner
+from converter.errors import InputError
+from converter.pipeline import convert
+from converter.recipe import load_recipe
+from graph_passes.encoder import BC1LEncoder, EncoderIO
+from graph_passes.partition import host_embedding
+from parity.encoder_gates import make_encoder_batches
+from parity.fixtures import build_fixtures
+
+BATCH, LENGTH = 2, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    yield from one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for arch, kw in (("modernbert", {"classifier_pooling": "mean"}), ("bert", {})):
+        model = hf_model(tiny_config(arch, **kw), classify=True)
+        model.save_pretrained(root / arch)
+        out[arch] = root / arch
+    return out
+
+
+def write_recipe(tmp: Path, ckpt: Path, name: str, task: str, encoder: dict[str, Any]) -> Path:
+    ids = random_sequences(7, (5, 16, 9), first=1)
+    doc = {
+        "name": name,
+        "task": task,
+        "source": {"kind": "hf-dir", "path": str(ckpt)},
+        "shapes": {"batch": BATCH, "sequence_length": LENGTH},
+        "fixtures": {"token_ids": ids, "padded_variants": False},
+        "encoder": encoder,
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("art")
+    for partition in ("single", "host-embedding"):
+        recipe = load_recipe(
+            write_recipe(
+                tmp,
+                checkpoints["modernbert"],
+                f"mb-{partition}",
+                "text-classification",
+                {"partition": partition, "prenormalize_embeddings": partition != "single"},
+            )
+        )
+        result = convert(recipe, tmp / "out")
+        assert result.passed, [g for g in result.parity.gates if not g.passed]
+    return tmp / "out"
+
+
+def test_single_program_artifact(converted: Path) -> None:
+    art = converted / "mb-single"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert (art / "mb-single.mlpackage").is_dir()
+    assert [t["name"] for t in manifest["inputs"]] == ["input_ids", "key_mask"]
+    assert manifest["outputs"][0]["name"] == "logits"
+    assert manifest["outputs"][0]["shape"] == [BATCH, 3]
+    assert manifest["pieces"] is None
+    assert manifest["encoder"]["pooling"] == "mean"
+    assert manifest["encoder"]["layer_windows"] == [None, 4, 4, None]
+    assert manifest["rope_theta"] == [160000.0, 10000.0, 10000.0, 160000.0]
+    parity = json.loads((art / "parity.json").read_text())
+    names = {(g["name"], g["implementation"]) for g in parity["gates"]}
+    assert ("argmax agreement", "torch-fp16") in names and parity["passed"]
+
+
+def test_partitioned_artifact_lists_pieces_order_and_boundary_bytes(converted: Path) -> None:
+    art = converted / "mb-host-embedding"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["pieces"]] == ["embedding", "island", "tail"]
+    assert manifest["pieces"][0]["runs_on"] == "host"
+    assert (art / "mb-host-embedding.island.mlpackage").is_dir()
+    assert (art / "mb-host-embedding.tail.mlpackage").is_dir()
+    d = 64
+    bytes_by_edge = {(b["source"], b["target"]): b["bytes"] for b in manifest["boundaries"]}
+    mask = BATCH * LENGTH * 2
+    assert bytes_by_edge[("embedding (host)", "island")] == BATCH * LENGTH * d * 2 + mask
+    assert bytes_by_edge[("island", "tail")] == BATCH * LENGTH * d * 2 + mask
+    assert bytes_by_edge[("tail", "host")] == BATCH * 3 * 2
+    table = np.load(art / "embeddings.npy")
+    assert table.dtype == np.float16 and table.shape == (300, d)
+    assert not (art / "embedding_norm_weight.npy").exists()  # pre-normalised: no host norm
+    assert any("offline" in dev["what"] for dev in manifest["deviations"])
+    parity = json.loads((art / "parity.json").read_text())
+    partitioned = [g for g in parity["gates"] if g["implementation"] == "partitioned-fp16"]
+    assert partitioned and all(g["passed"] for g in partitioned)
+
+
+def test_partitioned_run_matches_the_single_program(
+    converted: Path, checkpoints: dict[str, Path]
+) -> None:
+    """host embedding -> island package -> tail package, each run by the MIL evaluator, against
+    the single package on the same batches."""
+    from transformers import AutoModelForSequenceClassification
+
+    from graph_passes.adapters import adapt_encoder
+
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoints["modernbert"])
+    canonical = adapt_encoder(model.config, model.state_dict())
+    module = BC1LEncoder(canonical, EncoderIO(BATCH, LENGTH, "token-ids", "logits"))
+    single, note = mil_level_runner(
+        {"single": converted / "mb-single" / "mb-single.mlpackage"}, module, None
+    )
+    if single is None:
+        pytest.skip(note)
+    art = converted / "mb-host-embedding"
+    host = host_embedding(canonical, LENGTH, prenormalize=True)
+    parts, _ = mil_level_runner(
+        {
+            "island": art / "mb-host-embedding.island.mlpackage",
+            "tail": art / "mb-host-embedding.tail.mlpackage",
+        },
+        module,
+        host,
+    )
+    assert parts is not None
+    fixtures = build_fixtures(
+        [], random_sequences(3, (4, 16, 11, 7), first=1), None, 16, 300, False
+    )
+    for batch in make_encoder_batches(fixtures, BATCH, LENGTH, 0):
+        a, b = single(batch)[1], parts(batch)[1]
+        assert torch.isfinite(b).all()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert float((a - b).abs().max()) < 0.05
+
+
+def test_bert_refuses_a_prenormalised_table(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            checkpoints["bert"],
+            "bert-pre",
+            "text-classification",
+            {"partition": "host-embedding", "prenormalize_embeddings": True},
+        )
+    )
+    with pytest.raises(InputError, match="word \\+ position \\+ type"):
+        convert(recipe, tmp_path / "out")
+
+
+def test_encoder_section_is_refused_for_text_generation(tmp_path: Path) -> None:
+    from converter.recipe import RecipeError
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "name: x\ntask: text-generation\nsource: {kind: hf-dir, path: .}\n"
+        "fixtures: {token_ids: [[1, 2]]}\nencoder: {partition: single}\n"
+    )
+    with pytest.raises(RecipeError, match="encoder"):
+        load_recipe(path)
