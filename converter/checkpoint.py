@@ -20,6 +20,7 @@ import torch
 from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
+from converter.weightfiles import check_loading_info
 
 _CAUSAL_LM_TASKS = {"text-generation"}
 # Encoder tasks and the transformers auto class that loads each one's reference model.
@@ -91,15 +92,22 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
             raise InputError(f"{files[0]}: cannot read the checkpoint's config: {e}") from None
         _check_supported(config, files[0])
         try:
-            model = model_class.from_pretrained(
+            loaded: Any = model_class.from_pretrained(
                 source.directory,
                 dtype=torch.float32,
                 use_safetensors=None if source.gguf_file else files[0].suffix == ".safetensors",
+                output_loading_info=True,
+                # Decoders: wrong shapes are reported with the rest by check_loading_info.
+                ignore_mismatched_sizes=task in _CAUSAL_LM_TASKS,
                 **kwargs,
                 **kwargs_model,
             )
         except Exception as e:
             raise InputError(f"{files[0]}: cannot load the checkpoint: {e}") from None
+    model, loading_info = loaded
+    if task in _CAUSAL_LM_TASKS:
+        # transformers only warns about a missing tensor and initialises it at random.
+        check_loading_info(loading_info, files[0])
     model.eval()
     tokenizer = None
     # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from converter.errors import AnecError, InputError
 from converter.plan.cli import plan_commands
-from converter.recipe import Recipe, RecipeError, load_recipe, locate_recipe, shipped_recipes
+from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
 
 
 def report_error(error: AnecError) -> None:
@@ -182,37 +182,30 @@ def convert_command(
 ) -> None:
     """Convert each RECIPE (a file or a shipped recipe name) into a proven Core ML artifact.
 
-    Steps: load the checkpoint, rewrite it into BC1L, run the parity gates in torch (fp32 per
-    layer, fp16 end to end), trace, convert to an fp16 ML Program and publish
-    OUT/<name>/ atomically: <name>.mlpackage, manifest.json, parity.json, tokenizer.json and,
-    for host-side embeddings, embeddings.npy. A failed gate publishes nothing under the final
-    name and keeps its reports in OUT/<name>.failed/.
+    Steps: check the inputs, load the checkpoint, rewrite it into BC1L, run the parity gates
+    in torch (fp32 per layer, fp16 end to end), trace, convert to an fp16 ML Program and
+    publish OUT/<name>/ atomically: <name>.mlpackage, manifest.json, parity.json,
+    tokenizer.json, convert.log and, for host-side embeddings, embeddings.npy. A failed gate
+    publishes nothing under the final name and keeps its reports in OUT/<name>.failed/.
 
-    Exit codes: 0 every recipe converted and passed, 1 a parity gate failed, 2 bad input.
+    Several recipes are converted one after another; a failing one does not stop the rest.
+    With --json, one JSON line per recipe.
+
+    Exit codes (the highest over all recipes): 0 every recipe converted and passed, 1 a
+    parity gate failed, 2 bad input, 3 internal error; 130 / 143 interrupted by SIGINT /
+    SIGTERM (nothing partial is left, a previous artifact stays as it was).
     """
-    from converter.progress import Steps, quiet_third_party_output
+    import signal
+
+    from converter.progress import quiet_third_party_output
 
     quiet_third_party_output()  # before torch is imported
-    from converter.pipeline import ConvertResult, convert
-    from converter.publish import Interrupted, signals_as_interrupts
-    from converter.summary import print_summary, result_to_json
+    from converter.batch import convert_recipes
+    from converter.publish import signals_as_interrupts
 
-    recipes_loaded = [load_recipe(locate_recipe(ref)) for ref in recipe_refs]
-    results: list[ConvertResult] = []
-    with signals_as_interrupts():
-        for recipe in recipes_loaded:
-            try:
-                with Steps(quiet=as_json) as steps:
-                    result = convert(recipe, out_dir, force, allow_pickle, steps)
-            except (Interrupted, KeyboardInterrupt) as e:
-                click.echo(f"error: {recipe.name}: interrupted; nothing was published", err=True)
-                raise SystemExit(getattr(e, "exit_code", 130)) from None
-            results.append(result)
-            if as_json:
-                click.echo(json.dumps(result_to_json(result)))
-            else:
-                print_summary(result, Console(highlight=False))
-    code = max(r.exit_code for r in results)
+    # SIGINT too, so a Ctrl-C during a publishing rename is deferred like SIGTERM.
+    with signals_as_interrupts((signal.SIGINT, signal.SIGTERM)):
+        code = convert_recipes(recipe_refs, out_dir, force, allow_pickle, as_json)
     if code:
         raise SystemExit(code)
 

@@ -25,6 +25,7 @@ from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import Deviation, FileEntry, Manifest, PackageEntry, TensorEntry
+from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import (
     clean_leftovers,
@@ -34,6 +35,7 @@ from converter.publish import (
     write_text_atomic,
 )
 from converter.recipe import Recipe, recipe_to_dict
+from converter.runlog import write_log_into
 from converter.targets import TARGETS
 from graph_passes.adapters import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
@@ -246,13 +248,16 @@ def convert(
     name = recipe.name
     if recipe.attention != "per-head":
         raise InputError(f"attention: {recipe.attention!r} is not implemented yet; use 'per-head'")
+    target = TARGETS[recipe.target]
+    # Bad input fails here, in about a second, before the output directory is touched.
+    with steps.step("check inputs"):
+        source = recipe.resolve_source()
+        preflight(recipe, source, out_dir, allow_pickle)
     if out_dir.is_dir():
         clean_leftovers(out_dir)
-    target = TARGETS[recipe.target]
 
     with stage_artifact(out_dir, name, force=force) as stage:
         with steps.step("load checkpoint"):
-            source = recipe.resolve_source()
             ckpt = load_checkpoint(source, recipe.task, allow_pickle=allow_pickle)
 
         with steps.step("rewrite to BC1L"):
@@ -272,6 +277,7 @@ def convert(
         write_json_atomic(stage.path / "parity.json", parity_doc)
         write_text_atomic(stage.path / "parity.txt", report_to_text(report) + "\n")
         if not report.passed:
+            write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
             failed = stage.keep_as_failed()
             return ConvertResult(name, False, None, failed, report, steps.timings)
 
@@ -321,6 +327,7 @@ def convert(
                 stage.path / "parity.json",
             )
             write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
+        write_log_into(stage.path, f"every gate passed; publishing {out_dir / name}")
         final = stage.commit()
 
     n_ops = sum(ops.values())

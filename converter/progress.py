@@ -11,6 +11,10 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from converter.resources import gib, own_peak_bytes
+
+log = logging.getLogger(__name__)
+
 
 def quiet_third_party_output() -> None:
     """Silence other libraries' progress bars and expected warnings; anec shows its own steps.
@@ -58,6 +62,8 @@ class Steps:
         """Time the block as step ``name``; yields ``advance()`` for steps with a ``total``."""
         task = self._progress.add_task(name, total=total) if self._progress else None
         start = time.perf_counter()
+        log.info("step %s: started", name)  # the conversion log (convert.log) reads these
+        ok = False
 
         def advance() -> None:
             if self._progress and task is not None:
@@ -65,7 +71,16 @@ class Steps:
 
         try:
             yield advance
+            ok = True
         finally:
             self.timings[name] = time.perf_counter() - start
+            result = "done" if ok else "stopped"
+            log.info(
+                "step %s: %s after %.2f s (peak RSS so far %s)",
+                name,
+                result,
+                self.timings[name],
+                gib(own_peak_bytes()),
+            )
             if self._progress and task is not None:
                 self._progress.update(task, total=total or 1, completed=total or 1)

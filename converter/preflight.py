@@ -1,0 +1,126 @@
+"""Checks that run before a conversion touches the output directory or loads any weights.
+
+Everything that can be known from the recipe and the files' headers is checked here, so bad
+input fails in about a second with a message naming the file, field or tensor, instead of
+after minutes of loading and converting: pickle-only weights, truncated or corrupt weight
+files, an architecture without an adapter, prompts without a tokenizer, too little memory or
+disk space.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from converter.checkpoint import _TOKENIZER_FILES, weight_files
+from converter.errors import InputError
+from converter.recipe import Recipe, ResolvedSource
+from converter.resources import MemoryEstimate, check_disk, check_memory, estimate_peak_memory
+from converter.weightfiles import WeightTable, read_weight_tables
+
+# Tensor names of the embedding table and a separate LM head (Hugging Face, GGUF).
+_EMBEDDING_NAMES = ("model.embed_tokens.weight", "token_embd.weight")
+_LM_HEAD_NAMES = ("lm_head.weight", "output.weight")
+# Bytes per parameter of a pickle checkpoint, whose header cannot be read without unpickling:
+# Hugging Face checkpoints are mostly fp16/bf16, so this errs towards more parameters.
+_PICKLE_BYTES_PER_PARAMETER = 2
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What the checks found; the pipeline records nothing of it, tests read it."""
+
+    files: list[Path]
+    tables: list[WeightTable]
+    n_parameters: int
+    memory: MemoryEstimate
+    artifact_bytes: int
+
+
+def preflight(
+    recipe: Recipe, source: ResolvedSource, out_dir: Path, allow_pickle: bool
+) -> PreflightReport:
+    """Run every check that needs no weights loaded; raise InputError on the first problem."""
+    files = weight_files(source, allow_pickle)
+    tables = read_weight_tables(files)
+    _check_architecture(source, tables)
+    _check_tokenizer(recipe, source)
+    if tables:
+        n_parameters = sum(t.n_parameters for t in tables)
+    else:
+        size = sum(f.stat().st_size for f in files)
+        n_parameters = size // _PICKLE_BYTES_PER_PARAMETER
+    memory = estimate_peak_memory(n_parameters)
+    check_memory(memory, recipe.name)
+    artifact = artifact_bytes(tables, n_parameters)
+    check_disk(out_dir, artifact, recipe.name)
+    return PreflightReport(files, tables, n_parameters, memory, artifact)
+
+
+def artifact_bytes(tables: list[WeightTable], n_parameters: int) -> int:
+    """The published artifact's size, about: every weight in fp16, the tied table twice.
+
+    With tied embeddings the table is both the LM head (in the package) and either the
+    in-model gather or the host-side ``embeddings.npy``.
+    """
+    tensors = {name: t for table in tables for name, t in table.tensors.items()}
+    embedding = next((tensors[n] for n in _EMBEDDING_NAMES if n in tensors), None)
+    tied = embedding is not None and not any(n in tensors for n in _LM_HEAD_NAMES)
+    return 2 * n_parameters + (2 * embedding.n_elements if tied and embedding else 0)
+
+
+def _read_config(source: ResolvedSource) -> dict[str, Any] | None:
+    path = source.directory / "config.json"
+    if source.gguf_file or not path.is_file():
+        return None  # a GGUF carries its config; a folder without config.json fails at loading
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: cannot read the checkpoint's config: {e}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _check_architecture(source: ResolvedSource, tables: list[WeightTable]) -> None:
+    """Refuse an architecture anec has no adapter for, before transformers sees it.
+
+    transformers would otherwise fail on an unknown ``model_type`` with advice to upgrade it,
+    or load a known but unsupported one in full before anec refuses it.
+    """
+    from graph_passes.adapters import ADAPTERS
+
+    supported = ", ".join(sorted(ADAPTERS))
+    config = _read_config(source)
+    if config is not None:
+        model_type = config.get("model_type")
+        if model_type not in ADAPTERS:
+            remote = (
+                "; its auto_map points at code shipped with the checkpoint, which anec never runs"
+                if "auto_map" in config
+                else ""
+            )
+            raise InputError(
+                f"{source.directory / 'config.json'}: model_type: architecture {model_type!r} is "
+                f"not supported; supported: {supported}{remote}"
+            )
+    for table in tables:
+        if table.format == "gguf" and table.architecture not in ADAPTERS:
+            raise InputError(
+                f"{table.file}: general.architecture: {table.architecture!r} is not supported; "
+                f"supported: {supported}"
+            )
+
+
+def _check_tokenizer(recipe: Recipe, source: ResolvedSource) -> None:
+    """Prompts need the checkpoint's tokenizer; a folder without tokenizer files has none."""
+    if not recipe.fixtures.prompts or source.gguf_file:
+        return  # a GGUF carries its tokenizer
+    if not any((source.directory / f).is_file() for f in _TOKENIZER_FILES):
+        raise InputError(
+            f"fixtures.prompts: {source.directory} has no tokenizer (none of "
+            f"{', '.join(_TOKENIZER_FILES)}); add the checkpoint's tokenizer files or give "
+            "fixtures.token_ids instead"
+        )

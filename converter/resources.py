@@ -1,0 +1,175 @@
+"""Will a conversion fit on this machine? Peak memory and artifact size, estimated up front.
+
+A conversion that runs out of memory is killed after minutes of work, with no message; one
+that runs out of disk fails while saving. Both are estimated from the checkpoint's parameter
+count (read from the weight files' headers) and checked before any work starts.
+
+Memory model, fitted to measured peaks of ``anec convert`` (``/usr/bin/time -v``, see
+README "Recipes"): the interpreter with torch, transformers and coremltools loaded, plus a
+multiple of the fp32 weights (the transformers reference model, the BC1L module's copy and
+coremltools' constants exist side by side at times).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from converter.errors import InputError
+
+GIB = 1 << 30
+# Measured: a 130k-parameter model peaked at 0.40 GiB (the imports, nearly all of it).
+BASE_BYTES = int(0.45 * GIB)
+# Peak bytes per byte of fp32 weights, above the base (fitted; see the module docstring).
+FP32_MULTIPLE = 2.5
+MEMORY_LIMIT_ENV = "ANEC_MEMORY_LIMIT"
+_UNLIMITED = 1 << 60  # cgroup files report "no limit" as a huge number
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The expected peak resident memory of converting a checkpoint."""
+
+    n_parameters: int
+    peak_bytes: int
+
+    @property
+    def fp32_bytes(self) -> int:
+        """The weights as fp32 tensors, as transformers holds the reference model."""
+        return 4 * self.n_parameters
+
+    def describe(self) -> str:
+        """One sentence that shows where the figure comes from."""
+        return (
+            f"{self.n_parameters / 1e6:.1f}M parameters ({gib(self.fp32_bytes)} as fp32) need "
+            f"about {gib(self.peak_bytes)} at the peak ({gib(BASE_BYTES)} + "
+            f"{FP32_MULTIPLE:g} x the fp32 weights)"
+        )
+
+
+def gib(n: float) -> str:
+    """``n`` bytes as GiB with two decimals."""
+    return f"{n / GIB:.2f} GiB"
+
+
+def estimate_peak_memory(n_parameters: int) -> MemoryEstimate:
+    """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size."""
+    return MemoryEstimate(n_parameters, BASE_BYTES + int(FP32_MULTIPLE * 4 * n_parameters))
+
+
+def parse_size(text: str) -> int:
+    """Parse a size such as ``8GiB``, ``6G``, ``512MiB`` or ``1073741824`` (bytes)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise InputError(
+            f"{MEMORY_LIMIT_ENV}={text!r}: expected a size such as 8GiB or 512MiB, or 'off'"
+        )
+    number, unit, _ = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    return int(value) if value.isdigit() else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """Room left under a container's memory limit (cgroup v2, then v1), if there is a limit."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        limit = _read_int(limit_file)
+        if limit is not None and limit < _UNLIMITED:
+            return max(0, limit - (_read_int(usage_file) or 0))
+    return None
+
+
+def own_peak_bytes() -> int:
+    """This process's peak resident memory so far (already counted as used by the system)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS bytes, Linux KiB
+
+
+def memory_budget() -> tuple[int, str] | None:
+    """How much this conversion may use at its peak, and where the figure comes from.
+
+    ``ANEC_MEMORY_LIMIT`` overrides the detection (a size, or ``off`` for no check). Otherwise
+    the smaller of the system's available memory and the room under a cgroup limit, plus what
+    this process already holds. None when nothing is known (no check).
+    """
+    override = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if override.lower() in ("off", "none"):
+        return None
+    if override:
+        return parse_size(override), f"{MEMORY_LIMIT_ENV}={override}"
+    found = [
+        (value, name)
+        for value, name in (
+            (_meminfo_available(), "available memory (MemAvailable)"),
+            (_cgroup_room(), "room under the cgroup memory limit"),
+        )
+        if value is not None
+    ]
+    if not found:
+        return None
+    room, source = min(found)
+    return room + own_peak_bytes(), source
+
+
+def check_memory(estimate: MemoryEstimate, what: str) -> None:
+    """Raise InputError when the estimated peak exceeds the memory budget."""
+    budget = memory_budget()
+    if budget is None or estimate.peak_bytes <= budget[0]:
+        return
+    limit, source = budget
+    raise InputError(
+        f"{what}: not enough memory: {estimate.describe()}, but only {gib(limit)} can be used "
+        f"({source}). Use a machine with more memory, or set {MEMORY_LIMIT_ENV}=off to try "
+        "anyway"
+    )
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(out_dir: Path, needed_bytes: int, what: str) -> None:
+    """Raise InputError when the output directory's filesystem has less free space than needed."""
+    try:
+        free = shutil.disk_usage(_existing_parent(out_dir)).free
+    except OSError:
+        return  # the write itself will report the problem, naming the path
+    if free < needed_bytes:
+        raise InputError(
+            f"{what}: not enough disk space in {out_dir}: the artifact needs about "
+            f"{gib(needed_bytes)}, {gib(free)} is free"
+        )
