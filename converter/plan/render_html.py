@@ -101,8 +101,10 @@ def segment_strip(report: PlacementReport, width: int = 900) -> str:
         x = 1.0
         for s in segs:
             w = s.ops / n * width
+            # A lone off-NE op must stay visible on a strip of thousands of ops.
+            shown = max(w, 1.0 if s.device == "NE" else 3.0)
             svg.append(
-                f'<rect x="{x:.2f}" y="1" width="{max(w, 1.0):.2f}" height="{h}" '
+                f'<rect x="{x:.2f}" y="1" width="{shown:.2f}" height="{h}" '
                 f'fill="{COLOURS.get(s.device, "#999")}"><title>{s.device}: ops #{s.first}-'
                 f"#{s.last} ({s.ops} ops, {fmt_flops(s.flops)}FLOP)</title></rect>"
             )

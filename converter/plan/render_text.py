@@ -24,7 +24,7 @@ def fmt_flops(n: int | None) -> str:
         return "?"
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{n / scale:.4g} {unit}"
     return str(n)
 
 
