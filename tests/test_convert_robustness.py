@@ -1,0 +1,388 @@
+"""`anec convert` as a CI job runs it, on real conversions of a tiny perturbed Llama.
+
+Overwriting needs --force and keeps the previous artifact whole until the new one is complete;
+a real SIGINT or SIGTERM mid-conversion leaves no partial artifact and the previous one as it
+was; two conversions of one recipe give byte-identical weights and program; several recipes
+run past failures with one combined exit code and a JSON line each; convert.log lands in the
+artifact and in the .failed directory; pickle and remote code are never executed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file
+from tiny_models import one_torch_thread, tiny_hf_model
+
+from converter import pipeline
+from converter.checkpoint import load_checkpoint
+from converter.cli import main
+from converter.errors import InputError
+from converter.hashing import mlpackage_content_hash
+from converter.publish import ArtifactStage
+from converter.recipe import load_recipe
+from converter.runlog import LOG_NAME
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPE = """\
+name: {name}
+task: text-generation
+source:
+  kind: hf-dir
+  path: {path}
+shapes:
+  batch: 1
+  sequence_length: 16
+io:
+  lm_head_chunk: 128
+gates:
+  fp32_layer_rel_error: {layer_gate}
+fixtures:
+  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
+"""
+PASSING_GATE = 1.0e-4
+# The fp32 rewrite is exact to about 4e-7 here: a 1e-12 gate must fail.
+FAILING_GATE = 1.0e-12
+CONTENT_FILES = ("Data/com.apple.CoreML/model.mlmodel", "Data/com.apple.CoreML/weights/weight.bin")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    yield from one_torch_thread()
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A tiny checkpoint and recipes for it, shared by the tests of this module."""
+
+    root: Path
+    checkpoint: Path
+
+    def recipe(self, name: str, gate: float = PASSING_GATE, path: Path | None = None) -> Path:
+        """Write a recipe called ``name`` (file ``<name>-<gate>.yaml``) and return its path."""
+        file = self.root / f"{name}-{gate:g}.yaml"
+        text = RECIPE.format(name=name, path=path or self.checkpoint, layer_gate=f"{gate:.1e}")
+        file.write_text(text, encoding="utf-8")
+        return file
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    root = tmp_path_factory.mktemp("robust")
+    checkpoint = root / "ckpt"
+    tiny_hf_model("llama").save_pretrained(checkpoint, safe_serialization=True)
+    return Workspace(root, checkpoint)
+
+
+def convert(*args: str | Path) -> Result:
+    """Run `anec convert ARGS` in-process."""
+    return CliRunner().invoke(main, ["convert", *map(str, args)])
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One `anec convert --json` run over a failing gate, bad input and a good recipe."""
+
+    result: Result
+    out: Path
+    recipes: tuple[Path, Path, Path]
+
+
+@pytest.fixture(scope="module")
+def batch(ws: Workspace) -> Batch:
+    gate = ws.recipe("tiny-gate", FAILING_GATE)
+    bad = ws.recipe("tiny-bad", path=ws.root / "no-such-checkpoint")
+    good = ws.recipe("tiny")
+    out = ws.root / "batch-out"
+    return Batch(convert(gate, bad, good, "--out", out, "--json"), out, (gate, bad, good))
+
+
+@pytest.fixture(scope="module")
+def published(batch: Batch) -> Path:
+    """OUT/tiny as the batch run published it; tests copy it rather than change it."""
+    assert batch.result.exit_code == 2, batch.result.output
+    assert (batch.out / "tiny").is_dir()
+    return batch.out
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root`` (directories by their files)."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def copy_of(published: Path, out: Path) -> Path:
+    """A fresh output directory holding only a copy of the published OUT/tiny."""
+    shutil.copytree(published / "tiny", out / "tiny")
+    return out
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+def test_same_recipe_twice_gives_identical_weights_and_program(
+    batch: Batch, published: Path, tmp_path: Path
+) -> None:
+    result = convert(batch.recipes[2], "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    first, second = published / "tiny", tmp_path / "tiny"
+    for rel in CONTENT_FILES:
+        a = (first / "tiny.mlpackage" / rel).read_bytes()
+        b = (second / "tiny.mlpackage" / rel).read_bytes()
+        assert a == b, f"{rel} differs between two conversions of one recipe"
+    assert (first / "embeddings.npy").read_bytes() == (second / "embeddings.npy").read_bytes()
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (first, second)]
+    assert manifests[0]["package"]["files"] == manifests[1]["package"]["files"]
+    assert set(CONTENT_FILES) <= set(manifests[0]["package"]["files"])
+    # The recorded hash is the package's content hash, and it matches across runs.
+    for directory, manifest in zip((first, second), manifests, strict=True):
+        recorded = manifest["package"]["content_sha256"]
+        assert recorded == mlpackage_content_hash(directory / "tiny.mlpackage")
+    assert manifests[0]["package"]["content_sha256"] == manifests[1]["package"]["content_sha256"]
+
+
+# --------------------------------------------------------------------------- overwriting
+
+
+def test_existing_artifact_is_refused_without_force_before_any_work(
+    ws: Workspace, published: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = copy_of(published, tmp_path / "out")
+    before = snapshot(out)
+
+    def no_loading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the checkpoint must not be loaded when the artifact exists")
+
+    monkeypatch.setattr(pipeline, "load_checkpoint", no_loading)
+    result = convert(ws.recipe("tiny"), "--out", out)
+    assert result.exit_code == 2
+    assert f"{out / 'tiny'} already exists; pass --force to replace it" in result.stderr
+    assert snapshot(out) == before
+
+
+def test_force_keeps_the_previous_artifact_until_the_new_one_is_complete(
+    ws: Workspace, published: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = copy_of(published, tmp_path / "out")
+    before = snapshot(out / "tiny")
+    seen: dict[str, Any] = {}
+    real_commit = ArtifactStage.commit
+
+    def checked_commit(stage: ArtifactStage) -> Path:
+        # Just before the swap: the old artifact is intact, the new one complete beside it.
+        seen["old"] = snapshot(out / "tiny")
+        seen["new"] = snapshot(stage.path)
+        return real_commit(stage)
+
+    monkeypatch.setattr(ArtifactStage, "commit", checked_commit)
+    result = convert(ws.recipe("tiny"), "--out", out, "--force")
+    assert result.exit_code == 0, result.output
+    assert seen["old"] == before
+    assert {"manifest.json", "parity.json", LOG_NAME, "embeddings.npy"} <= set(seen["new"])
+    assert {f"tiny.mlpackage/{rel}" for rel in CONTENT_FILES} <= set(seen["new"])
+    assert snapshot(out / "tiny") == seen["new"]  # published exactly what was staged
+    assert sorted(os.listdir(out)) == ["tiny"]  # the displaced old copy is gone
+
+
+def test_force_with_a_failed_gate_keeps_the_previous_artifact(
+    ws: Workspace, published: Path, tmp_path: Path
+) -> None:
+    out = copy_of(published, tmp_path / "out")
+    before = snapshot(out / "tiny")
+    result = convert(ws.recipe("tiny", FAILING_GATE), "--out", out, "--force")
+    assert result.exit_code == 1, result.output
+    assert snapshot(out / "tiny") == before
+    assert sorted(os.listdir(out)) == ["tiny", "tiny.failed"]
+    assert {"parity.json", "parity.txt", LOG_NAME} <= set(os.listdir(out / "tiny.failed"))
+
+
+# --------------------------------------------------------------------------- interruption
+
+
+def _start(recipe: Path, out: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two children share the machine
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "converter.cli", "convert", str(recipe)]
+    with open(log, "wb") as stderr:
+        return subprocess.Popen(
+            [*command, "--out", str(out), "--force", "--json"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
+def _staging(out: Path) -> list[Path]:
+    return [p for p in out.iterdir() if p.name.startswith(".anec-staging-")]
+
+
+def test_sigint_and_sigterm_mid_conversion_leave_the_previous_artifact(
+    ws: Workspace, published: Path, tmp_path: Path
+) -> None:
+    """Real signals to real `anec convert` processes, replacing an artifact with --force.
+
+    SIGINT arrives once the staging directory exists (while the checkpoint loads); SIGTERM
+    once the parity reports are staged (while tracing and converting to an ML Program). Both
+    children run at once to halve the wall time.
+    """
+    recipe = ws.recipe("tiny")
+    # (signal, the staged file to wait for: None = the staging directory itself)
+    plans = {signal.SIGINT: None, signal.SIGTERM: "parity.json"}
+    runs = {}
+    for sig, trigger in plans.items():
+        out = copy_of(published, tmp_path / sig.name)
+        log = tmp_path / f"{sig.name}.stderr"
+        runs[sig] = (out, log, _start(recipe, out, log), trigger)
+    before = snapshot(published / "tiny")
+    codes = {}
+    try:
+        pending = dict(runs)
+        deadline = time.monotonic() + 120
+        while pending:
+            assert time.monotonic() < deadline, f"never reached the trigger: {list(pending)}"
+            for sig, (out, log, proc, trigger) in list(pending.items()):
+                assert proc.poll() is None, f"{sig.name} child ended early:\n{log.read_text()}"
+                staged = _staging(out)
+                if staged and (trigger is None or (staged[0] / trigger).exists()):
+                    proc.send_signal(sig)
+                    del pending[sig]
+            time.sleep(0.01)
+        for sig, (_, _, proc, _) in runs.items():
+            codes[sig] = proc.wait(timeout=60)
+    finally:
+        for _, _, proc, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for sig, (out, log, _, _) in runs.items():
+        stderr = log.read_text()
+        assert codes[sig] == 128 + sig, f"{sig.name}: exit {codes[sig]}\n{stderr}"
+        assert "interrupted; nothing was published" in stderr
+        assert "Traceback" not in stderr
+        assert sorted(os.listdir(out)) == ["tiny"], f"{sig.name} left {os.listdir(out)}"
+        assert snapshot(out / "tiny") == before
+
+
+# --------------------------------------------------------------------------- batch mode
+
+
+def test_batch_keeps_going_and_reports_each_recipe(batch: Batch) -> None:
+    result, out = batch.result, batch.out
+    assert result.exit_code == 2  # the highest of 1, 2, 0
+    lines = [json.loads(line) for line in result.stdout.splitlines()]  # stdout is only JSON
+    assert [(x["recipe"], x["name"], x["exit_code"], x["status"]) for x in lines] == [
+        (str(batch.recipes[0]), "tiny-gate", 1, "parity gate failed"),
+        (str(batch.recipes[1]), "tiny-bad", 2, "bad input"),
+        (str(batch.recipes[2]), "tiny", 0, "converted"),
+    ]
+    assert lines[0]["gates"]["per-layer relative error"]["passed"] is False
+    assert "no-such-checkpoint" in lines[1]["error"] and lines[1]["passed"] is False
+    assert lines[2]["passed"] is True and lines[2]["artifact"] == str(out / "tiny")
+    assert sorted(os.listdir(out)) == ["tiny", "tiny-gate.failed"]
+
+    published_log = (out / "tiny" / LOG_NAME).read_text()
+    for text in ("step load checkpoint: done", "step save: done", "every gate passed"):
+        assert text in published_log
+    failed_log = (out / "tiny-gate.failed" / LOG_NAME).read_text()
+    assert "a parity gate failed" in failed_log
+    assert "step trace" not in failed_log  # it stopped at the gates
+
+
+def test_batch_reports_a_crash_as_exit_3_and_goes_on(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("simulated bug in tracing")
+
+    monkeypatch.setattr(pipeline, "trace", crash)
+    first, second = ws.recipe("tiny-one"), ws.recipe("tiny-two", FAILING_GATE)
+    result = convert(first, second, "--out", tmp_path)
+    assert result.exit_code == 3  # the highest of 3 and 1
+    assert "internal error" in result.stderr and "simulated bug in tracing" in result.stderr
+    assert "Traceback" in result.stderr  # a bug keeps its traceback
+    assert sorted(os.listdir(tmp_path)) == ["tiny-two.failed"]  # the second one still ran
+    assert f"{first} (tiny-one): internal error [3]" in result.stdout
+    assert f"{second} (tiny-two): parity gate failed [1]" in result.stdout
+
+
+# --------------------------------------------------------------------------- safe loading
+
+
+def test_allow_pickle_loads_a_pytorch_model_bin(ws: Workspace, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "pickled"
+    checkpoint.mkdir()
+    shutil.copy(ws.checkpoint / "config.json", checkpoint)
+    weights = load_file(ws.checkpoint / "model.safetensors")
+    torch.save(weights, checkpoint / "pytorch_model.bin")
+    recipe = load_recipe(ws.recipe("tiny-pickled", path=checkpoint))
+    with pytest.raises(InputError, match="--allow-pickle"):
+        load_checkpoint(recipe.resolve_source(), recipe.task)
+    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task, allow_pickle=True)
+    loaded = ckpt.model.state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+class _RunsCode:
+    """A pickle payload that creates a file when unpickled by a full (unsafe) unpickler."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_allow_pickle_still_refuses_code_in_the_pickle(ws: Workspace, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "evil"
+    checkpoint.mkdir()
+    shutil.copy(ws.checkpoint / "config.json", checkpoint)
+    marker = tmp_path / "PICKLE_CODE_RAN"
+    with open(checkpoint / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": _RunsCode(marker)}, f)
+    result = convert(
+        ws.recipe("tiny-evil", path=checkpoint), "--out", tmp_path / "out", "--allow-pickle"
+    )
+    assert result.exit_code == 2
+    assert (
+        "pytorch_model.bin: cannot load the checkpoint: Weights only load failed" in result.stderr
+    )
+    assert not marker.exists()
+    assert not (tmp_path / "out" / "tiny-evil").exists()
+
+
+def test_remote_code_of_a_supported_architecture_is_never_run(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    """auto_map pointing at shipped code: transformers' own Llama class is used instead."""
+    checkpoint = shutil.copytree(ws.checkpoint, tmp_path / "remote")
+    marker = tmp_path / "REMOTE_CODE_RAN"
+    (checkpoint / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "modeling_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+    }
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    recipe = load_recipe(ws.recipe("tiny-remote", path=checkpoint))
+    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
+    assert type(ckpt.model).__name__ == "LlamaForCausalLM"
+    assert not marker.exists()
