@@ -1,21 +1,20 @@
 """The macOS compute-plan adapter and dump ingest, against stand-ins.
 
-The stand-ins are coremltools' own ``MLModelStructure*``, ``MLComputePlanDeviceUsage`` and
-``MLComputePlanCost`` dataclasses and real device-class instances created without their
-native proxy; only ``MLComputePlan`` itself (which needs the native library) is a small fake
-with the same three members. The macOS calls (compile_model, MLComputePlan.load_from_path)
-are not exercised: they cannot run on Linux.
+The stand-ins (plan_standins.py) are coremltools' own structure, usage and cost dataclasses
+and real device-class instances; only MLComputePlan itself is a fake with its three members.
+The macOS calls (compile_model, MLComputePlan.load_from_path) are not exercised: they cannot
+run on Linux.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import plan_programs as pp
 import pytest
+from plan_standins import FakePlan, block, ne_except, recorded, structure_of, structure_op
 
 from converter.errors import InputError
 from converter.evidence import Evidence
@@ -26,98 +25,8 @@ from converter.plan.computeplan import (
     resave_with_default,
     walk_plan,
 )
-from converter.plan.dump import DUMP_FORMAT, RecordedPlan, read_dump, write_dump
+from converter.plan.dump import DUMP_FORMAT, read_dump, write_dump
 from converter.plan.inspect import inspect_package
-
-
-def _device(kind: str) -> Any:
-    from coremltools.models import compute_device as cd
-
-    cls = {
-        "NE": cd.MLNeuralEngineComputeDevice,
-        "GPU": cd.MLGPUComputeDevice,
-        "CPU": cd.MLCPUComputeDevice,
-    }[kind]
-    return object.__new__(cls)  # a real device instance; its proxy is never touched
-
-
-def _structure_op(operator: str, outputs: list[str], blocks: list[Any] | None = None) -> Any:
-    from coremltools.models import compute_plan as cp
-
-    return cp.MLModelStructureProgramOperation(
-        inputs={},
-        operator_name=operator,
-        outputs=[
-            cp.MLModelStructureProgramNamedValueType(
-                name=o, type=cp.MLModelStructureProgramValueType()
-            )
-            for o in outputs
-        ],
-        blocks=blocks or [],
-        __proxy__=None,
-    )
-
-
-def _block(ops: list[Any]) -> Any:
-    from coremltools.models import compute_plan as cp
-
-    return cp.MLModelStructureProgramBlock(inputs=[], operations=ops, output_names=[])
-
-
-def structure_of(program: Any) -> Any:
-    """An MLModelStructure mirroring a MIL program (every function, constants included)."""
-    from coremltools.models import compute_plan as cp
-
-    def block_of(mil_block: Any) -> Any:
-        ops = []
-        for op in mil_block.operations:
-            inner = [block_of(b) for b in getattr(op, "blocks", None) or ()]
-            ops.append(_structure_op(f"ios17.{op.op_type}", [v.name for v in op.outputs], inner))
-        return _block(ops)
-
-    functions = {
-        name: cp.MLModelStructureProgramFunction(inputs=[], block=block_of(f))
-        for name, f in program.functions.items()
-    }
-    return cp.MLModelStructure(
-        neuralnetwork=None, program=cp.MLModelStructureProgram(functions=functions), pipeline=None
-    )
-
-
-class FakePlan:
-    """The three members of coremltools' MLComputePlan that the adapter uses."""
-
-    def __init__(self, structure: Any, policy: Callable[[str, str], str | None]) -> None:
-        self.model_structure = structure
-        self.policy = policy  # (operator, first output) -> device, None = undetermined
-
-    def get_compute_device_usage_for_mlprogram_operation(self, op: Any) -> Any:
-        from coremltools.models import compute_plan as cp
-
-        device = self.policy(op.operator_name, op.outputs[0].name if op.outputs else "")
-        if device is None:
-            return None
-        supported = [_device(d) for d in ("CPU", "GPU", "NE")]
-        return cp.MLComputePlanDeviceUsage(
-            preferred_compute_device=_device(device), supported_compute_devices=supported
-        )
-
-    def get_estimated_cost_for_mlprogram_operation(self, op: Any) -> Any:
-        from coremltools.models import compute_plan as cp
-
-        if op.operator_name.endswith(".const"):
-            return None  # Core ML gives constants no cost
-        return cp.MLComputePlanCost(weight=0.01)
-
-
-def ne_except(*cpu_outputs: str) -> Callable[[str, str], str | None]:
-    def policy(operator: str, output: str) -> str | None:
-        if operator.endswith(".const"):
-            return None
-        return "CPU" if output in cpu_outputs else "NE"
-
-    return policy
-
 
 # ---------------------------------------------------------------------------- walking
 
@@ -125,17 +34,17 @@ def ne_except(*cpu_outputs: str) -> Callable[[str, str], str | None]:
 def test_walk_maps_devices_costs_and_recurses_into_blocks() -> None:
     from coremltools.models import compute_plan as cp
 
-    inner = _block([_structure_op("ios17.mul", ["inside"])])
+    inner = block([structure_op("ios17.mul", ["inside"])])
     ops = [
-        _structure_op("ios17.const", ["w"]),
-        _structure_op("ios17.conv", ["c"]),
-        _structure_op("ios17.cond", ["branch"], [inner]),
-        _structure_op("ios17.gather", ["g"]),
+        structure_op("ios17.const", ["w"]),
+        structure_op("ios17.conv", ["c"]),
+        structure_op("ios17.cond", ["branch"], [inner]),
+        structure_op("ios17.gather", ["g"]),
     ]
     structure = cp.MLModelStructure(
         neuralnetwork=None,
         program=cp.MLModelStructureProgram(
-            functions={"main": cp.MLModelStructureProgramFunction(inputs=[], block=_block(ops))}
+            functions={"main": cp.MLModelStructureProgramFunction(inputs=[], block=block(ops))}
         ),
         pipeline=None,
     )
@@ -189,9 +98,9 @@ def multifunction(tmp_path: Path) -> Path:
 
 
 def test_resave_makes_another_function_the_default(multifunction: Path, tmp_path: Path) -> None:
-    assert function_names(multifunction) == (["mlp", "attn"], "attn")
+    assert function_names(multifunction) == (["attn", "mlp"], "attn")
     copy = resave_with_default(multifunction, "mlp", tmp_path / "copy.mlpackage")
-    assert function_names(copy) == (["mlp", "attn"], "mlp")
+    assert function_names(copy) == (["attn", "mlp"], "mlp")
     assert function_names(multifunction)[1] == "attn"  # the original is untouched
     with pytest.raises(InputError, match="no function"):
         resave_with_default(multifunction, "nope", tmp_path / "x.mlpackage")
@@ -238,25 +147,13 @@ def test_reading_plans_without_a_mac_is_bad_input(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------- dump ingest
 
 
-def _recorded(package: Path, policy: Callable[[str, str], str | None]) -> RecordedPlan:
-    from converter.coreml import load_program
-
-    plan = FakePlan(structure_of(load_program(package)), policy)
-    return RecordedPlan(
-        content_sha256=mlpackage_content_hash(package),
-        package=package.name,
-        recorded={"macos": "stand-in", "machine": "test", "chip": "stand-in"},
-        plans={"CPU_AND_NE": {"main": walk_plan(plan, "main")}},
-    )
-
-
 def test_a_dump_round_trips_and_is_keyed_by_content_hash(tmp_path: Path) -> None:
     a = pp.save(pp.bc1l_block(), tmp_path / "a.mlpackage")
     b = pp.save(pp.mlp(4), tmp_path / "b.mlpackage")
     dump = tmp_path / "plan.json"
-    rec_a = _recorded(a, ne_except())
+    rec_a = recorded(a, ne_except())
     write_dump(dump, rec_a)
-    write_dump(dump, _recorded(b, ne_except()))
+    write_dump(dump, recorded(b, ne_except()))
     doc = json.loads(dump.read_text())
     assert doc["format"] == DUMP_FORMAT and doc["evidence"] == "compute-plan"
     assert set(doc["packages"]) == {mlpackage_content_hash(a), mlpackage_content_hash(b)}
@@ -267,7 +164,7 @@ def test_a_dump_round_trips_and_is_keyed_by_content_hash(tmp_path: Path) -> None
 def test_a_dump_for_another_package_or_in_another_format_is_refused(tmp_path: Path) -> None:
     a = pp.save(pp.bc1l_block(), tmp_path / "a.mlpackage")
     dump = tmp_path / "plan.json"
-    write_dump(dump, _recorded(a, ne_except()))
+    write_dump(dump, recorded(a, ne_except()))
     with pytest.raises(InputError, match="no plan for this package"):
         read_dump(dump, "0" * 64)
     doc = json.loads(dump.read_text())
@@ -296,7 +193,7 @@ def test_plan_report_and_op_by_op_agreement_with_the_static_prediction(tmp_path:
     from converter.plan.inspect import load_table
 
     softmax = next(op for op in load_table(package).ops() if op.op_type == "softmax")
-    write_dump(dump, _recorded(package, ne_except(softmax.outputs[0].name)))
+    write_dump(dump, recorded(package, ne_except(softmax.outputs[0].name)))
     item = inspect_package(package, plan_file=dump)
     assert item.compute_plan is not None and item.agreement is not None
     assert item.compute_plan.evidence is Evidence.COMPUTE_PLAN

@@ -195,6 +195,9 @@ def _print(
     from converter.plan.render_text import print_inspected
 
     console = Console(highlight=False)
+    if not console.is_terminal:
+        # Piped or captured: wide enough that op names stay whole and greppable.
+        console = Console(highlight=False, width=160)
     for item in items:
         print_inspected(item, console, show_ops=not no_ops and comparison is None)
     if comparison is not None:

@@ -110,7 +110,7 @@ def function_names(package: Path) -> tuple[list[str], str]:
     spec = _read_spec(package)
     if not spec.HasField("mlProgram"):
         raise InputError(f"{package}: not an ML Program")
-    names = list(spec.mlProgram.functions)
+    names = sorted(spec.mlProgram.functions)  # a protobuf map: no order of its own
     default = spec.description.defaultFunctionName or "main"
     return names, default
 
