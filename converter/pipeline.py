@@ -25,6 +25,7 @@ from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import Deviation, FileEntry, Manifest, PackageEntry, TensorEntry
+from converter.plan.artifact_gate import plan_artifact
 from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import (
@@ -266,7 +267,7 @@ def convert(
         total = len(rewrite.fixtures) + len(rewrite.batches)
         with steps.step("parity (torch fp32, fp16)", total=total) as advance:
             references = reference_runs(ckpt, rewrite, advance)
-            thresholds = Thresholds(**recipe.gates.model_dump())
+            thresholds = Thresholds(**recipe.gates.parity_thresholds())
             report = check_decoder(
                 module, rewrite.batches, references, embed_table, thresholds, advance
             )
@@ -327,6 +328,21 @@ def convert(
                 stage.path / "parity.json",
             )
             write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
+        with steps.step("plan (static)"):
+            plan = plan_artifact(
+                mlmodel._mil_program,  # the program just saved, without reloading its weights
+                package,
+                manifest.package.content_sha256,
+                target.platform,
+                recipe.gates.plan_min_ne_flop_share,
+                recipe.gates.plan_max_ne_segments,
+                stage.path,
+            )
+        if not plan.passed:
+            write_log_into(stage.path, f"a plan gate failed; reports kept in {name}.failed")
+            failed = stage.keep_as_failed()
+            notes = plan.failures()
+            return ConvertResult(name, False, None, failed, report, steps.timings, notes=notes)
         write_log_into(stage.path, f"every gate passed; publishing {out_dir / name}")
         final = stage.commit()
 

@@ -270,6 +270,14 @@ class Gates(_Model):
     # The emitted program run by the MIL evaluator in fp32 against the BC1L module with the
     # program's constants, per layer: the same function, so only rounding differs.
     mil_fp32_layer_rel_error: float = Field(default=1.0e-5, gt=0, lt=1, strict=True)
+    # Plan gates (SPEC 5): static NE residency of the emitted program on every chip of the
+    # target's platform (anec plan-inspect); None = not required. Checked before publishing.
+    plan_min_ne_flop_share: float | None = Field(default=None, ge=0, le=1, strict=True)
+    plan_max_ne_segments: int | None = Field(default=None, ge=1, strict=True)
+
+    def parity_thresholds(self) -> dict[str, float]:
+        """The parity gates alone (the keyword arguments of ``parity.gates.Thresholds``)."""
+        return self.model_dump(exclude={"plan_min_ne_flop_share", "plan_max_ne_segments"})
 
 
 class Fixtures(_Model):

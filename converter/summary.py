@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from converter.pipeline import ConvertResult
 
@@ -25,6 +26,7 @@ def result_to_json(result: ConvertResult) -> dict[str, Any]:
         "gates": gates,
         "live_ops": result.live_ops,
         "live_ops_per_layer": round(result.live_ops_per_layer, 1),
+        "notes": result.notes,
         "timings_s": {k: round(v, 2) for k, v in result.timings.items()},
     }
 
@@ -32,6 +34,8 @@ def result_to_json(result: ConvertResult) -> dict[str, Any]:
 def print_summary(result: ConvertResult, console: Console) -> None:
     """Gates, where the artifact and its reports are, and how long each step took."""
     status = "[green]converted[/]" if result.passed else "[red]parity gate failed[/]"
+    if not result.passed and result.parity.passed:
+        status = "[red]plan gate failed[/]"  # parity held; plan_artifact gave the reasons
     console.print(f"\n[bold]{result.name}[/]: {status}")
     table = Table(show_header=True, header_style="bold")
     for column in ("gate", "implementation", "value", "threshold", ""):
@@ -60,5 +64,7 @@ def print_summary(result: ConvertResult, console: Console) -> None:
     console.print(
         f"reports:  {result.report_dir / 'parity.json'}, {result.report_dir / 'parity.txt'}"
     )
+    for note in result.notes:
+        console.print(Text(note, style="red" if not result.passed else ""))
     times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
     console.print(f"time:     {times}", style="dim")

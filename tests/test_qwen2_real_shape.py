@@ -73,7 +73,7 @@ def test_real_shape_qwen2_rewrite_is_exact_and_converts(qwen_dir: Path, tmp_path
         rewrite.batches,
         reference_runs(ckpt, rewrite),
         rewrite.embed_table,
-        Thresholds(**recipe.gates.model_dump()),
+        Thresholds(**recipe.gates.parity_thresholds()),
     )
     gates = {g.name: g for g in report.gates}
     # The rewrite is exact: every layer, q/k/v biases included, within the fp32 gate.

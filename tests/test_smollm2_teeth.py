@@ -27,7 +27,7 @@ def setup(
     recipe = load_recipe(locate_recipe("smollm2-135m-draft"))
     rewrite = rewrite_decoder(recipe, smollm2_checkpoint)  # type: ignore[arg-type]
     references = reference_runs(smollm2_checkpoint, rewrite)  # type: ignore[arg-type]
-    return recipe, rewrite, references, Thresholds(**recipe.gates.model_dump())
+    return recipe, rewrite, references, Thresholds(**recipe.gates.parity_thresholds())
 
 
 def _gates(report: object) -> dict[str, bool]:
