@@ -35,6 +35,9 @@ from converter.targets import TARGETS, Feature, check_feature
 
 MAX_AXIS = 16384  # the Neural Engine's per-axis limit
 MAX_NAME_LENGTH = 100
+# A recipe nests 4 levels deep; far deeper input is a mistake or hostile (recursive aliases).
+MAX_NESTING = 32
+_TOO_DEEP = f"not a recipe: nested more than {MAX_NESTING} levels deep (or a recursive alias)"
 
 Task = Literal[
     "text-generation", "feature-extraction", "text-classification", "sentence-similarity"
@@ -538,10 +541,19 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         reason = e.strerror or str(e)
         raise RecipeError([RecipeIssue(file, None, None, f"cannot read: {reason}")]) from None
 
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)  # its reader refuses characters YAML does not allow
+    except yaml.reader.ReaderError as e:
+        at = text.count("\n", 0, e.position) + 1
+        message = f"not valid YAML: character #x{e.character:04x} is not allowed ({e.reason})"
+        raise RecipeError([RecipeIssue(file, at, None, message)]) from None
     try:
         root = loader.get_single_node()
+        if root is not None and _nesting_exceeds(root, MAX_NESTING):
+            raise RecipeError([RecipeIssue(file, root.start_mark.line + 1, None, _TOO_DEEP)])
         data = loader.construct_document(root) if root is not None else None
+    except RecursionError:  # PyYAML composes recursively: thousands of brackets end here
+        raise RecipeError([RecipeIssue(file, None, None, _TOO_DEEP)]) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else None
@@ -618,9 +630,37 @@ def _line(root: yaml.Node, loc: Loc) -> int:
     return line
 
 
-def _duplicate_keys(file: str, node: yaml.Node, loc: Loc = ()) -> list[RecipeIssue]:
+def _nesting_exceeds(root: yaml.Node, limit: int) -> bool:
+    """True if the node graph nests deeper than ``limit``; a recursive alias nests forever.
+
+    Iterative, and a node shared through aliases is explored again only when reached at a
+    greater depth, so exponentially expanding aliases ("billion laughs") stay cheap.
+    """
+    deepest: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if deepest.get(id(node), 0) >= depth:
+            continue
+        deepest[id(node)] = depth
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, depth + 1) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend((child, depth + 1) for pair in node.value for child in pair)
+    return False
+
+
+def _duplicate_keys(
+    file: str, node: yaml.Node, loc: Loc = (), seen: set[int] | None = None
+) -> list[RecipeIssue]:
     """PyYAML silently keeps the last of duplicate keys; report them instead."""
     issues: list[RecipeIssue] = []
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return issues  # an aliased node: already checked where its anchor is
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         first: dict[str, int] = {}
         for key, value in node.value:
@@ -631,10 +671,10 @@ def _duplicate_keys(file: str, node: yaml.Node, loc: Loc = ()) -> list[RecipeIss
                 issues.append(RecipeIssue(file, line, _dotted((*loc, name)), message))
             else:
                 first[name] = line
-            issues += _duplicate_keys(file, value, (*loc, name))
+            issues += _duplicate_keys(file, value, (*loc, name), seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            issues += _duplicate_keys(file, item, (*loc, i))
+            issues += _duplicate_keys(file, item, (*loc, i), seen)
     return issues
 
 
