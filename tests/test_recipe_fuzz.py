@@ -26,7 +26,7 @@ FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,
-    database=None,  # derandomized runs need no example database (and leave no .hypothesis/)
+    database=None,  # derandomized runs need no example database
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 VALID: dict[str, Any] = {
