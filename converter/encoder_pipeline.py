@@ -44,6 +44,7 @@ from converter.publish import (
     write_text_atomic,
 )
 from converter.recipe import EncoderOptions, Recipe, recipe_to_dict
+from converter.runlog import write_log_into
 from converter.targets import TARGETS
 from graph_passes.adapters import adapt_encoder
 from graph_passes.encoder import (
@@ -387,6 +388,7 @@ def convert_encoder(
         del ckpt.model
         if not report.passed:
             _write_parity(stage.path, report, rows, name)
+            write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
             failed = stage.keep_as_failed()
             return ConvertResult(name, False, None, failed, report, steps.timings)
 
@@ -406,6 +408,7 @@ def convert_encoder(
                 report.implementations[MIL_LEVEL] = f"not run: {mil_note}"
         parity_path = _write_parity(stage.path, report, rows, name)
         if not report.passed:
+            write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
             failed = stage.keep_as_failed()
             return ConvertResult(name, False, None, failed, report, steps.timings)
 
@@ -433,6 +436,7 @@ def convert_encoder(
                 dtype,
             )
             write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
+        write_log_into(stage.path, f"every gate passed; publishing {out_dir / name}")
         final = stage.commit()
 
     n_ops = sum(sum(o.values()) for o in ops.values())

@@ -26,6 +26,8 @@ _LM_HEAD_NAMES = ("lm_head.weight", "output.weight")
 # Bytes per parameter of a pickle checkpoint, whose header cannot be read without unpickling:
 # Hugging Face checkpoints are mostly fp16/bf16, so this errs towards more parameters.
 _PICKLE_BYTES_PER_PARAMETER = 2
+# The program, manifest, reports, log and tokenizer beside the weights (SmolLM2: ~4 MB).
+ARTIFACT_OVERHEAD_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,14 @@ def artifact_bytes(tables: list[WeightTable], n_parameters: int) -> int:
     """The published artifact's size, about: every weight in fp16, the tied table twice.
 
     With tied embeddings the table is both the LM head (in the package) and either the
-    in-model gather or the host-side ``embeddings.npy``.
+    in-model gather or the host-side ``embeddings.npy``. Plus a fixed allowance for the
+    files beside the weights.
     """
     tensors = {name: t for table in tables for name, t in table.tensors.items()}
     embedding = next((tensors[n] for n in _EMBEDDING_NAMES if n in tensors), None)
     tied = embedding is not None and not any(n in tensors for n in _LM_HEAD_NAMES)
-    return 2 * n_parameters + (2 * embedding.n_elements if tied and embedding else 0)
+    weights = 2 * n_parameters + (2 * embedding.n_elements if tied and embedding else 0)
+    return weights + ARTIFACT_OVERHEAD_BYTES
 
 
 def _read_config(source: ResolvedSource) -> dict[str, Any] | None:
