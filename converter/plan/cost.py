@@ -46,7 +46,7 @@ class Floor:
     ms: float
     low_ms: float
     high_ms: float
-    bound: str  # "compute" or "weights": which term of the NE max is larger
+    bound: str  # the largest term: "compute", "weights", "cpu", "copies" or "dispatch"
     components_ms: dict[str, float]
     evidence: Evidence = Evidence.PREDICTED
 
@@ -107,6 +107,18 @@ def _total(t: dict[str, float]) -> float:
     return ne + t["cpu"] + t["copies"] + t["outputs"] + t["dispatch"]
 
 
+def _bound(t: dict[str, float]) -> str:
+    """The largest term: NE "compute" or "weights", "cpu", "copies" or "dispatch"."""
+    terms = {
+        "compute": t["ne_compute"],
+        "weights": t["ne_weights"],
+        "cpu": t["cpu"],
+        "copies": t["copies"] + t["outputs"],
+        "dispatch": t["dispatch"],
+    }
+    return max(terms, key=lambda k: terms[k])
+
+
 def floor(function: FunctionReport, chip: Chip, w8a8: bool = False) -> Floor:
     """The predicted floor of ``function`` on ``chip`` (central value and range)."""
     work = work_of(function, w8a8)
@@ -117,7 +129,7 @@ def floor(function: FunctionReport, chip: Chip, w8a8: bool = False) -> Floor:
         ms=_total(central),
         low_ms=_total(_terms(work, chip, "high")),
         high_ms=_total(_terms(work, chip, "low")),
-        bound="compute" if central["ne_compute"] > central["ne_weights"] else "weights",
+        bound=_bound(central),
         components_ms=central,
     )
 
