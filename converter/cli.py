@@ -45,7 +45,8 @@ def main() -> None:
     """Convert transformer checkpoints to Core ML packages for the Apple Neural Engine.
 
     Every conversion is described by a YAML recipe and proven by parity gates.
-    Exit codes: 0 success, 1 a parity gate failed, 2 bad input.
+    Exit codes: 0 success, 1 a parity gate failed, 2 bad input; convert also 3 internal
+    error and 130 / 143 when interrupted by SIGINT / SIGTERM.
     """
 
 
