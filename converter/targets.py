@@ -57,6 +57,8 @@ class Feature(Enum):
     SDPA = "sdpa"
     MULTIFUNCTION = "multifunction"
     BLOCKWISE_INT4 = "blockwise-int4"
+    COMPRESSED_WEIGHTS = "compressed-weights"
+    INT8_ACTIVATIONS = "int8-activations"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ _REQUIREMENTS: dict[Feature, _Requirement] = {
     Feature.SDPA: _Requirement("fused scaled_dot_product_attention ops", 18, 15),
     Feature.MULTIFUNCTION: _Requirement("multifunction models", 18, 15),
     Feature.BLOCKWISE_INT4: _Requirement("block-wise int4 weights", 18, 15),
+    Feature.COMPRESSED_WEIGHTS: _Requirement("palettized and int8 weights", 16, 13),
+    Feature.INT8_ACTIVATIONS: _Requirement("int8 activation quantize/dequantize ops", 17, 14),
 }
 
 

@@ -68,7 +68,19 @@ def test_every_target_allows_mlprogram(target: str) -> None:
 
 
 def test_allowed_features_of_macos14() -> None:
-    assert allowed_features("macOS14") == {Feature.MLPROGRAM, Feature.FP16_IO}
+    assert allowed_features("macOS14") == {
+        Feature.MLPROGRAM,
+        Feature.FP16_IO,
+        Feature.COMPRESSED_WEIGHTS,
+        Feature.INT8_ACTIVATIONS,
+    }
+
+
+def test_int8_activations_need_ios17_and_compressed_weights_ios16() -> None:
+    assert check_feature("macOS13", Feature.INT8_ACTIVATIONS) is not None
+    assert check_feature("iOS17", Feature.INT8_ACTIVATIONS) is None
+    assert check_feature("iOS15", Feature.COMPRESSED_WEIGHTS) is not None
+    assert check_feature("macOS13", Feature.COMPRESSED_WEIGHTS) is None
 
 
 def test_unknown_target_lists_known_ones() -> None:
