@@ -108,3 +108,6 @@ class Manifest(_Strict):
     boundaries: list[BoundaryEntry] | None = None
     host_files: list[FileEntry] | None = None
     extra_packages: list[PackageEntry] | None = None
+    # Compressed variants (optional, absent for an fp16 artifact): the variant, how every
+    # weight was compressed, the size report and what stays fp16 (converter.compress).
+    compression: dict[str, Any] | None = None

@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from converter.compress.config import Compression, compression_problems
 from converter.errors import InputError
 from converter.targets import TARGETS, Feature, check_feature
 
@@ -397,6 +398,7 @@ class Recipe(_Model):
     fixtures: Fixtures
     output_dir: Path = Path("artifacts")
     encoder: EncoderOptions | None = None
+    compression: Compression | None = None
 
     _source_file: Path | None = PrivateAttr(None)
 
@@ -422,6 +424,11 @@ class Recipe(_Model):
         problems = _cross_field_problems(self.target, self.shapes, self.io, self.fixtures)
         if self.encoder is not None and self.task == "text-generation":
             problems.append((("encoder",), "only for encoder tasks; remove it for text-generation"))
+        if self.compression is not None:
+            problems += compression_problems(
+                self.compression, self.target, self.task, self.name, self.fixtures.prompts,
+                MAX_NAME_LENGTH,
+            )  # fmt: skip
         _raise_rules("Recipe", problems, None)
         return self
 

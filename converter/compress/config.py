@@ -1,0 +1,245 @@
+"""The recipe's ``compression:`` section: variants, what stays fp16, evidence slices, gates.
+
+Every threshold here is fixed in the recipe before anything is measured. A variant's gates are
+its own: a 4-bit model is not held to the fp16 conversion's 100 % argmax gate, and the fp16
+gates are never loosened for it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+from converter.targets import Feature, check_feature
+
+# The error type converter.recipe reports with its own readable reason (file:line: field: ...).
+_RULE = "recipe_rule"
+
+Method = Literal["lut", "int8", "w8a8", "mixed"]
+Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel"]
+
+# Palette sizes coremltools' k-means palettizer and the constexpr ops accept.
+LUT_BITS = (1, 2, 3, 4, 6, 8)
+# Bit widths the mixed-bit search may give one weight (16: stays fp16).
+SEARCH_BITS = (16, 8, 6, 4, 3, 2)
+
+_SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+# Kept fp16 unless a variant says otherwise: norms (their weights scale a residual stream that
+# reaches |h| ~ 25k), the embedding table and the LM head (the draft's output distribution).
+DEFAULT_KEEP_FP16 = ("*norm*", "embed*", "lm_head*")
+
+Loc = tuple[str | int, ...]
+
+
+def _raise(title: str, problems: list[tuple[Loc, str]]) -> None:
+    if problems:
+        details = [
+            InitErrorDetails(
+                type=PydanticCustomError(_RULE, "{reason}", {"reason": reason}),
+                loc=loc,
+                input=None,
+            )
+            for loc, reason in problems
+        ]
+        raise ValidationError.from_exception_data(title, details)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VariantGates(_Model):
+    """A variant's gates against the original checkpoint on the held-out slice and fixtures.
+
+    Decoders: top-1 agreement and mean KL(p_original || p_variant) at every level (torch, MIL);
+    ``max_abs_dprob`` is optional (reported always). Encoders: ``min_cosine`` of the sentence
+    embedding against the original.
+    """
+
+    min_top1_agreement: float | None = Field(default=None, gt=0, le=1, strict=True)
+    max_mean_kl: float | None = Field(default=None, gt=0, strict=True)
+    max_abs_dprob: float | None = Field(default=None, gt=0, le=1, strict=True)
+    min_cosine: float | None = Field(default=None, gt=0, le=1, strict=True)
+
+
+class SearchBudget(_Model):
+    """The mixed-bit search's budget, against the fp16 model on the held-out slice."""
+
+    min_top1_agreement: float = Field(gt=0, le=1, strict=True)
+    max_mean_kl: float = Field(gt=0, strict=True)
+
+
+class SearchSpace(_Model):
+    """A fixed search space: one bit width per weight tensor, per-tensor k-means palettes."""
+
+    bits: list[int] = Field(default_factory=lambda: [16, 8, 6, 4])
+    budget: SearchBudget
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchSpace:
+        problems: list[tuple[Loc, str]] = []
+        bad = [b for b in self.bits if b not in SEARCH_BITS]
+        if bad or len(set(self.bits)) != len(self.bits) or len(self.bits) < 2:
+            allowed = ", ".join(map(str, SEARCH_BITS))
+            problems.append((("bits",), f"expected at least two distinct widths from {allowed}"))
+        _raise("SearchSpace", problems)
+        return self
+
+
+class Variant(_Model):
+    """One compressed variant, published as ``<name>-<suffix>``."""
+
+    suffix: str = Field(json_schema_extra={"expected": "lower-case letters, digits, '.', '_', '-'"})
+    method: Method
+    bits: int | None = Field(default=None, strict=True)
+    granularity: Granularity = "per-tensor"
+    group_size: int | None = Field(default=None, ge=1, strict=True)
+    symmetric: bool = Field(default=True, strict=True)
+    keep_fp16: list[str] | None = None  # None: the section's keep_fp16
+    gates: VariantGates
+    search: SearchSpace | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Variant:
+        problems: list[tuple[Loc, str]] = []
+        if not _SUFFIX_RE.match(self.suffix) or ".." in self.suffix:
+            problems.append((("suffix",), f"expected lower-case letters, digits, '.', '_', '-', "
+                             f"got {self.suffix!r}"))  # fmt: skip
+        if self.method == "lut":
+            if self.bits not in LUT_BITS:
+                allowed = ", ".join(map(str, LUT_BITS))
+                problems.append((("bits",), f"a lut variant needs bits from {allowed}"))
+            if self.granularity == "per-channel":
+                problems.append(
+                    (("granularity",), "palettes are per-tensor or per-grouped-channel")
+                )
+        elif self.method in ("int8", "w8a8"):
+            if self.bits not in (None, 8):
+                problems.append((("bits",), f"{self.method} is 8 bits; remove bits or set 8"))
+            if self.granularity != "per-channel":
+                problems.append(
+                    (
+                        ("granularity",),
+                        "int8 weights are per-channel (per output channel: the form the NE "
+                        "runs well; per-block int4 is GPU-oriented)",
+                    )
+                )
+        else:  # mixed
+            if self.search is None:
+                problems.append((("search",), "a mixed variant needs a search section"))
+            if self.bits is not None:
+                problems.append((("bits",), "a mixed variant's bits come from search.bits"))
+        if self.search is not None and self.method != "mixed":
+            problems.append((("search",), "only for method: mixed"))
+        if self.granularity == "per-grouped-channel":
+            if self.group_size is None:
+                problems.append((("group_size",), "required for per-grouped-channel"))
+        elif self.group_size is not None:
+            problems.append((("group_size",), "only for per-grouped-channel"))
+        if self.method not in ("int8", "w8a8") and not self.symmetric:
+            problems.append((("symmetric",), "only int8 and w8a8 weights have a zero point"))
+        _raise("Variant", problems)
+        return self
+
+    def features(self) -> list[tuple[Loc, Feature, str]]:
+        """Target features this variant needs: the field that asks, the feature, the fix."""
+        fix = "set target: macOS15 (or iOS18)"
+        used: list[tuple[Loc, Feature, str]] = [
+            (("method",), Feature.COMPRESSED_WEIGHTS, "choose a later target")
+        ]
+        if self.method == "lut" and self.granularity == "per-grouped-channel":
+            used.append((("granularity",), Feature.GROUPED_PALETTE, fix + " or use per-tensor"))
+        if self.method == "lut" and self.bits == 3:
+            used.append((("bits",), Feature.PALETTE_3BIT, fix + " or use 2 or 4 bits"))
+        if self.method == "mixed" and self.search is not None and 3 in self.search.bits:
+            used.append((("search", "bits"), Feature.PALETTE_3BIT, fix + " or drop 3"))
+        if self.method == "w8a8":
+            used.append((("method",), Feature.INT8_ACTIVATIONS, "choose a later target"))
+        return used
+
+
+class Compression(_Model):
+    """Compressed variants of the converted model and the evidence they are judged on."""
+
+    keep_fp16: list[str] = Field(default_factory=lambda: list(DEFAULT_KEEP_FP16))
+    # Smaller weights stay fp16: their bytes do not matter and a palette would cost more.
+    min_weight_elements: int = Field(default=2048, ge=1, strict=True)
+    # The held-out text slice every quality figure is measured on; never used for calibration
+    # or sensitivity, and not one of the conversion fixtures.
+    held_out: list[str]
+    # Text for layer sensitivity (mixed search) and activation ranges (w8a8).
+    calibration: list[str] = []
+    # MIL level: the program returns the last position only, so each held-out text is also run
+    # as its prefixes ending at its last ``mil_positions`` tokens (one evaluation each).
+    mil_positions: int = Field(default=2, ge=1, le=64, strict=True)
+    variants: list[Variant]
+
+    @model_validator(mode="after")
+    def _check(self) -> Compression:
+        problems: list[tuple[Loc, str]] = []
+        if not self.held_out:
+            problems.append((("held_out",), "expected at least one held-out text"))
+        if not self.variants:
+            problems.append((("variants",), "expected at least one variant"))
+        seen: dict[str, int] = {}
+        for i, v in enumerate(self.variants):
+            if v.suffix in seen:
+                first = seen[v.suffix]
+                problems.append(
+                    (("variants", i, "suffix"), f"duplicate (first: variants[{first}])")
+                )
+            seen.setdefault(v.suffix, i)
+        overlap = set(self.held_out) & set(self.calibration)
+        if overlap:
+            problems.append(
+                (("calibration",), f"shares {len(overlap)} text(s) with held_out; keep them apart")
+            )
+        needs_calibration = [v.suffix for v in self.variants if v.method in ("mixed", "w8a8")]
+        if needs_calibration and not self.calibration:
+            problems.append(
+                (("calibration",), f"required by variant(s) {', '.join(needs_calibration)}")
+            )
+        _raise("Compression", problems)
+        return self
+
+
+def compression_problems(
+    compression: Compression,
+    target: str,
+    task: str,
+    name: str,
+    fixture_prompts: list[str],
+    max_name_length: int,
+) -> list[tuple[Loc, str]]:
+    """Rules that need the rest of the recipe: target features, names, tasks, overlaps."""
+    problems: list[tuple[Loc, str]] = []
+    decoder = task == "text-generation"
+    for i, v in enumerate(compression.variants):
+        at: Loc = ("compression", "variants", i)
+        for loc, feature, fix in v.features():
+            reason = check_feature(target, feature)
+            if reason:
+                problems.append(((*at, *loc), f"{reason}; {fix}"))
+        full = f"{name}-{v.suffix}"
+        if len(full) > max_name_length:
+            problems.append(((*at, "suffix"), f"{full!r} is longer than {max_name_length}"))
+        g = v.gates
+        if decoder and (g.min_top1_agreement is None or g.max_mean_kl is None):
+            need = "a text-generation variant needs min_top1_agreement and max_mean_kl"
+            problems.append(((*at, "gates"), need))
+        if not decoder and g.min_cosine is None:
+            problems.append(((*at, "gates"), "an encoder variant needs min_cosine"))
+        if not decoder and v.method in ("mixed", "w8a8"):
+            problems.append(
+                ((*at, "method"), f"{v.method} is implemented for text-generation only")
+            )
+    shared = set(compression.held_out) & set(fixture_prompts)
+    if shared:
+        problems.append(
+            (("compression", "held_out"), f"shares {len(shared)} text(s) with fixtures.prompts")
+        )
+    return problems
