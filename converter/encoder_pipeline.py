@@ -398,12 +398,26 @@ def convert_encoder(
         with steps.step("parity (MIL evaluator, fp16)"):
             runner, mil_note = mil_level_runner(packages, module, rw.host)
             if runner is not None:
-                mil_report, _ = check_encoder(
-                    module, rw.batches, references, thresholds, {MIL_LEVEL: runner}
+                mil_report, mil_rows = check_encoder(
+                    module,
+                    rw.batches,
+                    references,
+                    thresholds,
+                    {MIL_LEVEL: runner},
+                    torch_levels=False,
                 )
-                mil_gates = [g for g in mil_report.gates if g.implementation == MIL_LEVEL]
-                report.gates.extend(mil_gates)
+                report.gates.extend(mil_report.gates)
                 report.implementations[MIL_LEVEL] = mil_note
+                for row, mil_row in zip(rows, mil_rows, strict=True):
+                    for field in (
+                        "cosine",
+                        "max_abs_error",
+                        "rel_error",
+                        "argmax_kept",
+                        "max_abs_dprob",
+                        "certified",
+                    ):
+                        getattr(row, field).update(getattr(mil_row, field))
             else:
                 report.implementations[MIL_LEVEL] = f"not run: {mil_note}"
         parity_path = _write_parity(stage.path, report, rows, name)

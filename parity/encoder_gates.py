@@ -350,9 +350,12 @@ def check_encoder(
     thresholds: EncoderThresholds,
     extra: dict[str, Runner] | None = None,
     descriptions: dict[str, str] | None = None,
+    torch_levels: bool = True,
 ) -> tuple[ParityReport, list[EncoderFixtureRow]]:
     """Run every gate of SPEC section 4 for an encoder; ``extra`` adds fp16-level candidates
-    (e.g. ``{"partitioned-fp16": ..., MIL_LEVEL: ...}``) gated like ``torch-fp16``."""
+    (e.g. ``{"partitioned-fp16": ..., MIL_LEVEL: ...}``) gated like ``torch-fp16``. With
+    ``torch_levels=False`` only the extra candidates run (when the torch levels already
+    passed in an earlier call)."""
     kind = module.io.output
     length = module.io.length
     layers = [LayerRow(i) for i in range(len(module.layers))]
@@ -360,6 +363,39 @@ def check_encoder(
     rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
     row_list = list(rows.values())
 
+    gates: list[GateResult] = []
+    implementations = {
+        "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
+        "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
+        "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, torch on the CPU",
+        **(descriptions or {}),
+    }
+    if torch_levels:
+        gates += _torch_levels(module, batches, references, thresholds, layers, rows)
+    for name, runner in (extra or {}).items():
+        m = _measure(name, runner, batches, references, kind, length, None, rows, fp32=False)
+        gates += _output_gates(name, m, row_list, kind, thresholds, fp32=False)
+    report = ParityReport(
+        gates=gates,
+        layers=layers,
+        fixtures=[],
+        first_diverging_layer=_first_diverging(layers, thresholds),
+        implementations=implementations,
+    )
+    return report, row_list
+
+
+def _torch_levels(
+    module: BC1LEncoder,
+    batches: list[Batch],
+    references: dict[str, EncoderReference],
+    thresholds: EncoderThresholds,
+    layers: list[LayerRow],
+    rows: dict[str, EncoderFixtureRow],
+) -> list[GateResult]:
+    """The torch-fp32 (per layer and output) and torch-fp16 gates."""
+    kind, length = module.io.output, module.io.length
+    row_list = list(rows.values())
     gates: list[GateResult] = []
     m32 = _measure(
         "torch-fp32",
@@ -398,23 +434,7 @@ def check_encoder(
         fp32=False,
     )
     gates += _output_gates("torch-fp16", m16, row_list, kind, thresholds, fp32=False)
-    implementations = {
-        "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
-        "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
-        "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, torch on the CPU",
-        **(descriptions or {}),
-    }
-    for name, runner in (extra or {}).items():
-        m = _measure(name, runner, batches, references, kind, length, None, rows, fp32=False)
-        gates += _output_gates(name, m, row_list, kind, thresholds, fp32=False)
-    report = ParityReport(
-        gates=gates,
-        layers=layers,
-        fixtures=[],
-        first_diverging_layer=_first_diverging(layers, thresholds),
-        implementations=implementations,
-    )
-    return report, row_list
+    return gates
 
 
 def _first_diverging(layers: list[LayerRow], thresholds: EncoderThresholds) -> int | None:

@@ -1,0 +1,119 @@
+"""ModernBERT-base at its real shape (shared/configs/modernbert-base.json: 22 layers, local
+window 64 every layer but each third, theta 160000 global / 10000 local), transformers' own
+class with perturbed random weights, B=1, L=96. Slow tier.
+
+Torch fp32/fp16 gates, the right-padding invariance, and the emitted NE island (partitioned,
+pre-normalised embedding table) run by the MIL evaluator when it is available.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from encoder_models import SHARED_CONFIGS, THRESHOLDS, TinyEncoder, build_encoder, real_shape_config
+from tiny_models import perturb_
+
+from converter.coreml import to_mlprogram, trace
+from converter.encoder_pipeline import island_contract, mil_level_runner, program_module
+from converter.targets import TARGETS
+from graph_passes.encoder import BC1LEncoder, EncoderIO
+from graph_passes.masks import key_mask_from_padding
+from graph_passes.partition import Island, host_embedding
+from parity.encoder_gates import MIL_LEVEL, check_encoder
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (SHARED_CONFIGS / "modernbert-base.json").is_file(),
+        reason="../shared/configs beside the checkout",
+    ),
+]
+
+LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[TinyEncoder]:
+    from transformers import ModernBertModel
+    from transformers.initialization import no_init_weights
+
+    config = real_shape_config("modernbert-base")
+    torch.manual_seed(0)
+    # transformers' truncated-normal init of 149 M parameters takes most of a minute on a busy
+    # 2-core machine; draw the random weights directly instead (same scale, std 0.02), then
+    # perturb norms away from 1 as everywhere else.
+    with no_init_weights():
+        model = ModernBertModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.02 if "norm" not in name else torch.ones_like(p))
+    perturb_(model, scale=0.02)
+    # A full window (local bands cut at distance 64 inside it) and a padded fixture.
+    yield build_encoder(
+        config, "last-hidden-state", model=model, batch=1, length=LENGTH, lengths=(96, 41)
+    )
+
+
+def test_real_shape_spec(real: TinyEncoder) -> None:
+    layers = real.canonical.spec.layers
+    assert len(layers) == 22
+    assert [ls.attention.window for ls in layers[:4]] == [None, 64, 64, None]
+    assert [ls.attention.rope_theta for ls in layers[:3]] == [160000.0, 10000.0, 10000.0]
+    assert sum(p.numel() for p in real.model.parameters()) == pytest.approx(149.0e6, rel=0.01)
+
+
+def test_torch_gates_pass(real: TinyEncoder) -> None:
+    report, rows = check_encoder(real.module, real.batches, real.references, THRESHOLDS)
+    assert report.passed, [g for g in report.gates if not g.passed]
+    assert all(row.fp32_rel_error <= 1e-4 for row in report.layers)
+    assert {row.slice for row in rows} == {"padded", "full-window"}
+
+
+@pytest.mark.parametrize("length", [64])
+def test_right_padding_amount_leaves_real_tokens_within_the_gate(
+    real: TinyEncoder, length: int
+) -> None:
+    fixture = next(f for f in real.fixtures if len(f.token_ids) == 41)
+    want = real.references[fixture.name].output  # the unpadded run
+    module = BC1LEncoder(real.canonical, EncoderIO(1, length, "token-ids", "last-hidden-state"))
+    ids = torch.zeros(1, length, dtype=torch.int64)
+    ids[0, :41] = torch.tensor(fixture.token_ids)
+    mask = key_mask_from_padding((torch.arange(length) < 41).long()[None])
+    with torch.no_grad():
+        got = module(ids, mask)[0, :41]
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err <= THRESHOLDS.fp32_output_rel_error
+
+
+def test_emitted_island_passes_at_mil_level(real: TinyEncoder, tmp_path: Path) -> None:
+    if importlib.util.find_spec("parity.mil") is None:
+        pytest.skip("MIL evaluator not available")
+    program = program_module(real.module, "float16")
+    inputs, outputs = island_contract(program, "float16")
+    mlmodel = to_mlprogram(
+        trace(Island(program).eval(), inputs),
+        inputs,
+        outputs,
+        TARGETS["macOS14"].ct_target(),
+        "float16",
+    )
+    package = tmp_path / "island.mlpackage"
+    mlmodel.save(str(package))
+    host = host_embedding(real.canonical, LENGTH, prenormalize=True)
+    runner, note = mil_level_runner({"island": package}, real.module, host)
+    assert runner is not None, note
+    report, rows = check_encoder(
+        real.module,
+        real.batches,
+        real.references,
+        THRESHOLDS,
+        {MIL_LEVEL: runner},
+        torch_levels=False,  # gated in test_torch_gates_pass
+    )
+    mil = [g for g in report.gates if g.implementation == MIL_LEVEL]
+    assert mil and all(g.passed for g in mil), mil
+    print({row.name: row.cosine for row in rows})
