@@ -62,11 +62,12 @@ class ConvertResult:
     live_ops: int = 0
     live_ops_per_layer: float = 0.0
     notes: list[str] = field(default_factory=list)
+    variants: list[Any] = field(default_factory=list)  # compress.emit.VariantResult, in order
 
     @property
     def exit_code(self) -> int:
-        """0 when every gate passed and the artifact was published, else 1."""
-        return 0 if self.passed else 1
+        """0 when every gate passed (each compressed variant's too), else 1."""
+        return 0 if self.passed and all(v.passed for v in self.variants) else 1
 
 
 def decoder_io(recipe: Recipe, canonical: CanonicalModel) -> DecoderIO:
@@ -272,6 +273,7 @@ def convert(
                 module, rewrite.batches, references, embed_table, thresholds, advance
             )
         scales = rewrite.scales
+        held_out = _held_out(recipe, ckpt, rewrite)  # needs the original model: before del
         del ckpt.model  # the reference is no longer needed; free its memory before converting
 
         parity_doc = report_to_json(report, {"recipe": name})
@@ -346,6 +348,14 @@ def convert(
         write_log_into(stage.path, f"every gate passed; publishing {out_dir / name}")
         final = stage.commit()
 
+    variants = []
+    if recipe.compression is not None and held_out is not None:
+        from converter.compress.emit import emit_variants
+
+        variants = emit_variants(
+            recipe.compression, name, final, module, embed_table, held_out, out_dir,
+            recipe.gates.mil_fp32_layer_rel_error, force, steps,
+        )  # fmt: skip
     n_ops = sum(ops.values())
     return ConvertResult(
         name,
@@ -356,7 +366,21 @@ def convert(
         steps.timings,
         live_ops=n_ops,
         live_ops_per_layer=n_ops / module.spec.num_layers,
+        variants=variants,
     )
+
+
+def _held_out(recipe: Recipe, ckpt: Checkpoint, rewrite: Rewrite) -> Any:
+    """The compression section's held-out slice with the original model's logits, or None."""
+    if recipe.compression is None:
+        return None
+    from parity.compression_gates import prepare_held_out
+
+    c = recipe.compression
+    return prepare_held_out(
+        c.held_out, ckpt.tokenizer, ckpt.model, rewrite.module.io.length,
+        rewrite.canonical.spec.vocab_size, c.mil_positions, _pad_id(ckpt),
+    )  # fmt: skip
 
 
 def _pad_id(ckpt: Checkpoint) -> int:

@@ -48,6 +48,15 @@ def _raise(title: str, problems: list[tuple[Loc, str]]) -> None:
         raise ValidationError.from_exception_data(title, details)
 
 
+def _keys(items: list[str | list[int]]) -> set[str | tuple[int, ...]]:
+    return {i if isinstance(i, str) else tuple(i) for i in items}
+
+
+def split_texts(items: list[str | list[int]]) -> tuple[list[str], list[list[int]]]:
+    """Texts and token-id lists of a held-out or calibration list."""
+    return [i for i in items if isinstance(i, str)], [i for i in items if not isinstance(i, str)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -168,11 +177,12 @@ class Compression(_Model):
     keep_fp16: list[str] = Field(default_factory=lambda: list(DEFAULT_KEEP_FP16))
     # Smaller weights stay fp16: their bytes do not matter and a palette would cost more.
     min_weight_elements: int = Field(default=2048, ge=1, strict=True)
-    # The held-out text slice every quality figure is measured on; never used for calibration
-    # or sensitivity, and not one of the conversion fixtures.
-    held_out: list[str]
+    # The held-out slice every quality figure is measured on: texts (or token-id lists for a
+    # checkpoint without a tokenizer), never used for calibration or sensitivity, and not one
+    # of the conversion fixtures.
+    held_out: list[str | list[int]]
     # Text for layer sensitivity (mixed search) and activation ranges (w8a8).
-    calibration: list[str] = []
+    calibration: list[str | list[int]] = []
     # MIL level: the program returns the last position only, so each held-out text is also run
     # as its prefixes ending at its last ``mil_positions`` tokens (one evaluation each).
     mil_positions: int = Field(default=2, ge=1, le=64, strict=True)
@@ -193,7 +203,7 @@ class Compression(_Model):
                     (("variants", i, "suffix"), f"duplicate (first: variants[{first}])")
                 )
             seen.setdefault(v.suffix, i)
-        overlap = set(self.held_out) & set(self.calibration)
+        overlap = _keys(self.held_out) & _keys(self.calibration)
         if overlap:
             problems.append(
                 (("calibration",), f"shares {len(overlap)} text(s) with held_out; keep them apart")
@@ -212,7 +222,7 @@ def compression_problems(
     target: str,
     task: str,
     name: str,
-    fixture_prompts: list[str],
+    fixture_prompts: list[str] | list[str | list[int]],
     max_name_length: int,
 ) -> list[tuple[Loc, str]]:
     """Rules that need the rest of the recipe: target features, names, tasks, overlaps."""
@@ -237,7 +247,7 @@ def compression_problems(
             problems.append(
                 ((*at, "method"), f"{v.method} is implemented for text-generation only")
             )
-    shared = set(compression.held_out) & set(fixture_prompts)
+    shared = _keys(compression.held_out) & _keys(list(fixture_prompts))
     if shared:
         problems.append(
             (("compression", "held_out"), f"shares {len(shared)} text(s) with fixtures.prompts")

@@ -1,0 +1,185 @@
+"""What a compressed program holds, weight by weight, and the weights it decodes to.
+
+The record of a weight says how it was compressed (method, bits, granularity, the clustering
+algorithm), what the program stores for it (the constexpr op, stored bytes, bits per weight)
+and hashes of the stored payload and the decoded values, so a reader can rebuild the same
+model with the same tools and check it bit for bit. The decoded values come from coremltools'
+own decompression (``materialized_val_inference``), independently of anec's MIL evaluator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from converter.compress.plan import Scheme
+from converter.compress.sites import WeightSite
+
+_COMPRESSED_SUFFIXES = ("_palettized", "_quantized")
+# coremltools clusters with kmeans1d (optimal 1-D k-means) for fp16 weights of at least this
+# many values when kmeans1d is installed, else scikit-learn k-means (k-means++, random_state 0).
+_KMEANS1D_MIN = 10_000
+
+
+@dataclass(frozen=True)
+class WeightRecord:
+    """One weight of a variant: how it was compressed and what the program stores."""
+
+    weight: str
+    const: str
+    shape: list[int]
+    method: str  # "fp16" (kept), "lut", "int8"
+    scheme: str
+    bits: int
+    granularity: str | None
+    group_size: int | None
+    symmetric: bool | None
+    algorithm: str
+    op: str  # the op that holds it: "const" or "constexpr_*"
+    fp16_bytes: int
+    stored_bytes: int
+    bits_per_weight: float
+    kept_reason: str | None
+    payload_sha256: str
+    decoded_sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready data."""
+        return asdict(self)
+
+
+def _bit_width(var: Any) -> int:
+    from coremltools.converters.mil.mil import types
+
+    name = types.builtin_to_string(var.dtype)
+    digits = re.findall(r"\d+", name)
+    return int(digits[-1]) if digits else 8
+
+
+def _stored(op: Any) -> tuple[int, str]:
+    """Bytes the program stores for ``op``'s constant inputs, and their sha256."""
+    digest = hashlib.sha256()
+    bits = 0
+    for name in sorted(op.inputs):
+        var = op.inputs[name]
+        value = var.val
+        if value is None:
+            continue
+        array = np.asarray(value)
+        bits += array.size * _bit_width(var)
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return (bits + 7) // 8, digest.hexdigest()
+
+
+def _decode(op: Any) -> np.ndarray:
+    infer = getattr(op, "materialized_val_inference", None) or op.value_inference
+    return np.asarray(infer()).astype(np.float16)
+
+
+def _algorithm(scheme: Scheme, site: WeightSite) -> str:
+    if scheme.method == "int8":
+        zero = "zero point 0" if scheme.symmetric else "zero point per channel"
+        return f"affine int8 per output channel ({zero}), coremltools linear_quantize_weights"
+    per_table = site.elements
+    if scheme.granularity == "per-grouped-channel" and scheme.group_size:
+        per_table = site.elements * scheme.group_size // site.shape[0]
+    try:
+        import kmeans1d  # noqa: F401
+
+        has_1d = True
+    except ImportError:
+        has_1d = False
+    if has_1d and per_table >= _KMEANS1D_MIN and site.dtype == "float16":
+        return "k-means, kmeans1d (optimal 1-D clustering of the fp16 values), coremltools"
+    return "k-means, scikit-learn KMeans (k-means++, n_init 1, tol 1e-2, random_state 0)"
+
+
+def weight_records(
+    function: Any,
+    sites: list[WeightSite],
+    plan: dict[str, Scheme],
+    kept: dict[str, str],
+) -> tuple[list[WeightRecord], dict[str, np.ndarray]]:
+    """Records for every weight site, and the decoded values of the compressed ones."""
+    by_output: dict[str, Any] = {}
+    consts: dict[str, Any] = {}
+    for op in function.operations:
+        if op.op_type.startswith("constexpr_"):
+            by_output[op.outputs[0].name] = op
+        elif op.op_type == "const":
+            consts[op.outputs[0].name] = op
+    records: list[WeightRecord] = []
+    decoded: dict[str, np.ndarray] = {}
+    for site in sites:
+        fp16_bytes = site.elements * 2
+        scheme = plan.get(site.name)
+        if scheme is None:
+            op = consts.get(site.const)
+            if op is None:
+                raise KeyError(f"{site.name}: constant {site.const!r} not in the program")
+            stored, payload = _stored(op)
+            value = np.asarray(op.outputs[0].val).astype(np.float16)
+            records.append(
+                WeightRecord(
+                    site.name,
+                    site.const,
+                    list(site.shape),
+                    "fp16",
+                    "fp16",
+                    16,
+                    None,
+                    None,
+                    None,
+                    "none",
+                    "const",
+                    fp16_bytes,
+                    stored,
+                    16.0,
+                    kept.get(site.name, "not in the plan"),
+                    payload,
+                    hashlib.sha256(value.tobytes()).hexdigest(),
+                )  # fmt: skip
+            )
+            continue
+        op = next(
+            (
+                by_output[site.const + s]
+                for s in _COMPRESSED_SUFFIXES
+                if site.const + s in by_output
+            ),
+            None,
+        )
+        if op is None:
+            raise KeyError(f"{site.name}: no compressed op for {site.const!r} in the program")
+        stored, payload = _stored(op)
+        value = _decode(op)
+        if tuple(value.shape) != site.shape:
+            raise ValueError(f"{site.name}: decodes to {value.shape}, expected {site.shape}")
+        decoded[site.name] = value
+        records.append(
+            WeightRecord(
+                site.name,
+                site.const,
+                list(site.shape),
+                scheme.method,
+                scheme.describe(),
+                scheme.bits,
+                scheme.granularity,
+                scheme.group_size,
+                scheme.symmetric if scheme.method == "int8" else None,
+                _algorithm(scheme, site),
+                op.op_type,
+                fp16_bytes,
+                stored,
+                stored * 8 / site.elements,
+                None,
+                payload,
+                hashlib.sha256(value.tobytes()).hexdigest(),
+            )  # fmt: skip
+        )
+    return records, decoded

@@ -1,0 +1,376 @@
+"""Quality of a compressed decoder variant, at torch and MIL level, and its own gates.
+
+Every figure is measured on the recipe's held-out text slice (never used for calibration or
+sensitivity) against two baselines:
+
+* the original checkpoint (transformers, fp32): the function the artifact promises - gated;
+* the fp16 artifact (the uncompressed BC1L module at torch level, the fp16 program at MIL
+  level): what compression alone costs - reported.
+
+Levels: ``torch-fp16`` - the BC1L module holding the variant's decoded weights (coremltools'
+own decompression), cast to fp16, every real position of each held-out text; ``mil-fp16`` - the
+emitted variant program in anec's MIL evaluator (fp16 storage profile) on prefix windows (the
+program returns the last position only); ``mil-fp32`` - the program in fp32 against the torch
+module with the same decoded weights in fp32: compression lives in the weights alone, so only
+rounding may differ.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from graph_passes.decoder import BC1LDecoder
+from parity.fixtures import Fixture, build_fixtures, make_batches
+from parity.gates import GateResult, module_inputs, rel_error, run_module
+from parity.metrics import PositionRow, Summary, compare_positions, summarize
+from parity.reference import ReferenceRun, run_reference
+
+Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
+
+
+@dataclass
+class HeldOut:
+    """The held-out slice: whole texts (torch level) and prefix windows (MIL level)."""
+
+    texts: list[Fixture]
+    windows: list[Fixture]
+    window_source: dict[str, tuple[str, int]]  # window -> (text fixture, position)
+    references: dict[str, ReferenceRun]
+    pad_id: int
+
+
+def prepare_held_out(
+    texts: list[str | list[int]],
+    tokenizer: Any,
+    model: torch.nn.Module,
+    length: int,
+    vocab_size: int,
+    mil_positions: int,
+    pad_id: int,
+) -> HeldOut:
+    """Tokenize the held-out texts, run the original model on each, and cut MIL windows."""
+    prompts = [t for t in texts if isinstance(t, str)]
+    ids = [t for t in texts if not isinstance(t, str)]
+    fixtures = build_fixtures(prompts, ids, tokenizer, length, vocab_size, padded_variants=False)
+    fixtures = [Fixture(f"held_out[{i}]", f.token_ids, f.slice) for i, f in enumerate(fixtures)]
+    references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
+    windows, source = [], {}
+    for f in fixtures:
+        n = len(f.token_ids)
+        for p in range(max(0, n - mil_positions), n):
+            name = f"{f.name}@{p}"
+            windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
+            source[name] = (f.name, p)
+    return HeldOut(fixtures, windows, source, references, pad_id)
+
+
+def with_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
+    """A copy of ``module`` whose named parameters hold ``weights`` (fp32 copies)."""
+    copy_ = copy.deepcopy(module).eval()
+    params = dict(copy_.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            tensor = torch.from_numpy(np.asarray(value, np.float32))
+            params[name].copy_(tensor.reshape(params[name].shape))
+    return copy_
+
+
+def torch_logits(
+    module: BC1LDecoder,
+    held_out: HeldOut,
+    embed_table: torch.Tensor,
+    dtype: torch.dtype,
+) -> Logits:
+    """Logits at every real position of each held-out text, the module run in ``dtype``."""
+    run = module if dtype == torch.float32 else copy.deepcopy(module).to(dtype).eval()
+    length = module.io.length
+    out: Logits = {}
+    (batch,) = make_batches(held_out.texts, len(held_out.texts), length, held_out.pad_id)
+    x, mask = module_inputs(run, batch, embed_table, dtype)
+    _, logits = run_module(run, x, mask)
+    for r, fixture in enumerate(batch.fixtures):
+        n = len(fixture.token_ids)
+        out[fixture.name] = logits[r, :, 0, length - n :].T.float()
+    return out
+
+
+def mil_logits(
+    evaluator: Any,
+    module: BC1LDecoder,
+    held_out: HeldOut,
+    embed_table: torch.Tensor,
+    windows: list[Fixture] | None = None,
+    progress: Callable[[], None] = lambda: None,
+) -> Logits:
+    """The program's last-position logits on each window (one evaluation per batch)."""
+    windows = held_out.windows if windows is None else windows
+    (first, first_dtype), (second, second_dtype) = evaluator.inputs.items()
+    out: Logits = {}
+    for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
+        x, mask = module_inputs(module, batch, embed_table, torch.float32)
+        feed = {
+            first: x.numpy().astype(np.int32)
+            if x.dtype == torch.int64
+            else x.numpy().astype(np.float16 if first_dtype[0] == "fp16" else np.float32),
+            second: mask.numpy().astype(np.float16 if second_dtype[0] == "fp16" else np.float32),
+        }
+        result = evaluator.run(feed)
+        logits = np.concatenate(list(result.outputs.values()), axis=1)  # (B, V, 1, n)
+        for r, fixture in enumerate(batch.fixtures):
+            out[fixture.name] = torch.from_numpy(logits[r, :, 0, -1:].T.astype(np.float32))
+        progress()
+    return out
+
+
+def compare_torch(cand: Logits, base: Logits | dict[str, ReferenceRun]) -> list[PositionRow]:
+    """Rows for every real position of every held-out text."""
+    rows: list[PositionRow] = []
+    for name, logits in cand.items():
+        ref = base[name]
+        want = ref.logits if isinstance(ref, ReferenceRun) else ref
+        n = logits.shape[0]
+        rows += compare_positions(name, "held-out", n, list(range(n)), logits, want)
+    return rows
+
+
+def compare_windows(cand: Logits, held_out: HeldOut, base: Logits | None) -> list[PositionRow]:
+    """Rows for every MIL window: against the reference (``base`` None) or ``base`` logits."""
+    rows: list[PositionRow] = []
+    for name, logits in cand.items():
+        text, position = held_out.window_source[name]
+        want = (
+            held_out.references[text].logits[position : position + 1]
+            if base is None
+            else base[name]
+        )
+        rows += compare_positions(text, "held-out", position + 1, [position], logits, want)
+    return rows
+
+
+@dataclass
+class LevelResult:
+    """One implementation of a variant against both baselines."""
+
+    implementation: str
+    description: str
+    vs_original: Summary
+    vs_fp16: Summary
+    finite: bool
+
+
+def level_result(
+    implementation: str,
+    description: str,
+    vs_original: list[PositionRow],
+    vs_fp16: list[PositionRow],
+) -> LevelResult:
+    """Summaries of both comparisons; finite when every compared logit was finite."""
+    finite = all(np.isfinite(r.logit_error) for r in vs_original)
+    return LevelResult(
+        implementation, description, summarize(vs_original), summarize(vs_fp16), finite
+    )
+
+
+@dataclass
+class VariantParity:
+    """Every level of one variant, its gates and the verdict."""
+
+    levels: list[LevelResult]
+    gates: list[GateResult]
+    mil_fp32_logits_rel_error: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every gate passed."""
+        return all(g.passed for g in self.gates)
+
+
+def decoder_gates(
+    levels: list[LevelResult],
+    min_top1: float,
+    max_mean_kl: float,
+    max_abs_dprob: float | None,
+    mil_fp32_error: float,
+    mil_fp32_threshold: float,
+    decode_mismatches: int,
+) -> list[GateResult]:
+    """The variant's own gates: each level against the original checkpoint."""
+    gates = []
+    for level in levels:
+        s, impl = level.vs_original, level.implementation
+        gates += [
+            GateResult(
+                "top-1 agreement", impl, s.argmax_agreement, min_top1, ">=",
+                s.positions > 0 and s.argmax_agreement >= min_top1,
+                f"{s.positions} held-out positions, against the original checkpoint",
+            ),
+            GateResult(
+                "mean KL", impl, s.mean_kl, max_mean_kl, "<=",
+                s.positions > 0 and s.mean_kl <= max_mean_kl,
+                "KL(p_original || p_variant), nats, mean over held-out positions",
+            ),
+            GateResult("finite outputs", impl, float(level.finite), 1.0, "==", level.finite),
+        ]  # fmt: skip
+        if max_abs_dprob is not None:
+            gates.append(
+                GateResult(
+                    "max |dp|",
+                    impl,
+                    s.max_abs_dprob,
+                    max_abs_dprob,
+                    "<=",
+                    s.max_abs_dprob <= max_abs_dprob,
+                    "softmax at T=1, held-out positions",
+                )  # fmt: skip
+            )
+    gates.append(
+        GateResult(
+            "logits relative error",
+            "mil-fp32",
+            mil_fp32_error,
+            mil_fp32_threshold,
+            "<=",
+            mil_fp32_error <= mil_fp32_threshold,
+            "the variant program in fp32 against the torch module with the same decoded "
+            "weights: compression is in the weights only",
+        )
+    )
+    gates.append(
+        GateResult(
+            "weights decoded alike",
+            "mil-fp32",
+            float(decode_mismatches),
+            0.0,
+            "==",
+            decode_mismatches == 0,
+            "compressed weights whose MIL-evaluator decoding, rounded to fp16, differs from "
+            "coremltools' own decoding",
+        )
+    )
+    return gates
+
+
+def mil_fp32_check(
+    program: Any,
+    module: BC1LDecoder,
+    decoded: dict[str, np.ndarray],
+    held_out: HeldOut,
+    embed_table: torch.Tensor,
+    windows: int,
+) -> tuple[float, int]:
+    """The program in fp32 against torch fp32 with the same weights, and decoder agreement.
+
+    The fp32 profile keeps a decompressed weight in fp32 where the program declares fp16 (an
+    int8 weight's ``scale * (q - z)``), so torch gets the evaluator's own decoded values;
+    that these are coremltools' decoded weights up to fp16 rounding is counted separately:
+    the second result is the number of weights whose evaluator decoding, rounded to fp16,
+    differs from coremltools' decoding in any value (0 expected).
+    """
+    from parity.conversion import program_constants
+    from parity.mil import Evaluator
+    from parity.mil.numerics import round_fp16
+
+    evaluator = Evaluator(program, "fp32")
+    # The evaluator decodes constexpr ops once, when it prepares the program.
+    constants: dict[str, np.ndarray] = evaluator._constants
+    weights, mismatched = {}, 0
+    sites = {
+        name.replace(".", "_"): name for name in decoded
+    }  # torch name from the constexpr output name "<mangled>_to_fp16_<palettized|quantized>"
+    for out_name, value in constants.items():
+        for mangled, name in sites.items():
+            if out_name.startswith(mangled + "_") and out_name.endswith(
+                ("_palettized", "_quantized")
+            ):
+                weights[name] = np.asarray(value, np.float32)
+                same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
+                mismatched += 0 if same else 1
+    mismatched += len(decoded) - len(weights)  # a weight the evaluator did not decode
+    baseline = with_weights(program_constants(module, "float16"), weights)
+    chosen = held_out.windows[:windows]
+    got = mil_logits(evaluator, baseline, held_out, embed_table, chosen)
+    worst = 0.0
+    length = module.io.length
+    for batch in make_batches(chosen, 1, length, held_out.pad_id):
+        x, mask = module_inputs(baseline, batch, embed_table, torch.float32)
+        # the program's inputs are fp16: feed torch the same rounded values
+        _, logits = run_module(baseline, x.half().float(), mask.half().float())
+        want = logits[0, :, 0, -1:].T
+        worst = max(worst, rel_error(got[batch.fixtures[0].name], want))
+    return worst, mismatched
+
+
+def summary_json(s: Summary) -> dict[str, Any]:
+    """A Summary as JSON-ready data (the uncertified list shortened)."""
+    data = {k: v for k, v in vars(s).items() if k != "uncertified"}
+    data["uncertified_count"] = len(s.uncertified)
+    return {
+        k: (v if not isinstance(v, float) or np.isfinite(v) else str(v)) for k, v in data.items()
+    }
+
+
+def parity_json(result: VariantParity) -> dict[str, Any]:
+    """The variant's parity report as JSON-ready data."""
+    import dataclasses
+
+    return {
+        "passed": result.passed,
+        "gates": [
+            {
+                k: (v if not isinstance(v, float) or np.isfinite(v) else str(v))
+                for k, v in dataclasses.asdict(g).items()
+            }
+            for g in result.gates
+        ],
+        "levels": [
+            {
+                "implementation": level.implementation,
+                "description": level.description,
+                "finite": level.finite,
+                "against_original": summary_json(level.vs_original),
+                "against_fp16_artifact": summary_json(level.vs_fp16),
+            }
+            for level in result.levels
+        ],
+        "mil_fp32_logits_rel_error": result.mil_fp32_logits_rel_error,
+        "notes": result.notes,
+    }
+
+
+def parity_text(result: VariantParity) -> str:
+    """A readable summary: gates, then each level against both baselines."""
+    lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
+    for g in result.gates:
+        mark = "PASS" if g.passed else "FAIL"
+        lines.append(
+            f"  {mark}  {g.name:<22} [{g.implementation}] {g.value:.4g} {g.comparison} "
+            f"{g.threshold:.4g}  {g.detail}"
+        )
+    lines.append("")
+    lines.append("level       against         positions  top-1    mean KL   max KL  max|dp|")
+    for level in result.levels:
+        for label, s in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
+            lines.append(
+                f"{level.implementation:<11} {label:<15} {s.positions:>9}  "
+                f"{s.argmax_agreement:>6.1%}  {s.mean_kl:>8.4f}  {s.max_kl:>7.3f}  "
+                f"{s.max_abs_dprob:>7.4f}"
+            )
+    lines.append(f"mil-fp32 logits relative error: {result.mil_fp32_logits_rel_error:.3g}")
+    lines += result.notes
+    return "\n".join(lines)
+
+
+def write_reports(directory: Path, doc: dict[str, Any], text: str) -> None:
+    """``parity.json`` and ``parity.txt`` of a variant, atomically."""
+    from converter.publish import write_json_atomic, write_text_atomic
+
+    write_json_atomic(directory / "parity.json", doc)
+    write_text_atomic(directory / "parity.txt", text + "\n")

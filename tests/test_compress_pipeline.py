@@ -1,0 +1,158 @@
+"""Compressed variants end to end on a tiny perturbed Llama: one artifact per variant with its
+own manifest records, size report and parity report; a failing variant blocks only itself.
+
+One conversion (fp16 artifact + three variants) shared by every test in this file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+from tiny_models import one_torch_thread, tiny_hf_model
+
+from converter.cli import main
+from converter.compress.config import DEFAULT_KEEP_FP16
+from converter.hashing import mlpackage_content_hash, sha256_file
+from converter.manifest import Manifest
+
+RECIPE = """\
+name: tiny
+task: text-generation
+source:
+  kind: hf-dir
+  path: {path}
+shapes:
+  batch: 1
+  sequence_length: 16
+io:
+  lm_head_chunk: 128
+fixtures:
+  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
+compression:
+  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
+  mil_positions: 2
+  variants:
+    - suffix: int8
+      method: int8
+      granularity: per-channel
+      gates: {{min_top1_agreement: 0.9, max_mean_kl: 0.01}}
+    - suffix: lut4
+      method: lut
+      bits: 4
+      gates: {{min_top1_agreement: 0.5, max_mean_kl: 0.5}}
+    - suffix: lut2-strict
+      method: lut
+      bits: 2
+      # a 2-bit palette cannot keep KL below 1e-9: this variant must fail, alone
+      gates: {{min_top1_agreement: 0.5, max_mean_kl: 1.0e-9}}
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    yield from one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
+    root = tmp_path_factory.mktemp("compress")
+    tiny_hf_model("llama").save_pretrained(root / "ckpt", safe_serialization=True)
+    recipe = root / "tiny.yaml"
+    recipe.write_text(RECIPE.format(path=root / "ckpt"), encoding="utf-8")
+    out = root / "out"
+    result = CliRunner().invoke(main, ["convert", str(recipe), "--out", str(out), "--json"])
+    return result, out
+
+
+def _manifest(directory: Path) -> Manifest:
+    return Manifest.model_validate_json((directory / "manifest.json").read_text())
+
+
+def test_a_failing_variant_exits_1_and_blocks_only_itself(run: tuple[Result, Path]) -> None:
+    result, out = run
+    assert result.exit_code == 1, result.output
+    assert (out / "tiny" / "manifest.json").is_file()
+    assert (out / "tiny-int8" / "manifest.json").is_file()
+    assert (out / "tiny-lut4" / "manifest.json").is_file()
+    assert not (out / "tiny-lut2-strict").exists()
+    failed = out / "tiny-lut2-strict.failed"
+    report = json.loads((failed / "parity.json").read_text())
+    assert report["passed"] is False
+    failing = {(g["name"], g["implementation"]) for g in report["gates"] if not g["passed"]}
+    assert ("mean KL", "torch-fp16") in failing and ("mean KL", "mil-fp16") in failing
+
+
+@pytest.mark.parametrize("suffix", ["int8", "lut4"])
+def test_variant_manifest_records_every_weight_and_hashes_match(
+    run: tuple[Result, Path], suffix: str
+) -> None:
+    _, out = run
+    directory = out / f"tiny-{suffix}"
+    manifest = _manifest(directory)
+    assert manifest.name == f"tiny-{suffix}"
+    assert manifest.package.content_sha256 == mlpackage_content_hash(
+        directory / manifest.package.file
+    )
+    assert manifest.parity.sha256 == sha256_file(directory / "parity.json")
+    assert manifest.compression is not None
+    records = {r["weight"]: r for r in manifest.compression["weights"]}
+    # 3 layers x (qkv, o, gate_up, down) + 3 LM-head chunks of 128 tokens
+    assert len(records) == 15
+    for name, record in records.items():
+        if name.startswith("lm_head"):
+            assert record["method"] == "fp16" and "lm_head*" in record["kept_reason"]
+        else:
+            assert record["method"] == ("int8" if suffix == "int8" else "lut")
+            assert record["op"] == (
+                "constexpr_affine_dequantize" if suffix == "int8" else "constexpr_lut_to_dense"
+            )
+    expected_bits = 8 if suffix == "int8" else 4
+    size = manifest.compression["size"]
+    # payload bits plus the tables / scales: slightly above the nominal width
+    assert expected_bits < size["compressed_bits_per_weight"] < expected_bits + 1
+    assert size["compressed_weights"] == 12 and size["kept_fp16_weights"] == 3
+
+
+def test_lut4_records_rebuild_the_same_decoded_weights(run: tuple[Result, Path]) -> None:
+    """The decoded-value hashes in the manifest match the program's weights decoded by the
+    MIL evaluator's own kernel (a second, independent decoder)."""
+    import hashlib
+
+    from parity.mil import Evaluator, load_package
+
+    _, out = run
+    directory = out / "tiny-lut4"
+    manifest = _manifest(directory)
+    assert manifest.compression is not None
+    evaluator = Evaluator(load_package(directory / "tiny-lut4.mlpackage"), "fp32")
+    constants = evaluator._constants
+    for record in manifest.compression["weights"]:
+        if record["method"] != "lut":
+            continue
+        value = constants[record["const"] + "_palettized"].astype(np.float16)
+        assert len(np.unique(value)) <= 16
+        assert hashlib.sha256(value.tobytes()).hexdigest() == record["decoded_sha256"]
+
+
+def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Path]) -> None:
+    _, out = run
+    report = json.loads((out / "tiny-int8" / "parity.json").read_text())
+    assert report["passed"] is True
+    levels = {level["implementation"]: level for level in report["levels"]}
+    assert set(levels) == {"torch-fp16", "mil-fp16"}
+    # torch: every real position of both held-out sequences; MIL: 2 windows each
+    assert levels["torch-fp16"]["against_original"]["positions"] == 16
+    assert levels["mil-fp16"]["against_original"]["positions"] == 4
+    assert levels["mil-fp16"]["against_fp16_artifact"]["positions"] == 4
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    assert gates[("logits relative error", "mil-fp32")]["value"] <= 1e-5
+    assert "storage ratios" in (out / "tiny-int8" / "parity.txt").read_text()
+
+
+def test_default_keep_patterns_cover_norms_embeddings_and_head() -> None:
+    assert {"*norm*", "embed*", "lm_head*"} == set(DEFAULT_KEEP_FP16)
