@@ -55,7 +55,15 @@ from graph_passes.encoder import (
 )
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
 from graph_passes.masks import MASKED, key_mask_from_padding
-from graph_passes.partition import Boundary, HostEmbedding, Island, Tail, boundaries, host_embedding
+from graph_passes.partition import (
+    Boundary,
+    HostEmbedding,
+    Island,
+    Tail,
+    boundaries,
+    host_embedding,
+    prenormalized_table_check,
+)
 from graph_passes.prescale import NormScale, choose_prescale
 from graph_passes.spec import EncoderModel
 from parity.encoder_gates import (
@@ -385,9 +393,12 @@ def convert_encoder(
             report, rows = check_encoder(
                 module, rw.batches, references, thresholds, extra, described
             )
+        table_check: dict[str, Any] = {}
+        if rw.host is not None and rw.host.prenormalized:
+            table_check["prenormalized_table"] = prenormalized_table_check(rw.canonical, rw.host)
         del ckpt.model
         if not report.passed:
-            _write_parity(stage.path, report, rows, name)
+            _write_parity(stage.path, report, rows, name, table_check)
             write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
             failed = stage.keep_as_failed()
             return ConvertResult(name, False, None, failed, report, steps.timings)
@@ -420,7 +431,7 @@ def convert_encoder(
                         getattr(row, field).update(getattr(mil_row, field))
             else:
                 report.implementations[MIL_LEVEL] = f"not run: {mil_note}"
-        parity_path = _write_parity(stage.path, report, rows, name)
+        parity_path = _write_parity(stage.path, report, rows, name, table_check)
         if not report.passed:
             write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
             failed = stage.keep_as_failed()
@@ -483,8 +494,11 @@ def _write_parity(
     report: ParityReport,
     rows: list[EncoderFixtureRow],
     name: str,
+    extra: dict[str, Any],
 ) -> Path:
-    doc = report_to_json(report, {"recipe": name, "encoder_fixtures": fixture_rows_to_json(rows)})
+    doc = report_to_json(
+        report, {"recipe": name, "encoder_fixtures": fixture_rows_to_json(rows), **extra}
+    )
     path = write_json_atomic(directory / "parity.json", doc)
     # report_to_text ends with the decoder's per-fixture table, empty here: ours replaces it.
     gates_and_layers = report_to_text(report).split("\n\nfixture ")[0]

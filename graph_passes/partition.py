@@ -158,3 +158,40 @@ def _output_name(output: str) -> str:
     return {"sentence-embedding": "sentence_embedding", "logits": "logits"}.get(
         output, "last_hidden_state"
     )
+
+
+def prenormalized_table_check(
+    model: EncoderModel, host: HostEmbedding, chunk: int = 8192
+) -> dict[str, float]:
+    """The pre-normalised table's own parity check, over every row of the vocabulary.
+
+    Against the exact norm of each fp32 row (fp64), the largest absolute error of the shipped
+    pre-normalised fp16 row and of what the host would compute without it (fp32 norm of the
+    fp16 row, rounded to fp16). Both are rounding-level; the partitioned parity run gates the
+    effect on the model's output.
+    """
+    w = model.weights
+    weight, bias = w["embed.norm.weight"].double(), w.get("embed.norm.bias")
+    bias64 = None if bias is None else bias.double()
+    eps = model.spec.embedding.norm.eps
+    worst_pre = worst_host = 0.0
+    table = w["embed.word.weight"]
+    for start in range(0, table.shape[0], chunk):
+        rows = table[start : start + chunk]
+        d = rows.shape[-1]
+        exact = nn.functional.layer_norm(rows.double(), (d,), weight, bias64, eps)
+        shipped = host.word[start : start + chunk].double()
+        on_host = nn.functional.layer_norm(
+            rows.half().float(),
+            (d,),
+            weight.float(),
+            None if bias64 is None else bias64.float(),
+            eps,
+        )
+        worst_pre = max(worst_pre, float((shipped - exact).abs().max()))
+        worst_host = max(worst_host, float((on_host.half().double() - exact).abs().max()))
+    return {
+        "rows": float(table.shape[0]),
+        "max_abs_error_prenormalized_fp16": worst_pre,
+        "max_abs_error_host_norm_of_fp16_rows": worst_host,
+    }

@@ -111,6 +111,12 @@ def test_partitioned_artifact_lists_pieces_order_and_boundary_bytes(converted: P
     parity = json.loads((art / "parity.json").read_text())
     partitioned = [g for g in parity["gates"] if g["implementation"] == "partitioned-fp16"]
     assert partitioned and all(g["passed"] for g in partitioned)
+    # The table's own check: every row within fp16 rounding of the exact norm of its fp32 row
+    # (one rounding: half an fp16 ulp of values below 8 is at most 2^-9).
+    table = parity["prenormalized_table"]
+    assert table["rows"] == 300
+    assert 0 < table["max_abs_error_prenormalized_fp16"] <= 2.0**-9
+    assert table["max_abs_error_host_norm_of_fp16_rows"] < 1e-2
 
 
 def test_partitioned_run_matches_the_single_program(
