@@ -379,7 +379,7 @@ def _held_out(recipe: Recipe, ckpt: Checkpoint, rewrite: Rewrite) -> Any:
     c = recipe.compression
     return prepare_held_out(
         c.held_out, ckpt.tokenizer, ckpt.model, rewrite.module.io.length,
-        rewrite.canonical.spec.vocab_size, c.mil_positions, _pad_id(ckpt),
+        rewrite.canonical.spec.vocab_size, c.mil_positions, _pad_id(ckpt), c.calibration,
     )  # fmt: skip
 
 

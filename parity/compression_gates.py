@@ -44,6 +44,7 @@ class HeldOut:
     window_source: dict[str, tuple[str, int]]  # window -> (text fixture, position)
     references: dict[str, ReferenceRun]
     pad_id: int
+    calibration: list[Fixture] = field(default_factory=list)  # sensitivity only, never scored
 
 
 def prepare_held_out(
@@ -54,6 +55,7 @@ def prepare_held_out(
     vocab_size: int,
     mil_positions: int,
     pad_id: int,
+    calibration: list[str | list[int]] | None = None,
 ) -> HeldOut:
     """Tokenize the held-out texts, run the original model on each, and cut MIL windows."""
     prompts = [t for t in texts if isinstance(t, str)]
@@ -68,7 +70,11 @@ def prepare_held_out(
             name = f"{f.name}@{p}"
             windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
             source[name] = (f.name, p)
-    return HeldOut(fixtures, windows, source, references, pad_id)
+    calib = [t for t in calibration or [] if isinstance(t, str)]
+    calib_ids = [t for t in calibration or [] if not isinstance(t, str)]
+    cal = build_fixtures(calib, calib_ids, tokenizer, length, vocab_size, padded_variants=False)
+    cal = [Fixture(f"calibration[{i}]", f.token_ids, f.slice) for i, f in enumerate(cal)]
+    return HeldOut(fixtures, windows, source, references, pad_id, cal)
 
 
 def with_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:

@@ -35,6 +35,7 @@ fixtures:
   token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
 compression:
   held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
+  calibration: [[60, 61, 62, 63, 64, 65, 66, 67], [80, 81, 82, 83, 84, 85, 86]]
   mil_positions: 2
   variants:
     - suffix: int8
@@ -50,6 +51,12 @@ compression:
       bits: 2
       # a 2-bit palette cannot keep KL below 1e-9: this variant must fail, alone
       gates: {{min_top1_agreement: 0.5, max_mean_kl: 1.0e-9}}
+    - suffix: mixed
+      method: mixed
+      search:
+        bits: [16, 8, 4]
+        budget: {{min_top1_agreement: 0.9, max_mean_kl: 0.005}}
+      gates: {{min_top1_agreement: 0.8, max_mean_kl: 0.05}}
 """
 
 
@@ -156,3 +163,27 @@ def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Pa
 
 def test_default_keep_patterns_cover_norms_embeddings_and_head() -> None:
     assert {"*norm*", "embed*", "lm_head*"} == set(DEFAULT_KEEP_FP16)
+
+
+def test_mixed_search_reports_its_frontier_and_emits_a_plan_within_budget(
+    run: tuple[Result, Path],
+) -> None:
+    _, out = run
+    manifest = _manifest(out / "tiny-mixed")
+    assert manifest.compression is not None
+    search = manifest.compression["search"]
+    assert search["chosen"]["meets_budget"] is True
+    assert len(search["sensitivity"]["table"]) == 12
+    explored = search["explored"]
+    assert explored and search["frontier"]
+    # the frontier is Pareto: bytes up, KL strictly down
+    frontier = search["frontier"]
+    assert all(a["weight_bytes"] < b["weight_bytes"] for a, b in zip(frontier, frontier[1:]))
+    assert all(a["mean_kl"] > b["mean_kl"] for a, b in zip(frontier, frontier[1:]))
+    # nothing explored that meets the budget is smaller than the chosen plan
+    meeting = [p["weight_bytes"] for p in explored if p["meets_budget"]]
+    assert search["chosen"]["weight_bytes"] == min(meeting)
+    # the emitted program holds exactly the chosen widths
+    bits = {r["weight"]: r["bits"] for r in manifest.compression["weights"]}
+    for name, width in search["chosen"]["bits"].items():
+        assert bits[name] == width

@@ -9,6 +9,7 @@ reports stay in ``OUT/<name>-<suffix>.failed/``. A failing variant blocks only i
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import shutil
 import time
@@ -109,6 +110,22 @@ def uniform_plan(
     return {s.name: scheme for s in chosen}, kept
 
 
+def _default_search(
+    module: BC1LDecoder, embed_table: torch.Tensor, held_out: HeldOut, steps: Steps
+) -> PlanFn:
+    """The mixed-bit search of ``converter.compress.search`` on the recipe's slices."""
+    from converter.compress.search import search_plan
+
+    def run(variant: Variant, sites: list[WeightSite]) -> tuple[dict[str, Scheme], dict[str, Any]]:
+        assert variant.search is not None  # recipe rule
+        return search_plan(
+            module, sites, variant.search, held_out.calibration, held_out.texts, embed_table,
+            held_out.pad_id, log=logging.getLogger("anec.compress").info,
+        )  # fmt: skip
+
+    return run
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -194,10 +211,13 @@ def _emit_one(
             start = time.perf_counter()
             search_doc: dict[str, Any] = {}
             if variant.method == "mixed":
-                if plan_for is None:
-                    raise ValueError("a mixed variant needs a search (plan_for)")
-                plan, search_doc = plan_for(variant, sites)
-                kept = {s.name: "the search kept it fp16" for s in sites if s.name not in plan}
+                keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
+                chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
+                search = plan_for or _default_search(module, embed_table, held_out, steps)
+                plan, search_doc = search(variant, chosen)
+                for site in chosen:
+                    if site.name not in plan:
+                        kept[site.name] = "the mixed-bit search kept it fp16"
             else:
                 plan, kept = uniform_plan(compression, variant, sites)
             compressed = apply_plan(mlmodel, plan, sites)
