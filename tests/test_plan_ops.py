@@ -76,6 +76,8 @@ def test_rows_are_padded_to_64_bytes_on_the_last_axis() -> None:
     assert logits.aligned_nbytes == 16384 * 64  # 32x: one fp16 per 64-byte row
     wide = Tensor("h", (1, 576, 1, 64), "fp16")
     assert wide.aligned_nbytes == wide.nbytes
+    assert logits.short_last_axis and not wide.short_last_axis
+    assert Tensor("t", (1, 16), "fp16").short_last_axis  # 32 bytes of a 64-byte row
     assert Tensor("s", (1, None), "fp16").nbytes is None
 
 

@@ -15,7 +15,6 @@ from typing import Any
 from converter.evidence import Evidence
 from converter.plan.cost import MODEL_NOTE
 from converter.plan.inspect import Inspected
-from converter.plan.ops import ALIGN_BYTES, Tensor
 
 
 @dataclass
@@ -28,17 +27,11 @@ class Metric:
     b: float | int | str | None
 
 
-def _tiny_last_axis(t: Tensor) -> bool:
-    size = (t.nbytes or 0) // max(t.elements or 1, 1)
-    last = t.shape[-1] if t.shape else 1
-    return bool(size) and last is not None and last * size < ALIGN_BYTES
-
-
 def program_facts(item: Inspected) -> dict[str, Any]:
     """Counts from the op table, over every function."""
     ops = [op for op in item.table.ops() if op.dispatchable]
     outputs = [t for op in ops for t in op.outputs]
-    tiny = [t for t in outputs if _tiny_last_axis(t)]
+    tiny = [t for t in outputs if t.short_last_axis]
     layers = max((f.summary.layers for f in item.static.functions), default=0)
     transposes = sum(op.op_type == "transpose" for op in ops)
     return {

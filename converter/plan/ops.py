@@ -80,6 +80,13 @@ class Tensor:
         row = math.ceil(last * size / ALIGN_BYTES) * ALIGN_BYTES
         return (n // last) * row
 
+    @property
+    def short_last_axis(self) -> bool:
+        """True when the last axis is shorter than one 64-byte row (padding on the NE)."""
+        size = _DTYPE_BYTES.get(self.dtype)
+        last = self.shape[-1] if self.shape else 1
+        return size is not None and last is not None and last * size < ALIGN_BYTES
+
     def to_json(self) -> dict[str, Any]:
         """JSON form: name, shape (null for symbolic dims), dtype."""
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from converter.plan.chips import Chip
-from converter.plan.ops import ALIGN_BYTES, Function, Op
+from converter.plan.ops import Function, Op
 from converter.plan.rules import (
     ALIGN_FLAG,
     COMPUTE_LAYER_TYPES,
@@ -143,13 +143,3 @@ def predict_function(
             if p.device == "NE" and p.confidence == "high":
                 p.confidence = "medium"
     return placements
-
-
-def tiny_last_axis(op: Op) -> bool:
-    """True when an output's last axis is shorter than one 64-byte row."""
-    for t in op.outputs:
-        last = t.shape[-1] if t.shape else 1
-        size = (t.nbytes or 0) // max(t.elements or 1, 1)
-        if last is not None and size and last * size < ALIGN_BYTES:
-            return True
-    return False

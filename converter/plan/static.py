@@ -65,7 +65,7 @@ def static_report(
         per_chip[c.name] = {
             "ne_ops_share": sum(s.ops_ne for s in summaries) / ops if ops else None,
             "ne_flops_share": sum(s.flops_ne for s in summaries) / flops if flops else None,
-            "ne_segments": sum(s.ne_segments for s in summaries),
+            "ne_segments": max((s.ne_segments for s in summaries), default=0),  # per function
             "transitions": sum(s.transitions for s in summaries),
             "off_ne_ops": sum(s.ops - s.ops_ne for s in summaries),
         }
