@@ -23,7 +23,7 @@ from converter.targets import TARGETS
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import Island, host_embedding
-from parity.encoder_gates import MIL_LEVEL, check_encoder
+from parity.encoder_gates import MIL_LEVEL, check_encoder, module_inputs, state_rows
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,25 +36,30 @@ pytestmark = [
 LENGTH = 96
 
 
-@pytest.fixture(scope="module")
-def real() -> Iterator[TinyEncoder]:
+def random_real_shape(name: str) -> torch.nn.Module:
+    """transformers' ModernBertModel at a shared config's shape, random weights drawn directly
+    (std 0.02), norm weights and biases perturbed. (transformers' own truncated-normal init
+    of 149-307 M parameters takes most of a minute on a busy 2-core machine.)"""
     from transformers import ModernBertModel
     from transformers.initialization import no_init_weights
 
-    config = real_shape_config("modernbert-base")
-    torch.manual_seed(0)
-    # transformers' truncated-normal init of 149 M parameters takes most of a minute on a busy
-    # 2-core machine; draw the random weights directly instead (same scale, std 0.02), then
-    # perturb norms away from 1 as everywhere else.
+    config = real_shape_config(name)
+    torch.manual_seed(1)
     with no_init_weights():
         model = ModernBertModel(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.02 if "norm" not in name else torch.ones_like(p))
+        for pname, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.02 if "norm" not in pname else torch.ones_like(p))
     perturb_(model, scale=0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[TinyEncoder]:
+    model = random_real_shape("modernbert-base")
     # A full window (local bands cut at distance 64 inside it) and a padded fixture.
     yield build_encoder(
-        config, "last-hidden-state", model=model, batch=1, length=LENGTH, lengths=(96, 41)
+        model.config, "last-hidden-state", model=model, batch=1, length=LENGTH, lengths=(96, 41)
     )
 
 
@@ -117,3 +122,33 @@ def test_emitted_island_passes_at_mil_level(real: TinyEncoder, tmp_path: Path) -
     mil = [g for g in report.gates if g.implementation == MIL_LEVEL]
     assert mil and all(g.passed for g in mil), mil
     print({row.name: row.cosine for row in rows})
+
+
+def test_mmbert_shape_folded_batch_is_exact_in_fp32() -> None:
+    """mmBERT-base shape (306.9 M parameters, theta 160000 for local layers too) at B=3, L=64:
+    every layer of every real token within the fp32 gate, three samples folded into one
+    sequence with a block-diagonal mask."""
+    if not (SHARED_CONFIGS / "mmbert-base-shape.json").is_file():
+        pytest.skip("mmbert-base-shape.json not found")
+    model = random_real_shape("mmbert-base-shape")
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(306.9e6, rel=0.01)
+    t = build_encoder(
+        model.config,
+        "last-hidden-state",
+        model=model,
+        batch=3,
+        length=64,
+        lengths=(64, 23, 50),
+    )
+    assert {ls.attention.rope_theta for ls in t.canonical.spec.layers} == {160000.0}
+    (batch,) = t.batches
+    *x, key_mask = module_inputs(t.module, batch, torch.float32)
+    with torch.no_grad():
+        states = t.module.run_layers(t.module.embed(x[0], None), key_mask)
+    for r, fixture in enumerate(batch.fixtures):
+        n = len(fixture.token_ids)
+        for i, state in enumerate(states):
+            ref = t.references[fixture.name].hidden[i]
+            got = state_rows(state, 64, r, n)
+            err = float((got.double() - ref.double()).norm() / ref.double().norm())
+            assert err <= THRESHOLDS.fp32_layer_rel_error, (fixture.name, i, err)
