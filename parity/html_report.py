@@ -1,0 +1,189 @@
+"""The HTML parity report (``parity.html``): self-contained, inline SVG, built from the same
+document as ``parity.json`` so a report can be rendered again from the JSON alone."""
+
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Any
+
+from parity.svg import layer_chart, margin_chart
+
+_STYLE = """
+body { font-family: -apple-system, Helvetica, Arial, sans-serif; margin: 24px; color: #222; }
+table { border-collapse: collapse; margin: 8px 0 20px; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+.pass { color: #18752a; font-weight: bold; } .fail { color: #b00020; font-weight: bold; }
+.note { color: #555; font-size: 13px; max-width: 60em; }
+"""
+
+
+def _num(value: Any) -> float:
+    if isinstance(value, str):
+        return float(value)  # "inf" / "nan" as JSON spells them
+    return float(value)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) or (isinstance(value, str) and value in ("inf", "nan")):
+        v = _num(value)
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    if isinstance(value, list):
+        return ", ".join(escape(str(v)) for v in value) if value else "-"
+    return escape(str(value))
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _verdict(passed: bool) -> str:
+    return '<span class="pass">PASS</span>' if passed else '<span class="fail">FAIL</span>'
+
+
+def _layer_series(doc: dict[str, Any]) -> dict[str, list[float]]:
+    series: dict[str, list[float]] = {}
+    layers = doc.get("layers", [])
+    if layers:
+        series["torch-fp32 vs reference"] = [_num(r["fp32_rel_error"]) for r in layers]
+        series["torch-fp16 vs reference"] = [_num(r["fp16_rel_error"]) for r in layers]
+    for run in doc.get("conversion", {}).get("runs", []):
+        if run.get("layer_rel_error"):
+            label = f"{run['implementation']} vs " + (
+                "BC1L module (fp64)" if run["baseline"] != "reference" else "reference"
+            )
+            series[label] = [_num(v) for v in run["layer_rel_error"]]
+    return series
+
+
+def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> str:
+    """The whole report as one HTML page."""
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+        f"<p>Verdict: {_verdict(bool(doc.get('passed')))}"
+        + (f" &middot; recipe <code>{escape(str(doc['recipe']))}</code>" if "recipe" in doc else "")
+        + "</p>",
+    ]
+    levels = doc.get("levels", [])
+    if levels:
+        parts.append("<h2>Levels</h2>")
+        parts.append(
+            _table(
+                ["level", "implementation", "compared with", "status"],
+                [
+                    [_fmt(lv["level"]), _fmt(lv["implementation"]), _fmt(lv.get("against", "-"))]
+                    + [_fmt(lv["status"])]
+                    for lv in levels
+                ],
+            )
+        )
+    parts.append("<h2>Gates</h2>")
+    parts.append(
+        _table(
+            ["", "gate", "implementation", "value", "", "threshold", "detail"],
+            [
+                [
+                    _verdict(g["passed"]),
+                    _fmt(g["name"]),
+                    _fmt(g["implementation"]),
+                    _fmt(g["value"]),
+                    escape(g["comparison"]),
+                    _fmt(g["threshold"]),
+                    _fmt(g.get("detail", "")),
+                ]
+                for g in doc.get("gates", [])
+            ],
+        )
+    )
+    series = _layer_series(doc)
+    if series:
+        thresholds = {
+            g["implementation"] + " gate": _num(g["threshold"])
+            for g in doc.get("gates", [])
+            if g["name"] == "per-layer relative error"
+        }
+        parts.append("<h2>Per-layer relative error</h2>")
+        parts.append(
+            "<p class='note'>||h' - h|| / ||h|| at real positions, worst over fixtures. "
+            "Hollow points are clamped to the axis (0, inf or NaN).</p>"
+        )
+        parts.append(layer_chart(series, thresholds, "per-layer relative error"))
+    runs = [
+        run
+        for run in [*doc.get("conversion", {}).get("runs", []), doc.get("runtime", {})]
+        if run.get("positions")
+    ]
+    if runs:
+        parts.append("<h2>Logit error against margin</h2>")
+        parts.append(
+            "<p class='note'>Each point is one real position: the largest logit error delta "
+            "against the reference margin top1 - top2. Below the dashed line (margin > 2 delta) "
+            "the argmax is proven kept.</p>"
+        )
+        points = {
+            run["implementation"]: [
+                (_num(p["margin"]), _num(p["logit_error"])) for p in run["positions"]
+            ]
+            for run in runs
+        }
+        parts.append(margin_chart(points, "logit error against margin"))
+        parts.append("<h2>Slices</h2>")
+        header = [
+            "implementation",
+            "slice",
+            "positions",
+            "argmax agreement",
+            "max |dp|",
+            "max KL",
+            "mean KL",
+            "top-k overlap",
+            "max logit error",
+            "certified",
+            "uncertified positions",
+        ]
+        rows = []
+        for run in runs:
+            for name, s in run.get("slices", {}).items():
+                rows.append(
+                    [
+                        _fmt(run["implementation"]),
+                        _fmt(name),
+                        _fmt(s["positions"]),
+                        _fmt(s["argmax_agreement"]) if s["positions"] else "-",
+                        _fmt(s["max_abs_dprob"]) if s["positions"] else "-",
+                        _fmt(s["max_kl"]) if s["positions"] else "-",
+                        _fmt(s["mean_kl"]) if s["positions"] else "-",
+                        _fmt(s["mean_topk_overlap"]) if s["positions"] else "-",
+                        _fmt(s["max_logit_error"]) if s["positions"] else "-",
+                        _fmt(s["certified_share"]) if s["positions"] else "-",
+                        _fmt(s["uncertified"]),
+                    ]
+                )
+        parts.append(_table(header, rows))
+    if series:
+        names = list(series)
+        n = max(len(v) for v in series.values())
+        parts.append("<h2>Per-layer table</h2>")
+        parts.append(
+            _table(
+                ["layer", *names],
+                [
+                    [str(i)] + [_fmt(series[k][i]) if i < len(series[k]) else "-" for k in names]
+                    for i in range(n)
+                ],
+            )
+        )
+    implementations = doc.get("implementations", {})
+    if implementations:
+        parts.append("<h2>Implementations</h2>")
+        rows = [[_fmt(k), _fmt(v)] for k, v in implementations.items()]
+        parts.append(_table(["name", "what it is"], rows))
+    parts.append("</body></html>")
+    return "\n".join(parts)

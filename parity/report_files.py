@@ -1,0 +1,82 @@
+"""The parity report files of an artifact: ``parity.json``, ``parity.txt``, ``parity.html``.
+
+One document covers every level, each number labelled with the implementation that produced
+it: the rewrite (torch fp32 and fp16 against the original), the conversion (the emitted
+program in the MIL evaluator), the Core ML runtime (macOS only, otherwise marked not run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from converter.publish import write_json_atomic, write_text_atomic
+from parity.conversion import ConversionReport, conversion_to_json, conversion_to_text
+from parity.gates import ParityReport
+from parity.html_report import report_to_html
+from parity.report import report_to_json, report_to_text
+
+TORCH_LEVELS = [
+    {
+        "level": "rewrite",
+        "implementation": "torch-fp32",
+        "against": "reference",
+        "status": "run",
+        "gated": True,
+    },
+    {
+        "level": "rewrite",
+        "implementation": "torch-fp16",
+        "against": "reference",
+        "status": "run",
+        "gated": True,
+    },
+]
+
+
+def merge(report: ParityReport, conversion: ConversionReport) -> None:
+    """Add the conversion level's gates and implementations to the torch report."""
+    report.gates.extend(conversion.gates)
+    report.implementations.update(conversion.implementations)
+
+
+def parity_document(
+    report: ParityReport, conversion: ConversionReport | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON document; without a conversion report its levels say why they did not run."""
+    doc = report_to_json(report, extra)
+    levels: list[dict[str, Any]] = [dict(level) for level in TORCH_LEVELS]
+    if conversion is None:
+        levels.append(
+            {
+                "level": "conversion",
+                "implementation": "mil",
+                "against": "-",
+                "status": "not run: a torch-level gate failed, nothing was converted",
+                "gated": True,
+            }
+        )
+    else:
+        conv = conversion_to_json(conversion)
+        levels += conv.pop("levels")
+        doc |= conv
+    doc["levels"] = levels
+    return doc
+
+
+def write_parity_reports(
+    directory: Path,
+    report: ParityReport,
+    conversion: ConversionReport | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """Write the three report files atomically into ``directory``; returns the JSON document."""
+    doc = parity_document(report, conversion, extra)
+    text = report_to_text(report)
+    if conversion is not None:
+        text += "\n\n" + conversion_to_text(conversion)
+    write_json_atomic(directory / "parity.json", doc)
+    write_text_atomic(directory / "parity.txt", text + "\n")
+    title = f"anec parity report: {extra['recipe']}" if "recipe" in extra else "anec parity report"
+    write_text_atomic(directory / "parity.html", report_to_html(doc, title))
+    return doc
