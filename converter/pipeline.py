@@ -25,6 +25,7 @@ from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import Deviation, FileEntry, Manifest, PackageEntry, TensorEntry
+from converter.markers import mark_layer_outputs
 from converter.plan.artifact_gate import plan_artifact
 from converter.preflight import preflight
 from converter.progress import Steps
@@ -43,10 +44,11 @@ from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.masks import MASKED
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
 from graph_passes.spec import CanonicalModel
+from parity.conversion import check_conversion
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gates import ParityReport, Thresholds, check_decoder, module_inputs
 from parity.reference import ReferenceRun, run_reference
-from parity.report import report_to_json, report_to_text
+from parity.report_files import merge, write_parity_reports
 
 
 @dataclass
@@ -276,9 +278,7 @@ def convert(
         held_out = _held_out(recipe, ckpt, rewrite)  # needs the original model: before del
         del ckpt.model  # the reference is no longer needed; free its memory before converting
 
-        parity_doc = report_to_json(report, {"recipe": name})
-        write_json_atomic(stage.path / "parity.json", parity_doc)
-        write_text_atomic(stage.path / "parity.txt", report_to_text(report) + "\n")
+        write_parity_reports(stage.path, report, None, {"recipe": name})
         if not report.passed:
             write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
             failed = stage.keep_as_failed()
@@ -287,6 +287,8 @@ def convert(
         inputs, outputs = tensor_contract(module, recipe.io.dtype)
         with steps.step("trace"):
             traced = trace(module, inputs)
+            # Stable names for each layer's output, so the MIL level compares layer by layer.
+            mark_layer_outputs(traced, module.spec.num_layers)
         with steps.step("convert to ML Program"):
             mlmodel = to_mlprogram(traced, inputs, outputs, target.ct_target(), recipe.precision)
             ops = live_ops(mlmodel)
@@ -294,6 +296,30 @@ def convert(
         with steps.step("save"):
             package = stage.path / f"{name}.mlpackage"
             mlmodel.save(str(package))
+        del traced
+
+        # The emitted program itself, in the MIL evaluator (fp32 per layer against the BC1L
+        # module, fp16 gated and fp16-acc reported against the original model).
+        total = 3 * len(rewrite.batches)
+        with steps.step("parity (MIL: fp32, fp16, fp16-acc)", total=total) as advance:
+            conversion = check_conversion(
+                package,
+                module,
+                rewrite.batches,
+                references,
+                embed_table,
+                thresholds,
+                recipe.precision,
+                progress=advance,
+            )
+        merge(report, conversion)
+        write_parity_reports(stage.path, report, conversion, {"recipe": name})
+        if not report.passed:
+            write_log_into(stage.path, f"a MIL-level gate failed; reports kept in {name}.failed")
+            failed = stage.keep_as_failed()
+            return ConvertResult(name, False, None, failed, report, steps.timings)
+
+        with steps.step("write manifest"):
             embeddings = None
             if module.io.inputs == "embeddings":
                 data = _npy_bytes(embed_table.to(torch.float16).numpy())
