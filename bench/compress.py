@@ -1,0 +1,369 @@
+"""Compression benchmarks: time and peak memory per variant, and quality on a full-precision
+checkpoint (MiniLM). Full-size runs live here, not in CI.
+
+    python bench/compress.py weights                     # SmolLM2 and Qwen2.5-0.5B shapes
+    python bench/compress.py weights --shape qwen2.5-0.5b --method lut4
+    python bench/compress.py minilm                      # MiniLM variants: size and cosine
+    python bench/compress.py smollm2 [--recipe FILE]     # the compressed SmolLM2 recipe, end to end
+
+``weights`` builds an fp16 ML Program holding the projection weights of the named model shape
+(random normal weights, std 0.02, in the BC1L 1x1-conv form; the LM head stays fp16 as in the
+recipes) and compresses every weight with one scheme through ``converter.compress.plan``, in a
+fresh subprocess per case so its peak RSS (``ru_maxrss``) is its own. Times are wall clock on a
+shared machine: read them as approximate. Storage ratios are not latency ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Projection shapes per layer (out, in) in the BC1L program: fused qkv, o, fused gate_up, down.
+SHAPES = {
+    "smollm2-135m": {"layers": 30, "d": 576, "qkv": 960, "inter": 1536},
+    "qwen2.5-0.5b": {"layers": 24, "d": 896, "qkv": 1152, "inter": 4864},
+}
+METHODS = {
+    "int8": ("int8", 8, "per-channel"),
+    "lut8": ("lut", 8, "per-tensor"),
+    "lut6": ("lut", 6, "per-tensor"),
+    "lut4": ("lut", 4, "per-tensor"),
+}
+GIB = 2**30
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def shape_program(shape: str, directory: Path) -> tuple[Any, list[Any]]:
+    """An fp16 program chaining every projection of ``shape`` with random weights."""
+    import coremltools as ct
+    import numpy as np
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    s = SHAPES[shape]
+    d = s["d"]
+    rng = np.random.default_rng(0)
+    names: list[tuple[str, tuple[int, int]]] = []
+    for i in range(s["layers"]):
+        names += [
+            (f"layers_{i}_attention_qkv_weight", (s["qkv"], d)),
+            (f"layers_{i}_attention_o_weight", (d, d)),
+            (f"layers_{i}_mlp_gate_up_weight", (2 * s["inter"], d)),
+            (f"layers_{i}_mlp_down_weight", (d, s["inter"])),
+        ]
+
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(1, d, 1, 8), dtype=types.fp16)],
+        opset_version=ct.target.iOS17,
+    )
+    def prog(x: Any) -> Any:
+        h = x
+        for name, (out, inp) in names:
+            w = (rng.standard_normal((out, inp, 1, 1), dtype=np.float32) * 0.02).astype(np.float16)
+            if h.shape[1] != inp:  # take the channels the next projection reads
+                h = mb.slice_by_size(x=h, begin=[0, 0, 0, 0], size=[1, inp, 1, 8])
+            h = mb.conv(x=h, weight=mb.const(val=w, name=name + "_to_fp16"), name=name + "_conv")
+        return h
+
+    model = ct.convert(
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.macOS14,
+        compute_precision=ct.precision.FLOAT16,
+        skip_model_load=True,
+    )
+    from converter.compress.sites import weight_sites
+
+    # The names are already in the mangled form, so each site is named after its constant.
+    sites = weight_sites(model._mil_program.functions["main"], [n for n, _ in names])
+    return model, sites
+
+
+def weights_case(shape: str, method: str) -> dict[str, Any]:
+    """Build the shape's program and compress all of it with ``method`` (in this process)."""
+    from converter.compress.plan import Scheme, apply_plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        model, sites = shape_program(shape, Path(tmp))
+        build = time.perf_counter() - start
+        peak_build = _peak_gib()
+        kind, bits, granularity = METHODS[method]
+        plan = {s.name: Scheme(kind, bits, granularity) for s in sites}  # type: ignore[arg-type]
+        start = time.perf_counter()
+        compressed = apply_plan(model, plan, sites)
+        path = Path(tmp) / "c.mlpackage"
+        compressed.save(str(path))
+        seconds = time.perf_counter() - start
+        weights_bytes = sum(p.stat().st_size for p in path.rglob("weight.bin"))
+    fp16_bytes = sum(s.elements * 2 for s in sites)
+    return {
+        "shape": shape,
+        "method": method,
+        "weights": len(sites),
+        "parameters": sum(s.elements for s in sites),
+        "build_s": round(build, 1),
+        "compress_and_save_s": round(seconds, 1),
+        "peak_rss_gib_after_build": round(peak_build, 2),
+        "peak_rss_gib": round(_peak_gib(), 2),
+        "weight_file_ratio": round(weights_bytes / fp16_bytes, 4),
+    }
+
+
+def cmd_weights(args: argparse.Namespace) -> None:
+    shapes = args.shape or list(SHAPES)
+    methods = args.method or ["int8", "lut4"]
+    rows = []
+    for shape in shapes:
+        for method in methods:
+            out = subprocess.run(
+                [sys.executable, __file__, "_weights_case", shape, method],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if out.returncode != 0:
+                print(f"{shape} {method}: failed\n{out.stderr[-2000:]}")
+                continue
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(
+        f"{'shape':<14} {'method':<6} {'params':>8} {'build s':>8} {'compress+save s':>16} "
+        f"{'peak RSS GiB':>13} {'weights ratio':>14}"
+    )
+    for r in rows:
+        print(
+            f"{r['shape']:<14} {r['method']:<6} {r['parameters'] / 1e6:>7.0f}M {r['build_s']:>8} "
+            f"{r['compress_and_save_s']:>16} {r['peak_rss_gib']:>13} {r['weight_file_ratio']:>14}"
+        )
+    print("peak RSS covers building the random fp16 program too; limit for the 0.5B shape: 12 GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+# ---- MiniLM: a full-precision checkpoint ---------------------------------------------------
+
+MINILM_HELD_OUT = [
+    "A woman is slicing an onion.",
+    "A man is playing a flute.",
+    "The kids are running on the beach.",
+    "Stock markets fell sharply on Monday.",
+    "How can I change the language of the app?",
+    "The weather will be sunny tomorrow afternoon.",
+    "A dog is chasing a ball across the park.",
+    "Ich habe meinen Schlüssel verloren.",
+    "The recipe needs two eggs and a cup of flour.",
+]
+MINILM_VARIANTS = ["int8", "lut8", "lut6", "lut4"]
+
+
+def cmd_minilm(args: argparse.Namespace) -> None:
+    import coremltools as ct
+    import torch
+
+    from converter.checkpoint import load_checkpoint
+    from converter.compress.plan import Scheme, apply_plan
+    from converter.compress.records import weight_records
+    from converter.compress.sites import weight_sites
+    from converter.compress.size import size_report
+    from converter.encoder_pipeline import (
+        convert_encoder,
+        mil_level_runner,
+        rewrite_encoder,
+    )
+    from converter.pipeline import _pad_id
+    from converter.recipe import EncoderOptions, load_recipe, locate_recipe
+    from parity.compression_gates import with_weights
+    from parity.encoder_gates import (
+        fp16_module,
+        make_encoder_batches,
+        module_runner,
+        real_part,
+        run_encoder_reference,
+    )
+    from parity.fixtures import build_fixtures
+    from parity.mil import load_package
+
+    recipe = load_recipe(locate_recipe("minilm-l6-embed"))
+    out = Path(args.out or tempfile.mkdtemp(prefix="minilm-compress-"))
+    start = time.perf_counter()
+    result = convert_encoder(recipe, out, force=True)
+    print(f"fp16 artifact: {result.artifact_dir} ({time.perf_counter() - start:.0f} s)")
+    assert result.artifact_dir is not None
+    package = result.artifact_dir / f"{recipe.name}.mlpackage"
+    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
+    rw = rewrite_encoder(recipe, ckpt, recipe.encoder or EncoderOptions())
+    module = rw.module
+    length, batch = module.io.length, module.io.batch
+    fixtures = build_fixtures(
+        MINILM_HELD_OUT, [], ckpt.tokenizer, length, 10**9, padded_variants=False
+    )
+    refs = {
+        f.name: run_encoder_reference(ckpt.model, f.token_ids, module.io.output) for f in fixtures
+    }
+    batches = make_encoder_batches(fixtures, batch, length, _pad_id(ckpt))
+    kind = module.io.output
+
+    def embeddings(run: Any) -> dict[str, torch.Tensor]:
+        got = {}
+        for b in batches:
+            _, output = run(b)
+            for r, f in enumerate(b.fixtures):
+                got[f.name] = real_part(output, kind, r, len(f.token_ids)).float().reshape(-1)
+        return got
+
+    def cosines(a: dict[str, torch.Tensor], b: dict[str, Any]) -> list[float]:
+        out_ = []
+        for name, v in a.items():
+            w = b[name].output if hasattr(b[name], "output") else b[name]
+            w = w.float().reshape(-1)
+            out_.append(float(torch.nn.functional.cosine_similarity(v, w, dim=0)))
+        return out_
+
+    base_torch = embeddings(module_runner(fp16_module(module), torch.float16))
+    base_mil_run, note = mil_level_runner({"single": package}, module, None)
+    assert base_mil_run is not None, note
+    base_mil = embeddings(base_mil_run)
+    mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
+    program = load_package(package)
+    sites = [
+        s
+        for s in weight_sites(program.functions["main"], dict(module.named_parameters()))
+        if s.elements >= 2048
+    ]
+    rows = []
+    for method in MINILM_VARIANTS:
+        kind_, bits, granularity = METHODS[method]
+        plan = {s.name: Scheme(kind_, bits, granularity) for s in sites}  # type: ignore[arg-type]
+        start = time.perf_counter()
+        compressed = apply_plan(mlmodel, plan, sites)
+        path = out / f"{recipe.name}-{method}.mlpackage"
+        compressed.save(str(path))
+        seconds = time.perf_counter() - start
+        prog = load_package(path)
+        records, decoded = weight_records(prog.functions["main"], sites, plan, {})
+        size = size_report(records, package, path)
+        variant = with_weights(module, decoded)  # type: ignore[arg-type]
+        t16 = embeddings(module_runner(fp16_module(variant), torch.float16))  # type: ignore[arg-type]
+        run, note = mil_level_runner({"single": path}, variant, None)  # type: ignore[arg-type]
+        assert run is not None, note
+        m16 = embeddings(run)
+        row = {
+            "variant": method,
+            "weights": len(sites),
+            "compressed_ratio": round(size.compressed_ratio, 4),
+            "bits_per_weight": round(size.compressed_bits_per_weight, 2),
+            "package_ratio": round(size.package_ratio, 4),
+            "torch_min_cos_original": min(cosines(t16, refs)),
+            "torch_min_cos_fp16": min(cosines(t16, base_torch)),
+            "mil_min_cos_original": min(cosines(m16, refs)),
+            "mil_min_cos_fp16": min(cosines(m16, base_mil)),
+            "mil_mean_cos_original": sum(cosines(m16, refs)) / len(m16),
+            "compress_s": round(seconds, 1),
+        }
+        rows.append(row)
+    print(f"fp16 MIL min cosine vs original: {min(cosines(base_mil, refs)):.6f}")
+    print(
+        f"{'variant':<7} {'ratio':>6} {'bits/w':>6} {'pkg':>6}  {'torch cos orig':>14} "
+        f"{'torch cos fp16':>14} {'MIL cos orig':>12} {'MIL cos fp16':>12} {'MIL mean':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['variant']:<7} {r['compressed_ratio']:>6.3f} {r['bits_per_weight']:>6.2f} "
+            f"{r['package_ratio']:>6.3f}  {r['torch_min_cos_original']:>14.6f} "
+            f"{r['torch_min_cos_fp16']:>14.6f} {r['mil_min_cos_original']:>12.6f} "
+            f"{r['mil_min_cos_fp16']:>12.6f} {r['mil_mean_cos_original']:>9.6f}"
+        )
+    print(f"{len(fixtures)} held-out sentences (not the recipe's fixtures); min over sentences")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+# ---- SmolLM2 end to end ----------------------------------------------------------------------
+
+
+def cmd_smollm2(args: argparse.Namespace) -> None:
+    recipe = args.recipe or str(REPO / "recipes" / "smollm2-135m-draft-compressed.yaml")
+    out = args.out or tempfile.mkdtemp(prefix="smollm2-compress-")
+    start = time.perf_counter()
+    proc = subprocess.run(
+        ["anec", "convert", recipe, "--out", out, "--force", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall = time.perf_counter() - start
+    print(f"anec convert exit {proc.returncode} in {wall:.0f} s; artifacts under {out}")
+    for directory in sorted(Path(out).iterdir()):
+        report = directory / "parity.json"
+        if not report.is_file() or "size" not in json.loads(report.read_text()):
+            continue
+        doc = json.loads(report.read_text())
+        size = doc["size"]
+        levels = {lv["implementation"]: lv for lv in doc["levels"]}
+        print(
+            f"{directory.name:<34} {'PASS' if doc['passed'] else 'FAIL'}  "
+            f"weights {size['compressed_ratio']:.3f}x ({size['compressed_bits_per_weight']:.2f} "
+            f"b/w)  package {size['package_ratio']:.3f}x"
+        )
+        for impl, lv in levels.items():
+            o, f = lv["against_original"], lv["against_fp16_artifact"]
+            print(
+                f"    {impl:<10} vs original: top-1 {o['argmax_agreement']:.3f} mean KL "
+                f"{o['mean_kl']:.4f} max|dp| {o['max_abs_dprob']:.3f}   vs fp16: top-1 "
+                f"{f['argmax_agreement']:.3f} mean KL {f['mean_kl']:.4f}"
+            )
+        if "search" in doc:
+            s = doc["search"]
+            print(
+                f"    search: chosen {s['chosen']['counts']} "
+                f"{s['chosen']['weight_bytes'] / 2**20:.2f} MiB"
+            )
+            for p in s["frontier"]:
+                print(
+                    f"      frontier {p['weight_bytes'] / 2**20:7.2f} MiB  KL {p['mean_kl']:.4f}"
+                    f"  top-1 {p['top1']:.3f}"
+                )
+            for name, u in s["uniform"].items():
+                print(
+                    f"      uniform {name} {u['weight_bytes'] / 2**20:7.2f} MiB  KL "
+                    f"{u['mean_kl']:.4f}  top-1 {u['top1']:.3f}"
+                )
+    if proc.returncode not in (0, 1):
+        print(proc.stderr[-3000:])
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_weights_case":
+        print(json.dumps(weights_case(sys.argv[2], sys.argv[3])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("weights", help="compression time and peak memory per model shape")
+    w.add_argument("--shape", action="append", choices=list(SHAPES))
+    w.add_argument("--method", action="append", choices=list(METHODS))
+    w.add_argument("--json")
+    m = sub.add_parser("minilm", help="MiniLM variants: size and sentence-embedding cosine")
+    m.add_argument("--out")
+    m.add_argument("--json")
+    s = sub.add_parser("smollm2", help="the compressed SmolLM2 recipe end to end")
+    s.add_argument("--recipe")
+    s.add_argument("--out")
+    args = parser.parse_args()
+    {"weights": cmd_weights, "minilm": cmd_minilm, "smollm2": cmd_smollm2}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
