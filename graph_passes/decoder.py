@@ -124,11 +124,15 @@ class BC1LDecoder(nn.Module):
             x = self.embed(x)
         return x.transpose(1, 2).unsqueeze(2)
 
+    def attention_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
+        """One combined mask (B, L, 1, L) for all layers and heads, keys on axis 1 like the
+        scores: the causal mask plus the key mask (B, L)."""
+        return self.causal + key_mask.reshape(-1, self.io.length, 1, 1)
+
     def run_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> list[torch.Tensor]:
         """The residual stream after each layer, each (B, D, 1, L)."""
         h = self.embed_bc1l(x)
-        # One combined mask for all layers and heads, keys on axis 1 like the scores.
-        mask = self.causal + key_mask.reshape(-1, self.io.length, 1, 1)
+        mask = self.attention_mask(key_mask)
         states = []
         for layer in self.decoder_layers():
             h = layer(h, mask)
