@@ -178,8 +178,10 @@ def test_mixed_search_reports_its_frontier_and_emits_a_plan_within_budget(
     assert explored and search["frontier"]
     # the frontier is Pareto: bytes up, KL strictly down
     frontier = search["frontier"]
-    assert all(a["weight_bytes"] < b["weight_bytes"] for a, b in zip(frontier, frontier[1:]))
-    assert all(a["mean_kl"] > b["mean_kl"] for a, b in zip(frontier, frontier[1:]))
+    assert all(
+        a["weight_bytes"] < b["weight_bytes"] for a, b in zip(frontier, frontier[1:], strict=False)
+    )
+    assert all(a["mean_kl"] > b["mean_kl"] for a, b in zip(frontier, frontier[1:], strict=False))
     # nothing explored that meets the budget is smaller than the chosen plan
     meeting = [p["weight_bytes"] for p in explored if p["meets_budget"]]
     assert search["chosen"]["weight_bytes"] == min(meeting)
