@@ -31,7 +31,7 @@ from converter.markers import MarkerError, find_markers
 from graph_passes.decoder import BC1LDecoder
 from parity import runtime
 from parity.fixtures import Batch
-from parity.gates import GateResult, Thresholds, module_inputs, rel_error, run_module
+from parity.gates import GateResult, Thresholds, module_inputs, rel_error
 from parity.metrics import PositionRow, Summary, compare_positions, slices, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
@@ -89,20 +89,52 @@ class ConversionReport:
         return all(g.passed for g in self.gates)
 
 
-def program_constants(module: BC1LDecoder, precision: str) -> BC1LDecoder:
-    """A float64 copy of ``module`` holding the values the program stores.
-
-    Parameters and buffers are rounded to fp16 first when the program stores fp16. The copy
-    runs in float64 so that the baseline is the module's function itself: run in fp32, torch's
-    own rounding reached 1.1e-5 relative at SmolLM2's last layer (measured against fp64),
-    which would be charged to the program.
-    """
-    copy_ = copy.deepcopy(module).eval()
+def _program_piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """A float64 copy of ``part`` holding the values the program stores (fp16-rounded)."""
+    piece = copy.deepcopy(part).eval()
     with torch.no_grad():
-        for tensor in [*copy_.parameters(), *copy_.buffers()]:
+        for tensor in [*piece.parameters(), *piece.buffers()]:
             if tensor.is_floating_point() and precision == "float16":
                 tensor.copy_(tensor.half().float())
-    return copy_.double()
+    return piece.double()
+
+
+def fp64_baseline(
+    module: BC1LDecoder, precision: str, inputs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """The BC1L module's function with the program's constants, computed in float64.
+
+    For each (x, key_mask): the per-layer states (B, D, 1, L) and the logits (B, V, 1, n) at
+    the last n window positions. In fp32, torch's own rounding reached 1.1e-5 relative at
+    SmolLM2's last layer (measured against fp64), which would be charged to the program.
+    Built one layer (one LM-head chunk) at a time, so at most one piece exists in fp64:
+    a whole fp64 copy would need 8 bytes a parameter.
+    """
+    n = module.io.logit_positions
+    with torch.no_grad():
+        embed = _program_piece(module.embed, precision) if module.embed is not None else None
+        hs, masks = [], []
+        for x, key_mask in inputs:
+            x = embed(x) if embed is not None else x.double()
+            hs.append(x.transpose(1, 2).unsqueeze(2))  # as BC1LDecoder.embed_bc1l
+            causal = module.causal.half().double() if precision == "float16" else module.causal
+            masks.append(causal.double() + key_mask.double().reshape(-1, module.io.length, 1, 1))
+        del embed
+        states: list[list[torch.Tensor]] = [[] for _ in inputs]
+        for layer in module.decoder_layers():
+            piece = _program_piece(layer, precision)
+            for b in range(len(inputs)):
+                hs[b] = piece(hs[b], masks[b])
+                states[b].append(hs[b])
+        # The head as BC1LDecoder.forward computes it: final norm, then each chunk's conv.
+        norm = _program_piece(module.final_norm, precision)
+        normed = [norm(h[:, :, :, module.io.length - n :]) for h in hs]
+        chunks: list[list[torch.Tensor]] = [[] for _ in inputs]
+        for conv in module.lm_head:
+            piece = _program_piece(conv, precision)
+            for b in range(len(inputs)):
+                chunks[b].append(piece(normed[b]))
+    return [(states[b], torch.cat(chunks[b], dim=1)) for b in range(len(inputs))]
 
 
 def _feed(
@@ -167,9 +199,8 @@ def check_conversion(
         profile = get_profile(name)
         evaluator = Evaluator(program, profile)
         if name == "fp32":
-            baseline = program_constants(module, precision)
             run = _run_against_module(
-                evaluator, baseline, module, batches, embed_table, markers, specs, progress
+                evaluator, module, precision, batches, embed_table, markers, specs, progress
             )
         else:
             run = _run_against_reference(
@@ -203,8 +234,8 @@ def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], sl
 
 def _run_against_module(
     evaluator: Evaluator,
-    baseline: BC1LDecoder,
     module: BC1LDecoder,
+    precision: str,
     batches: list[Batch],
     embed_table: torch.Tensor,
     markers: list[str],
@@ -212,18 +243,16 @@ def _run_against_module(
     progress: Callable[[], None],
 ) -> ProfileRun:
     length, n_logits = module.io.length, module.io.logit_positions
+    feeds = [_feed(specs, module, batch, embed_table) for batch in batches]
+    baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
     layers = [0.0] * len(module.layers)
     logits_err = 0.0
     finite = True
     seconds = 0.0
-    for batch in batches:
-        inputs, x, mask = _feed(specs, module, batch, embed_table)
+    for batch, (inputs, _, _), (states, want_logits) in zip(batches, feeds, baseline, strict=True):
         start = time.perf_counter()
         result = evaluator.run(inputs, capture=markers)
         seconds += time.perf_counter() - start
-        states, logits_all = run_module(
-            baseline, x.double() if x.is_floating_point() else x, mask.double()
-        )
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all())
         for r, fixture in enumerate(batch.fixtures):
@@ -234,7 +263,7 @@ def _run_against_module(
                 finite &= bool(torch.isfinite(h).all())
                 layers[i] = max(layers[i], rel_error(h, states[i][r, :, 0, real]))
             _, out_slice = _logit_slots(n, length, n_logits)
-            want = logits_all[r, :, 0, length - n_logits :][:, out_slice]
+            want = want_logits[r, :, 0, out_slice]
             logits_err = max(logits_err, rel_error(logits[r, :, 0, out_slice], want))
         progress()
     if not markers:
