@@ -194,6 +194,11 @@ class Evaluator:
     # ----------------------------------------------------------------------------------
     # running
 
+    def constant(self, name: str) -> Any:
+        """A constant as the evaluator holds it: decoded (``constexpr_*``) and stored under
+        the profile."""
+        return self._constants[name]
+
     def var_names(self) -> list[str]:
         """Names of every value the function computes, in program order."""
         return [name for step in self._steps for name, _, _ in step.outputs]

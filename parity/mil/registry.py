@@ -106,7 +106,11 @@ KERNELS: dict[str, KernelSpec] = {}
 def kernel(
     *op_types: str, attributes: tuple[str, ...] = (), check: Check | None = None
 ) -> Callable[[Kernel], Kernel]:
-    """Register ``fn`` for ``op_types``; ``attributes`` are the semantic const inputs."""
+    """Register ``fn`` for ``op_types``; ``attributes`` are the semantic const inputs.
+
+    An attribute ``dtype:<input>`` names an input's element type instead of its value, and
+    ``has:<input>`` whether the op has that input at all (an opset's form of the op).
+    """
 
     def register(fn: Kernel) -> Kernel:
         for op_type in op_types:
@@ -141,6 +145,11 @@ def signature(op: Any) -> str:
         if name.startswith("dtype:"):  # the declared dtype of an input, not a const value
             var = getattr(op, name[6:], None)
             parts.append(f"{name[6:]}.dtype={dtype_name(var) if var is not None else '-'}")
+            continue
+        if name.startswith("has:"):  # whether the op has an input (e.g. an opset's form)
+            key = name[4:]
+            present = key in op.input_spec.input_types and getattr(op, key, None) is not None
+            parts.append(f"{key}={'yes' if present else '-'}")
             continue
         var = getattr(op, name, None)
         if var is None:

@@ -64,7 +64,11 @@ def _check_lut(op: Any) -> str | None:
     return None
 
 
-@kernel("constexpr_lut_to_dense", attributes=("dtype:indices", "vector_axis"), check=_check_lut)
+@kernel(
+    "constexpr_lut_to_dense",
+    attributes=("has:shape", "dtype:indices", "vector_axis"),
+    check=_check_lut,
+)
 def lut_to_dense(call: Call) -> np.ndarray:
     """Palettized weights: each index picks a value (or a vector) from its group's table.
 
@@ -116,7 +120,7 @@ def constexpr_cast(call: Call) -> np.ndarray:
     return np.asarray(call["source_val"], np.float32)
 
 
-@kernel("constexpr_sparse_to_dense")
+@kernel("constexpr_sparse_to_dense", attributes=("has:shape",))
 def sparse_to_dense(call: Call) -> np.ndarray:
     """Zeros, with ``nonzero_data`` where the bit mask is set (row-major order)."""
     nonzero = np.asarray(call["nonzero_data"])

@@ -1,0 +1,116 @@
+"""Every kind of program anec emits, as tiny builds, for the MIL coverage and parity tests.
+
+``PROGRAMS`` has one line per program: an architecture, a recipe option or a compression
+variant. Adding one (an encoder, a new compression scheme) is one more line; the coverage test
+then fails if the new program holds an op or attribute value the evaluator does not implement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tiny_models import LENGTH, Tiny, build_tiny
+
+from converter.compress.plan import Scheme, apply_plan
+from converter.compress.sites import weight_sites
+from converter.coreml import to_mlprogram, trace
+from converter.markers import mark_layer_outputs
+from converter.pipeline import tensor_contract
+from converter.targets import TARGETS
+from graph_passes.decoder import BC1LDecoder
+
+
+@dataclass
+class Built:
+    """One emitted program: the saved package, and the torch side it came from."""
+
+    name: str
+    package: Path
+    tiny: Tiny | None  # None when the program has no uncompressed torch twin
+    module: BC1LDecoder | None
+    precision: str
+    mlmodel: Any  # the in-memory coremltools model (compression starts from it)
+    base: Built | None = None  # the uncompressed program a compressed one started from
+
+
+def decoder(
+    out: Path,
+    arch: str,
+    inputs: str = "token-ids",
+    logits: str = "last",
+    chunk: int = 128,
+    precision: str = "float16",
+    target: str = "macOS14",
+) -> Built:
+    """A tiny perturbed decoder converted like ``anec convert`` does (markers included)."""
+    torch.manual_seed(0)
+    tiny = build_tiny(arch, inputs, lm_head_chunk=chunk)  # type: ignore[arg-type]
+    module = tiny.module
+    if logits == "all":
+        module = tiny.rebuild(logit_positions=LENGTH)
+    ins, outs = tensor_contract(module, "float16")
+    traced = trace(module, ins)
+    mark_layer_outputs(traced, len(module.layers))
+    mlmodel = to_mlprogram(traced, ins, outs, TARGETS[target].ct_target(), precision)
+    name = f"{arch}-{inputs}-{logits}-{chunk}-{precision}-{target}"
+    package = out / f"{name}.mlpackage"
+    mlmodel.save(str(package))
+    return Built(name, package, tiny, module, precision, mlmodel)
+
+
+def compressed(out: Path, base: Built, scheme: Scheme) -> Built:
+    """``base`` with every projection weight compressed by ``scheme`` (anec's compress path)."""
+    assert base.module is not None
+    function = base.mlmodel._mil_program.functions["main"]
+    sites = weight_sites(function, [n for n, _ in base.module.named_parameters()])
+    assert sites, "no weight constants found to compress"
+    model = apply_plan(base.mlmodel, {s.name: scheme for s in sites}, sites)
+    label = scheme.describe().replace(" ", "_").replace("(", "").replace(")", "")
+    name = f"{base.name}-{label}"
+    package = out / f"{name}.mlpackage"
+    model.save(str(package))
+    return Built(name, package, None, None, base.precision, model, base)
+
+
+Builder = Callable[[Path, "Programs"], Built]
+
+
+def _on(base: str, scheme: Scheme) -> Builder:
+    return lambda out, done: compressed(out, done[base], scheme)
+
+
+# One line per program anec emits. Compressed variants name the program they start from.
+PROGRAMS: dict[str, Builder] = {
+    "llama": lambda out, _: decoder(out, "llama"),
+    "qwen2": lambda out, _: decoder(out, "qwen2"),
+    "llama-embeddings-all": lambda out, _: decoder(out, "llama", "embeddings", "all"),
+    "qwen2-one-chunk": lambda out, _: decoder(out, "qwen2", "embeddings", "last", 300),
+    "llama-fp32": lambda out, _: decoder(out, "llama", precision="float32"),
+    "qwen2-fp32-all": lambda out, _: decoder(out, "qwen2", "token-ids", "all", 100, "float32"),
+    "llama-macos15": lambda out, _: decoder(out, "llama", target="macOS15"),
+    "llama-lut4": _on("llama", Scheme("lut", 4, "per-tensor")),
+    "llama-int8": _on("llama", Scheme("int8", 8, "per-channel")),
+    "llama-int8-asym": _on("llama", Scheme("int8", 8, "per-channel", symmetric=False)),
+    "llama-macos15-lut3-grouped": _on(
+        "llama-macos15", Scheme("lut", 3, "per-grouped-channel", group_size=16)
+    ),
+    "llama-macos15-lut6": _on("llama-macos15", Scheme("lut", 6, "per-tensor")),
+    "llama-macos15-int8": _on("llama-macos15", Scheme("int8", 8, "per-channel")),
+}
+
+
+class Programs:
+    """Builds programs on first use and keeps them for the session."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.built: dict[str, Built] = {}
+
+    def __getitem__(self, name: str) -> Built:
+        if name not in self.built:
+            self.built[name] = PROGRAMS[name](self.out, self)
+        return self.built[name]
