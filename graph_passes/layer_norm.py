@@ -84,7 +84,11 @@ class LayerNorm(nn.Module):
             x = x * self.inv_scale
         centred = x - x.mean(dim=1, keepdim=True)
         sum_square = (centred * centred).sum(dim=1, keepdim=True)
-        y = centred * torch.rsqrt(sum_square + self.scaled_eps) * self.gamma
+        # gamma before the rsqrt factor, so the program does not end in "mul by a constant, add
+        # a constant": coremltools fuses that pair into batch_norm with variance 1 and its own
+        # epsilon 1e-5, which scales every output by 1/sqrt(1 + 1e-5) (seen in the MiniLM
+        # program). Same real value and affine order: normalise and scale, then shift.
+        y = centred * self.gamma * torch.rsqrt(sum_square + self.scaled_eps)
         return y if self.beta is None else y + self.beta
 
 

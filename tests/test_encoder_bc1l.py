@@ -313,3 +313,19 @@ def test_padded_fp16_rows_are_finite_for_every_layer() -> None:
         with torch.no_grad():
             states = half.run_layers(half.embed(ids, types), km)
         assert all(torch.isfinite(s).all() for s in states)
+
+
+def test_layer_norm_program_has_no_batch_norm_with_its_own_epsilon() -> None:
+    # coremltools fuses "mul by a constant, then add a constant" into batch_norm(variance=1,
+    # epsilon=1e-5), silently scaling by 1/sqrt(1 + 1e-5); the module's op order avoids it.
+    import coremltools as ct
+
+    from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
+
+    norm = LayerNorm(torch.rand(16) + 0.5, torch.randn(16), 1e-12)
+    norm.set_eps_floor(FP16_EPS_FLOOR)
+    inputs = [TensorIO("x", (1, 16, 1, 8), "float16", "")]
+    outputs = [TensorIO("y", (1, 16, 1, 8), "float16", "")]
+    program = to_mlprogram(trace(norm, inputs), inputs, outputs, ct.target.macOS14, "float16")
+    ops = live_ops(program)
+    assert "batch_norm" not in ops and ops["rsqrt"] == 1
