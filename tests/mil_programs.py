@@ -18,10 +18,17 @@ from tiny_models import LENGTH, Tiny, build_tiny
 from converter.compress.plan import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 from converter.coreml import to_mlprogram, trace
+from converter.encoder_pipeline import (
+    island_contract,
+    program_module,
+    single_contract,
+    tail_contract,
+)
 from converter.markers import mark_layer_outputs
 from converter.pipeline import tensor_contract
 from converter.targets import TARGETS
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.partition import Island, Tail
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Built:
     precision: str
     mlmodel: Any  # the in-memory coremltools model (compression starts from it)
     base: Built | None = None  # the uncompressed program a compressed one started from
+    kind: str = "decoder"  # "decoder", "compressed" or "encoder"
 
 
 def decoder(
@@ -73,7 +81,33 @@ def compressed(out: Path, base: Built, scheme: Scheme) -> Built:
     name = f"{base.name}-{label}"
     package = out / f"{name}.mlpackage"
     model.save(str(package))
-    return Built(name, package, None, None, base.precision, model, base)
+    return Built(name, package, None, None, base.precision, model, base, "compressed")
+
+
+def encoder(
+    out: Path, arch: str, output: str, piece: str = "single", precision: str = "float16"
+) -> Built:
+    """A tiny perturbed BERT / ModernBERT encoder program as the encoder pipeline emits it:
+    the single program, or the NE island or the tail of the partitioned form."""
+    from encoder_models import build_encoder, tiny_config
+
+    torch.manual_seed(0)
+    tiny = build_encoder(tiny_config(arch), output)  # type: ignore[arg-type]
+    module = program_module(tiny.module, precision)
+    pieces = {
+        "single": (module, single_contract),
+        "island": (Island(module), island_contract),
+        "tail": (Tail(module), tail_contract),
+    }
+    part, contract = pieces[piece]
+    ins, outs = contract(module, "float16")
+    mlmodel = to_mlprogram(
+        trace(part.eval(), ins), ins, outs, TARGETS["macOS14"].ct_target(), precision
+    )
+    name = f"{arch}-{output}-{piece}-{precision}"
+    package = out / f"{name}.mlpackage"
+    mlmodel.save(str(package))
+    return Built(name, package, None, None, precision, mlmodel, None, "encoder")
 
 
 Builder = Callable[[Path, "Programs"], Built]
@@ -100,6 +134,11 @@ PROGRAMS: dict[str, Builder] = {
     ),
     "llama-macos15-lut6": _on("llama-macos15", Scheme("lut", 6, "per-tensor")),
     "llama-macos15-int8": _on("llama-macos15", Scheme("int8", 8, "per-channel")),
+    "bert-embedding": lambda out, _: encoder(out, "bert", "sentence-embedding"),
+    "bert-logits-fp32": lambda out, _: encoder(out, "bert", "logits", precision="float32"),
+    "modernbert-hidden": lambda out, _: encoder(out, "modernbert", "last-hidden-state"),
+    "modernbert-island": lambda out, _: encoder(out, "modernbert", "logits", "island"),
+    "modernbert-tail": lambda out, _: encoder(out, "modernbert", "logits", "tail"),
 }
 
 
