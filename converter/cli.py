@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from converter.cli_parity import parity_command
 from converter.errors import AnecError, InputError
 from converter.plan.cli import plan_commands
 from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
@@ -213,6 +214,7 @@ def convert_command(
 
 for _command in plan_commands():  # plan-inspect, bench-device, plan-baseline
     main.add_command(_command)
+main.add_command(parity_command)  # anec parity ARTIFACT_DIR
 
 
 if __name__ == "__main__":
