@@ -138,15 +138,59 @@ def copy_of(published: Path, out: Path) -> Path:
     return out
 
 
-# --------------------------------------------------------------------------- reproducibility
+# --------------------------------------------------------------------------- overwriting
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A copy of OUT/tiny re-converted from the same recipe with --force."""
+
+    out: Path
+    result: Result
+    before: dict[str, str]  # OUT/tiny before the run
+    at_commit_old: dict[str, str]  # OUT/tiny just before the swap
+    at_commit_new: dict[str, str]  # the staging directory just before the swap
+
+
+@pytest.fixture(scope="module")
+def forced(
+    batch: Batch, published: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Forced]:
+    out = copy_of(published, tmp_path_factory.mktemp("forced"))
+    before = snapshot(out / "tiny")
+    seen: dict[str, dict[str, str]] = {}
+    real_commit = ArtifactStage.commit
+
+    def checked_commit(stage: ArtifactStage) -> Path:
+        # Just before the swap: what the old artifact and the staged new one hold.
+        seen["old"] = snapshot(out / "tiny")
+        seen["new"] = snapshot(stage.path)
+        return real_commit(stage)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ArtifactStage, "commit", checked_commit)
+        result = convert(batch.recipes[2], "--out", out, "--force")
+    yield Forced(out, result, before, seen.get("old", {}), seen.get("new", {}))
+
+
+def test_force_keeps_the_previous_artifact_until_the_new_one_is_complete(
+    forced: Forced,
+) -> None:
+    assert forced.result.exit_code == 0, forced.result.output
+    assert forced.at_commit_old == forced.before
+    staged = set(forced.at_commit_new)
+    assert {"manifest.json", "parity.json", LOG_NAME, "embeddings.npy"} <= staged
+    assert {f"tiny.mlpackage/{rel}" for rel in CONTENT_FILES} <= staged
+    assert snapshot(forced.out / "tiny") == forced.at_commit_new  # published what was staged
+    assert sorted(os.listdir(forced.out)) == ["tiny"]  # the displaced old copy is gone
 
 
 def test_same_recipe_twice_gives_identical_weights_and_program(
-    batch: Batch, published: Path, tmp_path: Path
+    published: Path, forced: Forced
 ) -> None:
-    result = convert(batch.recipes[2], "--out", tmp_path)
-    assert result.exit_code == 0, result.output
-    first, second = published / "tiny", tmp_path / "tiny"
+    """The batch run's OUT/tiny against the --force re-conversion of the same recipe."""
+    assert forced.result.exit_code == 0, forced.result.output
+    first, second = published / "tiny", forced.out / "tiny"
     for rel in CONTENT_FILES:
         a = (first / "tiny.mlpackage" / rel).read_bytes()
         b = (second / "tiny.mlpackage" / rel).read_bytes()
@@ -160,9 +204,6 @@ def test_same_recipe_twice_gives_identical_weights_and_program(
         recorded = manifest["package"]["content_sha256"]
         assert recorded == mlpackage_content_hash(directory / "tiny.mlpackage")
     assert manifests[0]["package"]["content_sha256"] == manifests[1]["package"]["content_sha256"]
-
-
-# --------------------------------------------------------------------------- overwriting
 
 
 def test_existing_artifact_is_refused_without_force_before_any_work(
@@ -179,30 +220,6 @@ def test_existing_artifact_is_refused_without_force_before_any_work(
     assert result.exit_code == 2
     assert f"{out / 'tiny'} already exists; pass --force to replace it" in result.stderr
     assert snapshot(out) == before
-
-
-def test_force_keeps_the_previous_artifact_until_the_new_one_is_complete(
-    ws: Workspace, published: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    out = copy_of(published, tmp_path / "out")
-    before = snapshot(out / "tiny")
-    seen: dict[str, Any] = {}
-    real_commit = ArtifactStage.commit
-
-    def checked_commit(stage: ArtifactStage) -> Path:
-        # Just before the swap: the old artifact is intact, the new one complete beside it.
-        seen["old"] = snapshot(out / "tiny")
-        seen["new"] = snapshot(stage.path)
-        return real_commit(stage)
-
-    monkeypatch.setattr(ArtifactStage, "commit", checked_commit)
-    result = convert(ws.recipe("tiny"), "--out", out, "--force")
-    assert result.exit_code == 0, result.output
-    assert seen["old"] == before
-    assert {"manifest.json", "parity.json", LOG_NAME, "embeddings.npy"} <= set(seen["new"])
-    assert {f"tiny.mlpackage/{rel}" for rel in CONTENT_FILES} <= set(seen["new"])
-    assert snapshot(out / "tiny") == seen["new"]  # published exactly what was staged
-    assert sorted(os.listdir(out)) == ["tiny"]  # the displaced old copy is gone
 
 
 def test_force_with_a_failed_gate_keeps_the_previous_artifact(
