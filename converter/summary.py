@@ -13,10 +13,12 @@ from converter.pipeline import ConvertResult
 
 def result_to_json(result: ConvertResult) -> dict[str, Any]:
     """A JSON summary of one conversion (the full figures are in parity.json)."""
-    gates = {
-        g.name: {"value": g.value, "threshold": g.threshold, "passed": g.passed}
-        for g in result.parity.gates
-    }
+    gates: dict[str, dict[str, Any]] = {}
+    for g in result.parity.gates:
+        # Later levels reuse gate names (argmax agreement at torch-fp16 and mil-fp16): the
+        # first keeps the plain name, the others are qualified by their implementation.
+        key = g.name if g.name not in gates else f"{g.name} [{g.implementation}]"
+        gates[key] = {"value": g.value, "threshold": g.threshold, "passed": g.passed}
     return {
         "name": result.name,
         "passed": result.passed,

@@ -1,0 +1,130 @@
+"""`anec convert` runs the MIL level before publishing, and `anec parity` re-runs every gate
+on a published artifact: real conversions of a tiny perturbed Llama."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from tiny_models import one_torch_thread, tiny_hf_model
+
+from converter.cli import main
+
+RECIPE = """\
+name: {name}
+task: text-generation
+source:
+  kind: hf-dir
+  path: {path}
+shapes:
+  batch: 1
+  sequence_length: 16
+io:
+  lm_head_chunk: 128
+gates:
+  mil_fp32_layer_rel_error: {mil_gate}
+fixtures:
+  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    yield from one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mil_cli")
+    tiny_hf_model("llama").save_pretrained(root / "ckpt", safe_serialization=True)
+    return root
+
+
+def _recipe(root: Path, name: str, mil_gate: float) -> Path:
+    path = root / f"{name}.yaml"
+    path.write_text(RECIPE.format(name=name, path=root / "ckpt", mil_gate=mil_gate))
+    return path
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def artifact(root: Path) -> Path:
+    result = run("convert", _recipe(root, "tiny", 1e-5), "--out", root / "out", "--json")
+    assert result.exit_code == 0, result.output
+    return root / "out" / "tiny"
+
+
+def _gates(doc: dict) -> dict[tuple[str, str], dict]:
+    return {(g["name"], g["implementation"]): g for g in doc["gates"]}
+
+
+def test_published_parity_covers_every_level(artifact: Path) -> None:
+    doc = json.loads((artifact / "parity.json").read_text())
+    assert doc["passed"] is True
+    levels = {(lv["level"], lv["implementation"]): lv["status"] for lv in doc["levels"]}
+    for key in [
+        ("rewrite", "torch-fp32"),
+        ("rewrite", "torch-fp16"),
+        ("conversion", "mil-fp32"),
+        ("conversion", "mil-fp16"),
+        ("conversion", "mil-fp16-acc"),
+    ]:
+        assert levels[key] == "run"
+    assert levels[("runtime", "coreml-cpu-and-ne")].startswith("not run on this platform")
+    gates = _gates(doc)
+    assert gates[("per-layer relative error", "mil-fp32")]["value"] <= 1e-5
+    assert gates[("argmax agreement", "mil-fp16")]["passed"]
+    runs = {r["implementation"]: r for r in doc["conversion"]["runs"]}
+    assert len(runs["mil-fp16"]["layer_rel_error"]) == 3
+    assert set(runs["mil-fp16-acc"]["slices"]) >= {"narrow-margin", "padded", "full-window"}
+    assert {r["implementation"] for r in doc["conversion"]["runs"]} <= set(doc["implementations"])
+    html = (artifact / "parity.html").read_text()
+    assert html.count("<svg") == 2 and "not run on this platform" in html
+    assert "Conversion level" in (artifact / "parity.txt").read_text()
+
+
+def test_a_failed_mil_gate_publishes_nothing(root: Path) -> None:
+    # The program matches its module to about 1e-6 here: a 1e-12 gate must fail.
+    out = root / "strict-out"
+    result = run("convert", _recipe(root, "strict", 1e-12), "--out", out, "--json")
+    assert result.exit_code == 1, result.output
+    assert not (out / "strict").exists()
+    doc = json.loads((out / "strict.failed" / "parity.json").read_text())
+    gates = _gates(doc)
+    assert not gates[("per-layer relative error", "mil-fp32")]["passed"]
+    assert gates[("per-layer relative error", "torch-fp32")]["passed"]
+
+
+def test_anec_parity_reruns_the_gates_on_the_artifact(artifact: Path, root: Path) -> None:
+    out = root / "recheck"
+    result = run("parity", artifact, "--out", out, "--profile", "fp32", "--profile", "fp16")
+    assert result.exit_code == 0, result.output
+    assert "Conversion level" in result.output and "not run on this platform" in result.output
+    published = _gates(json.loads((artifact / "parity.json").read_text()))
+    again = _gates(json.loads((out / "parity.json").read_text()))
+    assert set(again) <= set(published)
+    for key, gate in again.items():  # deterministic: the same numbers again
+        assert gate["value"] == pytest.approx(published[key]["value"], rel=1e-6), key
+    assert (out / "parity.html").is_file()
+
+
+def test_anec_parity_refuses_a_package_that_differs_from_its_manifest(
+    artifact: Path, root: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(artifact, copy)
+    weights = next(copy.glob("*.mlpackage/Data/com.apple.CoreML/weights/weight.bin"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    result = run("parity", copy)
+    assert result.exit_code == 2
+    assert "differs from the hash in manifest.json" in result.output
