@@ -17,6 +17,7 @@ rounding may differ.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,12 +28,13 @@ import numpy as np
 import torch
 
 from graph_passes.decoder import BC1LDecoder
-from parity.fixtures import Fixture, build_fixtures, make_batches
+from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gates import GateResult, module_inputs, rel_error, run_module
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.reference import ReferenceRun, run_reference
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
+Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
 
 
 @dataclass
@@ -93,18 +95,35 @@ def torch_logits(
     held_out: HeldOut,
     embed_table: torch.Tensor,
     dtype: torch.dtype,
+    wrap: Wrap | None = None,
 ) -> Logits:
-    """Logits at every real position of each held-out text, the module run in ``dtype``."""
+    """Logits at every real position of each held-out text, the module run in ``dtype``
+    (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
     run = module if dtype == torch.float32 else copy.deepcopy(module).to(dtype).eval()
     length = module.io.length
     out: Logits = {}
     (batch,) = make_batches(held_out.texts, len(held_out.texts), length, held_out.pad_id)
     x, mask = module_inputs(run, batch, embed_table, dtype)
-    _, logits = run_module(run, x, mask)
+    with wrap(run) if wrap is not None else contextlib.nullcontext():
+        _, logits = run_module(run, x, mask)
     for r, fixture in enumerate(batch.fixtures):
         n = len(fixture.token_ids)
         out[fixture.name] = logits[r, :, 0, length - n :].T.float()
     return out
+
+
+def program_feed(
+    evaluator: Any, module: BC1LDecoder, batch: Batch, embed_table: torch.Tensor
+) -> dict[str, np.ndarray]:
+    """The program's inputs for a batch, in the dtypes it declares."""
+    (first, first_dtype), (second, second_dtype) = evaluator.inputs.items()
+    x, mask = module_inputs(module, batch, embed_table, torch.float32)
+    return {
+        first: x.numpy().astype(np.int32)
+        if x.dtype == torch.int64
+        else x.numpy().astype(np.float16 if first_dtype[0] == "fp16" else np.float32),
+        second: mask.numpy().astype(np.float16 if second_dtype[0] == "fp16" else np.float32),
+    }
 
 
 def mil_logits(
@@ -117,17 +136,9 @@ def mil_logits(
 ) -> Logits:
     """The program's last-position logits on each window (one evaluation per batch)."""
     windows = held_out.windows if windows is None else windows
-    (first, first_dtype), (second, second_dtype) = evaluator.inputs.items()
     out: Logits = {}
     for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
-        x, mask = module_inputs(module, batch, embed_table, torch.float32)
-        feed = {
-            first: x.numpy().astype(np.int32)
-            if x.dtype == torch.int64
-            else x.numpy().astype(np.float16 if first_dtype[0] == "fp16" else np.float32),
-            second: mask.numpy().astype(np.float16 if second_dtype[0] == "fp16" else np.float32),
-        }
-        result = evaluator.run(feed)
+        result = evaluator.run(program_feed(evaluator, module, batch, embed_table))
         logits = np.concatenate(list(result.outputs.values()), axis=1)  # (B, V, 1, n)
         for r, fixture in enumerate(batch.fixtures):
             out[fixture.name] = torch.from_numpy(logits[r, :, 0, -1:].T.astype(np.float32))
@@ -207,6 +218,7 @@ def decoder_gates(
     mil_fp32_error: float,
     mil_fp32_threshold: float,
     decode_mismatches: int,
+    quantizer_mismatches: int | None = None,
 ) -> list[GateResult]:
     """The variant's own gates: each level against the original checkpoint."""
     gates = []
@@ -237,18 +249,32 @@ def decoder_gates(
                     "softmax at T=1, held-out positions",
                 )  # fmt: skip
             )
-    gates.append(
-        GateResult(
-            "logits relative error",
-            "mil-fp32",
-            mil_fp32_error,
-            mil_fp32_threshold,
-            "<=",
-            mil_fp32_error <= mil_fp32_threshold,
-            "the variant program in fp32 against the torch module with the same decoded "
-            "weights: compression is in the weights only",
+    if quantizer_mismatches is None:
+        gates.append(
+            GateResult(
+                "logits relative error",
+                "mil-fp32",
+                mil_fp32_error,
+                mil_fp32_threshold,
+                "<=",
+                mil_fp32_error <= mil_fp32_threshold,
+                "the variant program in fp32 against the torch module with the same decoded "
+                "weights: compression is in the weights only",
+            )
         )
-    )
+    else:  # int8 activations: end-to-end agreement is reported, each quantizer is gated
+        gates.append(
+            GateResult(
+                "activation quantizers alike",
+                "mil-fp32",
+                float(quantizer_mismatches),
+                0.0,
+                "==",
+                quantizer_mismatches == 0,
+                "int8 quantize/dequantize pairs whose torch fake-quantization of the program's "
+                "own input differs from the program's output in any bit",
+            )
+        )
     gates.append(
         GateResult(
             "weights decoded alike",
@@ -271,6 +297,7 @@ def mil_fp32_check(
     held_out: HeldOut,
     embed_table: torch.Tensor,
     windows: int,
+    wrap: Wrap | None = None,
 ) -> tuple[float, int]:
     """The program in fp32 against torch fp32 with the same weights, and decoder agreement.
 
@@ -280,7 +307,6 @@ def mil_fp32_check(
     the second result is the number of weights whose evaluator decoding, rounded to fp16,
     differs from coremltools' decoding in any value (0 expected).
     """
-    from parity.conversion import program_constants
     from parity.mil import Evaluator
     from parity.mil.numerics import round_fp16
 
@@ -300,18 +326,30 @@ def mil_fp32_check(
                 same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
                 mismatched += 0 if same else 1
     mismatched += len(decoded) - len(weights)  # a weight the evaluator did not decode
-    baseline = with_weights(program_constants(module, "float16"), weights)
+    baseline = with_weights(_fp16_constants(module), weights).double()
     chosen = held_out.windows[:windows]
     got = mil_logits(evaluator, baseline, held_out, embed_table, chosen)
     worst = 0.0
     length = module.io.length
     for batch in make_batches(chosen, 1, length, held_out.pad_id):
         x, mask = module_inputs(baseline, batch, embed_table, torch.float32)
-        # the program's inputs are fp16: feed torch the same rounded values
-        _, logits = run_module(baseline, x.half().float(), mask.half().float())
+        # the program's inputs are fp16: feed torch the same rounded values; fp64 so torch's
+        # own fp32 rounding does not count against the program
+        with wrap(baseline) if wrap is not None else contextlib.nullcontext():
+            _, logits = run_module(baseline, x.half().double(), mask.half().double())
         want = logits[0, :, 0, -1:].T
         worst = max(worst, rel_error(got[batch.fixtures[0].name], want))
     return worst, mismatched
+
+
+def _fp16_constants(module: BC1LDecoder) -> BC1LDecoder:
+    """A copy whose parameters and buffers hold the values an fp16 program stores."""
+    out = copy.deepcopy(module).eval()
+    with torch.no_grad():
+        for tensor in [*out.parameters(), *out.buffers()]:
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.half().float())
+    return out
 
 
 def summary_json(s: Summary) -> dict[str, Any]:

@@ -51,6 +51,10 @@ compression:
       bits: 2
       # a 2-bit palette cannot keep KL below 1e-9: this variant must fail, alone
       gates: {{min_top1_agreement: 0.5, max_mean_kl: 1.0e-9}}
+    - suffix: w8a8
+      method: w8a8
+      granularity: per-channel
+      gates: {{min_top1_agreement: 0.8, max_mean_kl: 0.05}}
     - suffix: mixed
       method: mixed
       search:
@@ -189,3 +193,26 @@ def test_mixed_search_reports_its_frontier_and_emits_a_plan_within_budget(
     bits = {r["weight"]: r["bits"] for r in manifest.compression["weights"]}
     for name, width in search["chosen"]["bits"].items():
         assert bits[name] == width
+
+
+def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(
+    run: tuple[Result, Path],
+) -> None:
+    _, out = run
+    directory = out / "tiny-w8a8"
+    manifest = _manifest(directory)
+    assert manifest.compression is not None
+    activations = manifest.compression["activations"]
+    quantized = activations["quantized_inputs"]
+    assert len(quantized) == 12  # the inputs of the 12 compressed projections, not the LM head
+    assert all(q["scale"] and q["rmax"] > q["rmin"] for q in quantized)
+    assert "residual stream" in activations["kept_fp16"]
+    assert "A17 Pro / M4" in activations["pays_on"]
+    assert manifest.package.live_ops.get("quantize") == 12
+    assert manifest.package.live_ops.get("dequantize") == 12
+    report = json.loads((directory / "parity.json").read_text())
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    # each int8 quantizer of the program is the torch fake-quantizer, bit for bit
+    assert gates[("activation quantizers alike", "mil-fp32")]["value"] == 0
+    assert ("logits relative error", "mil-fp32") not in gates  # reported: codes flip
+    assert report["passed"] is True

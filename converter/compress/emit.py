@@ -21,6 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from converter.compress.activations import (
+    activation_report,
+    activation_sites,
+    calibrate,
+    fake_quantized_inputs,
+    insert_activation_quantization,
+    program_scales,
+    quantizer_mismatches,
+)
 from converter.compress.config import Compression, Variant
 from converter.compress.plan import Scheme, apply_plan, split_sites, variant_scheme
 from converter.compress.records import WeightRecord, weight_records
@@ -36,6 +45,7 @@ from parity.compression_gates import (
     HeldOut,
     Logits,
     VariantParity,
+    Wrap,
     compare_torch,
     compare_windows,
     decoder_gates,
@@ -44,10 +54,12 @@ from parity.compression_gates import (
     mil_logits,
     parity_json,
     parity_text,
+    program_feed,
     torch_logits,
     with_weights,
     write_reports,
 )
+from parity.fixtures import make_batches
 
 # Windows the fp32 consistency check runs (the program against torch with the same weights).
 FP32_WINDOWS = 2
@@ -124,6 +136,30 @@ def _default_search(
         )  # fmt: skip
 
     return run
+
+
+def _calibrate(
+    package: Path,
+    module: BC1LDecoder,
+    plan: dict[str, Scheme],
+    sites: list[WeightSite],
+    held_out: HeldOut,
+    embed_table: torch.Tensor,
+) -> list[Any]:
+    """Input ranges of every planned projection: the fp16 program in the MIL evaluator
+    (profile fp16) on the calibration text."""
+    from parity.compression_gates import program_feed
+    from parity.fixtures import make_batches
+    from parity.mil import Evaluator, load_package
+
+    program = load_package(package)
+    function = program.functions["main"]
+    chosen = activation_sites(function, [s for s in sites if s.name in plan])
+    evaluator = Evaluator(program, "fp16")
+    io = module.io
+    batches = make_batches(held_out.calibration, io.batch, io.length, held_out.pad_id)
+    feeds = [program_feed(evaluator, module, b, embed_table) for b in batches]
+    return calibrate(evaluator, feeds, chosen)
 
 
 def _peak_rss_mib() -> float:
@@ -214,13 +250,20 @@ def _emit_one(
                 keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
                 chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
                 search = plan_for or _default_search(module, embed_table, held_out, steps)
-                plan, search_doc = search(variant, chosen)
+                plan, found = search(variant, chosen)
+                search_doc = {"search": found}
                 for site in chosen:
                     if site.name not in plan:
                         kept[site.name] = "the mixed-bit search kept it fp16"
             else:
                 plan, kept = uniform_plan(compression, variant, sites)
-            compressed = apply_plan(mlmodel, plan, sites)
+            source, act_sites = mlmodel, []
+            if variant.method == "w8a8":
+                act_sites = _calibrate(fp16_dir / f"{name}.mlpackage", module, plan, sites,
+                                       held_out, embed_table)  # fmt: skip
+                source = insert_activation_quantization(mlmodel, act_sites)
+            compressed = apply_plan(source, plan, sites)
+            del source
             path = stage.path / f"{vname}.mlpackage"
             compressed.save(str(path))
             del compressed
@@ -233,19 +276,28 @@ def _emit_one(
             records, decoded = weight_records(program.functions["main"], sites, plan, kept)
             size = size_report(records, fp16_dir / f"{name}.mlpackage", path)
             ops = _live_ops(program)
+            wrap, act = None, None
+            if act_sites:
+                scales = program_scales(program.functions["main"], act_sites)
+                search_doc = {"activations": activation_report(act_sites, scales)}
+                act = (act_sites, scales)
+
+                def wrap(m: torch.nn.Module, sc: dict[str, float] = scales) -> Any:
+                    return fake_quantized_inputs(m, sc)
+
         total = len(held_out.windows) + FP32_WINDOWS
         with steps.step(f"{variant.suffix}: parity (torch, MIL)", total=total) as advance:
             start = time.perf_counter()
             parity = _variant_parity(
                 variant, program, module, decoded, embed_table, held_out, base,
-                mil_fp32_threshold, advance,
+                mil_fp32_threshold, advance, wrap, act,
             )  # fmt: skip
             seconds["parity"] = time.perf_counter() - start
         del program, decoded
         doc = parity_json(parity) | {
             "variant": vname,
             "size": size.to_json(),
-            **({"search": search_doc} if search_doc else {}),
+            **search_doc,
         }
         text = parity_text(parity) + "\n\n" + size.to_text()
         write_reports(stage.path, doc, text)
@@ -273,11 +325,13 @@ def _variant_parity(
     base: Baselines,
     mil_fp32_threshold: float,
     advance: Callable[[], None],
+    wrap: Wrap | None = None,
+    act: tuple[list[Any], dict[str, float]] | None = None,
 ) -> VariantParity:
     from parity.mil import Evaluator
 
     with_variant = with_weights(module, decoded)
-    torch16 = torch_logits(with_variant, held_out, embed_table, torch.float16)
+    torch16 = torch_logits(with_variant, held_out, embed_table, torch.float16, wrap)
     torch_level = level_result(
         "torch-fp16",
         "the BC1L module with the variant's decoded weights, cast to fp16, torch on the CPU; "
@@ -294,20 +348,31 @@ def _variant_parity(
         compare_windows(mil16, held_out, base.mil_fp16),
     )
     fp32_error, mismatches = mil_fp32_check(
-        program, module, decoded, held_out, embed_table, FP32_WINDOWS
+        program, module, decoded, held_out, embed_table, FP32_WINDOWS, wrap
     )
     for _ in range(FP32_WINDOWS):
         advance()
     g = variant.gates
     assert g.min_top1_agreement is not None and g.max_mean_kl is not None  # recipe rule
     levels = [torch_level, mil_level]
+    quantizers = None
+    notes = []
+    if act is not None:
+        sites, scales = act
+        function = program.functions["main"]
+        evaluator = Evaluator(program, "fp32")
+        (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
+        feed = program_feed(evaluator, module, batch, embed_table)
+        quantizers = quantizer_mismatches(evaluator, feed, function, sites, scales)
+        notes.append(
+            "mil-fp32 logits relative error is reported, not gated, for int8 activations: a "
+            "last-bit difference before a quantizer flips a code (one scale step)"
+        )
+        notes.append("int8 x int8 arithmetic pays only on A17 Pro / M4 and later (SPEC 3)")
     gates = decoder_gates(
         levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
-        mil_fp32_threshold, mismatches,
+        mil_fp32_threshold, mismatches, quantizers,
     )  # fmt: skip
-    notes = []
-    if variant.method == "w8a8":
-        notes.append("int8 x int8 arithmetic pays only on A17 Pro / M4 and later (SPEC 3)")
     return VariantParity(levels, gates, fp32_error, notes)
 
 
@@ -344,8 +409,7 @@ def _manifest(
             "int8 x int8 arithmetic pays only on A17 Pro / M4 and later; older NEs "
             "dequantize to fp16"
         )
-    if search_doc:
-        compression["search"] = search_doc
+    compression.update(search_doc)  # "search" (mixed) or "activations" (w8a8)
     parity_path = stage / "parity.json"
     return base.model_copy(
         update={
