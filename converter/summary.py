@@ -30,6 +30,7 @@ def result_to_json(result: ConvertResult) -> dict[str, Any]:
         "live_ops_per_layer": round(result.live_ops_per_layer, 1),
         "notes": result.notes,
         "timings_s": {k: round(v, 2) for k, v in result.timings.items()},
+        "variants": [v.to_json() for v in result.variants],
     }
 
 
@@ -70,3 +71,7 @@ def print_summary(result: ConvertResult, console: Console) -> None:
         console.print(Text(note, style="red" if not result.passed else ""))
     times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
     console.print(f"time:     {times}", style="dim")
+    for v in result.variants:  # compressed variants: each its own artifact and verdict
+        mark = "[green]published[/]" if v.passed else "[red]variant gate failed[/]"
+        ratio = f"{v.size.compressed_ratio:.3f}x weights" if v.size else ""
+        console.print(f"variant {v.name}: {mark} {ratio} -> {v.directory}")
