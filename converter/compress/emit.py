@@ -1,5 +1,8 @@
 """Emit every compressed variant of a decoder as its own artifact ``OUT/<name>-<suffix>/``.
 
+Uniform variants (``lut``, ``int8``) give every selected weight one scheme; ``w8a8`` adds int8
+activations (``activations``); ``mixed`` takes its per-weight plan from ``search``.
+
 Runs after the fp16 artifact is published. Each variant is built from the fp16 package, saved
 into its own staging directory with the host files it needs (embeddings, tokenizer), measured
 (size, torch and MIL-level parity) and published only when its own gates pass; otherwise its
@@ -122,9 +125,7 @@ def uniform_plan(
     return {s.name: scheme for s in chosen}, kept
 
 
-def _default_search(
-    module: BC1LDecoder, embed_table: torch.Tensor, held_out: HeldOut, steps: Steps
-) -> PlanFn:
+def _default_search(module: BC1LDecoder, embed_table: torch.Tensor, held_out: HeldOut) -> PlanFn:
     """The mixed-bit search of ``converter.compress.search`` on the recipe's slices."""
     from converter.compress.search import search_plan
 
@@ -249,7 +250,7 @@ def _emit_one(
             if variant.method == "mixed":
                 keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
                 chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
-                search = plan_for or _default_search(module, embed_table, held_out, steps)
+                search = plan_for or _default_search(module, embed_table, held_out)
                 plan, found = search(variant, chosen)
                 search_doc = {"search": found}
                 for site in chosen:
