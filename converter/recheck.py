@@ -60,6 +60,12 @@ def recipe_from_manifest(manifest: Manifest) -> Recipe:
         raise InputError(f"manifest recipe: no longer a valid recipe: {e}") from None
 
 
+def checkpoint_source(manifest: Manifest) -> ResolvedSource:
+    """Where the checkpoint the artifact was converted from lies, as the manifest records it."""
+    src = manifest.checkpoint["source"]
+    return ResolvedSource(src["kind"], Path(src["directory"]), src["gguf_file"])
+
+
 def recheck(
     artifact: Path,
     out: Path | None = None,
@@ -86,8 +92,7 @@ def recheck(
         raise InputError(f"{package}: the package the manifest names is missing")
     if mlpackage_content_hash(package) != manifest.package.content_sha256:
         raise InputError(f"{package}: its content differs from the hash in manifest.json")
-    src = manifest.checkpoint["source"]
-    source = ResolvedSource(src["kind"], Path(src["directory"]), src["gguf_file"])
+    source = checkpoint_source(manifest)
 
     with steps.step("load checkpoint"):
         ckpt = load_checkpoint(source, recipe.task, allow_pickle=allow_pickle)

@@ -75,7 +75,8 @@ def test_parity_report_meets_the_gates(smollm2_artifact: Path) -> None:
     assert report["passed"] is True
     assert len(report["layers"]) == LAYERS
     assert all(row["fp32_rel_error"] <= 1e-4 for row in report["layers"])
-    gates = {g["name"]: g for g in report["gates"]}
+    # The torch-level gates; the MIL level reuses the names (tests/test_mil_smollm2.py).
+    gates = {g["name"]: g for g in report["gates"] if g["implementation"] == "torch-fp16"}
     assert gates["argmax agreement"]["value"] == 1.0
     assert gates["max |dp|"]["value"] <= 0.02
     assert gates["finite outputs"]["passed"] and gates["deterministic"]["passed"]
