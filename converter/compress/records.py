@@ -61,11 +61,14 @@ def _bit_width(var: Any) -> int:
 
 
 def _stored(op: Any) -> tuple[int, str]:
-    """Bytes the program stores for ``op``'s constant inputs, and their sha256."""
+    """Bytes the program stores for ``op`` (a const's value, or a constexpr's constant
+    inputs), and their sha256."""
     digest = hashlib.sha256()
     bits = 0
-    for name in sorted(op.inputs):
-        var = op.inputs[name]
+    # A const holds its value in its output; a constexpr op holds constant inputs.
+    held = {"val": op.outputs[0]} if op.op_type == "const" else op.inputs
+    for name in sorted(held):
+        var = held[name]
         value = var.val
         if value is None:
             continue
