@@ -84,16 +84,11 @@ def split_sites(
 
 @contextlib.contextmanager
 def quiet_progress() -> Iterator[None]:
-    """coremltools draws tqdm bars for every pass; keep the CLI's own progress readable."""
-    old = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
+    """coremltools draws tqdm bars on stderr for every pass; keep the CLI's own progress
+    readable. (tqdm reads TQDM_DISABLE when it is imported, so the variable cannot be set
+    here; its bars go to ``sys.stderr`` as it is when each bar starts.)"""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
         yield
-    finally:
-        if old is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old
 
 
 def apply_plan(mlmodel: Any, plan: dict[str, Scheme], sites: list[WeightSite]) -> Any:
