@@ -98,25 +98,31 @@ class KernelSpec:
     fn: Kernel
     attributes: tuple[str, ...]
     check: Check | None
+    exact: bool = False  # results only move or select input values: nothing to round
 
 
 KERNELS: dict[str, KernelSpec] = {}
 
 
 def kernel(
-    *op_types: str, attributes: tuple[str, ...] = (), check: Check | None = None
+    *op_types: str,
+    attributes: tuple[str, ...] = (),
+    check: Check | None = None,
+    exact: bool = False,
 ) -> Callable[[Kernel], Kernel]:
     """Register ``fn`` for ``op_types``; ``attributes`` are the semantic const inputs.
 
     An attribute ``dtype:<input>`` names an input's element type instead of its value, and
     ``has:<input>`` whether the op has that input at all (an opset's form of the op).
+    ``exact`` kernels only move or select values already stored: the evaluator skips the
+    profile's rounding of their results (it could not change them).
     """
 
     def register(fn: Kernel) -> Kernel:
         for op_type in op_types:
             if op_type in KERNELS:
                 raise ValueError(f"two kernels for MIL op type {op_type!r}")
-            KERNELS[op_type] = KernelSpec(op_type, fn, attributes, check)
+            KERNELS[op_type] = KernelSpec(op_type, fn, attributes, check, exact)
         return fn
 
     return register

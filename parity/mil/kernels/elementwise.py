@@ -104,7 +104,7 @@ def threshold(call: Call) -> np.ndarray:
     return np.maximum(x, np.asarray(call["alpha"], x.dtype))
 
 
-@kernel("select")
+@kernel("select", exact=True)
 def select(call: Call) -> np.ndarray:
     """``a`` where ``cond`` is true, else ``b``, with broadcasting."""
     return np.where(np.asarray(call["cond"]).astype(bool), call["a"], call["b"])

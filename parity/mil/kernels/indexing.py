@@ -19,7 +19,7 @@ def _checked(indices: np.ndarray, size: int) -> np.ndarray:
     return np.where(indices < 0, indices + size, indices)
 
 
-@kernel("gather", attributes=("axis", "batch_dims"))
+@kernel("gather", attributes=("axis", "batch_dims"), exact=True)
 def gather(call: Call) -> np.ndarray:
     """``x`` indexed by ``indices`` along ``axis``; the first ``batch_dims`` axes are shared."""
     x = np.asarray(call["x"])
@@ -33,7 +33,7 @@ def gather(call: Call) -> np.ndarray:
     return np.stack(rows).reshape(out_shape)
 
 
-@kernel("gather_along_axis", attributes=("axis",))
+@kernel("gather_along_axis", attributes=("axis",), exact=True)
 def gather_along_axis(call: Call) -> np.ndarray:
     """``out[..., i, ...] = x[..., indices[..., i, ...], ...]`` along ``axis``."""
     x = np.asarray(call["x"])
@@ -42,7 +42,7 @@ def gather_along_axis(call: Call) -> np.ndarray:
     return np.take_along_axis(x, indices, axis=axis)
 
 
-@kernel("gather_nd", attributes=("batch_dims",))
+@kernel("gather_nd", attributes=("batch_dims",), exact=True)
 def gather_nd(call: Call) -> np.ndarray:
     """Slices of ``x`` addressed by the last axis of ``indices`` (after ``batch_dims``)."""
     x = np.asarray(call["x"])

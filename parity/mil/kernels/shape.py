@@ -29,7 +29,7 @@ def reshape_target(shape: list[int], in_shape: tuple[int, ...]) -> list[int]:
     return out
 
 
-@kernel("reshape")
+@kernel("reshape", exact=True)
 def reshape(call: Call) -> np.ndarray:
     """Same values in a new shape (row-major order)."""
     x = np.asarray(call["x"])
@@ -38,7 +38,7 @@ def reshape(call: Call) -> np.ndarray:
     return x.reshape(reshape_target(shape, x.shape))
 
 
-@kernel("transpose", attributes=("perm",))
+@kernel("transpose", attributes=("perm",), exact=True)
 def transpose(call: Call) -> np.ndarray:
     """Permute the axes; ``perm`` may hold negative axes."""
     x = np.asarray(call["x"])
@@ -47,7 +47,7 @@ def transpose(call: Call) -> np.ndarray:
     return np.transpose(x, [norm_axis(p, x.ndim) for p in perm])
 
 
-@kernel("squeeze", attributes=("axes",))
+@kernel("squeeze", attributes=("axes",), exact=True)
 def squeeze(call: Call) -> np.ndarray:
     """Remove size-1 axes: the given ones, or all of them when ``axes`` is absent."""
     x = np.asarray(call["x"])
@@ -61,7 +61,7 @@ def squeeze(call: Call) -> np.ndarray:
     return np.squeeze(x, axis=axes_n)
 
 
-@kernel("expand_dims", attributes=("axes",))
+@kernel("expand_dims", attributes=("axes",), exact=True)
 def expand_dims(call: Call) -> np.ndarray:
     """Insert size-1 axes; an axis counts in the output's rank (negative from its end)."""
     x = np.asarray(call["x"])
@@ -71,7 +71,7 @@ def expand_dims(call: Call) -> np.ndarray:
     return np.expand_dims(x, norm_axes(axes, rank))
 
 
-@kernel("concat", attributes=("axis", "interleave"))
+@kernel("concat", attributes=("axis", "interleave"), exact=True)
 def concat(call: Call) -> np.ndarray:
     """Join ``values`` along ``axis``; ``interleave`` alternates their slices instead."""
     values = [np.asarray(v) for v in call["values"]]
@@ -84,7 +84,7 @@ def concat(call: Call) -> np.ndarray:
     return stacked.reshape(shape)
 
 
-@kernel("split", attributes=("axis",))
+@kernel("split", attributes=("axis",), exact=True)
 def split(call: Call) -> list[np.ndarray]:
     """Cut ``x`` along ``axis`` into ``split_sizes`` or ``num_splits`` equal parts."""
     x = np.asarray(call["x"])
@@ -100,14 +100,14 @@ def split(call: Call) -> list[np.ndarray]:
     return list(np.split(x, np.cumsum(sizes)[:-1], axis=axis))
 
 
-@kernel("stack", attributes=("axis",))
+@kernel("stack", attributes=("axis",), exact=True)
 def stack(call: Call) -> np.ndarray:
     """Stack ``values`` on a new axis."""
     values = [np.asarray(v) for v in call["values"]]
     return np.stack(values, axis=norm_axis(call.integer("axis"), values[0].ndim + 1))
 
 
-@kernel("tile")
+@kernel("tile", exact=True)
 def tile(call: Call) -> np.ndarray:
     """Repeat ``x`` ``reps[i]`` times along axis i."""
     x = np.asarray(call["x"])
@@ -126,7 +126,7 @@ def _check_pad(op: Any) -> str | None:
     return None if mode in _PAD_MODES else f"pad mode {mode!r}"
 
 
-@kernel("pad", attributes=("mode",), check=_check_pad)
+@kernel("pad", attributes=("mode",), check=_check_pad, exact=True)
 def pad(call: Call) -> np.ndarray:
     """Pad the last N axes by ``pad`` = [begin_1, end_1, ..., begin_N, end_N]."""
     x = np.asarray(call["x"])
@@ -141,7 +141,11 @@ def pad(call: Call) -> np.ndarray:
     return np.pad(x, widths, mode=_PAD_MODES[mode])  # type: ignore[call-overload]
 
 
-@kernel("slice_by_index", attributes=("stride", "begin_mask", "end_mask", "squeeze_mask"))
+@kernel(
+    "slice_by_index",
+    attributes=("stride", "begin_mask", "end_mask", "squeeze_mask"),
+    exact=True,
+)
 def slice_by_index(call: Call) -> np.ndarray:
     """numpy slicing ``x[begin:end:stride]`` per axis; masks ignore begin/end or index."""
     x = np.asarray(call["x"])
@@ -167,7 +171,7 @@ def slice_by_index(call: Call) -> np.ndarray:
     return np.asarray(x[tuple(index)])
 
 
-@kernel("slice_by_size")
+@kernel("slice_by_size", exact=True)
 def slice_by_size(call: Call) -> np.ndarray:
     """``x[begin : begin + size]`` per axis; size -1 runs to the end."""
     x = np.asarray(call["x"])
@@ -180,14 +184,14 @@ def slice_by_size(call: Call) -> np.ndarray:
     return np.asarray(x[tuple(index)])
 
 
-@kernel("reverse", attributes=("axes",))
+@kernel("reverse", attributes=("axes",), exact=True)
 def reverse(call: Call) -> np.ndarray:
     """Reverse the order along ``axes`` (all when absent)."""
     x = np.asarray(call["x"])
     return np.flip(x, axis=norm_axes(call.integers("axes"), x.ndim))
 
 
-@kernel("identity")
+@kernel("identity", exact=True)
 def identity(call: Call) -> np.ndarray:
     """``x`` unchanged."""
     return np.asarray(call["x"])
