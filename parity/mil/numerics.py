@@ -43,7 +43,10 @@ class Arithmetic:
 
     def store(self, x: np.ndarray) -> np.ndarray:
         """A float result as the profile stores it between ops (fp32 array)."""
-        x = np.asarray(x, dtype=np.float32)
+        x = np.asarray(x)
+        if x.dtype == np.float16 and not self.profile.flush_subnormals:
+            return x.astype(np.float32)  # fp16 values already: nothing to round
+        x = x.astype(np.float32, copy=False)
         if self.profile.fp16_storage:
             x = round_fp16(x, self.profile.flush_subnormals)
         return x
