@@ -15,6 +15,11 @@ from typing import Any
 import torch
 from tiny_models import LENGTH, Tiny, build_tiny
 
+from converter.compress.activations import (
+    activation_sites,
+    calibrate,
+    insert_activation_quantization,
+)
 from converter.compress.plan import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 from converter.coreml import to_mlprogram, trace
@@ -29,6 +34,8 @@ from converter.pipeline import tensor_contract
 from converter.targets import TARGETS
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.partition import Island, Tail
+from parity.compression_gates import program_feed
+from parity.mil import Evaluator, load_package
 
 
 @dataclass
@@ -84,6 +91,27 @@ def compressed(out: Path, base: Built, scheme: Scheme) -> Built:
     return Built(name, package, None, None, base.precision, model, base, "compressed")
 
 
+def w8a8(out: Path, base: Built) -> Built:
+    """``base`` with int8 weights and int8 projection inputs, ranges calibrated by the MIL
+    evaluator on the tiny fixtures (anec's w8a8 path)."""
+    assert base.module is not None and base.tiny is not None
+    function = base.mlmodel._mil_program.functions["main"]
+    sites = weight_sites(function, [n for n, _ in base.module.named_parameters()])
+    evaluator = Evaluator(load_package(base.package), "fp16")
+    feeds = [
+        program_feed(evaluator, base.module, b, base.tiny.embed_table) for b in base.tiny.batches
+    ]
+    ranged = calibrate(evaluator, feeds, activation_sites(function, sites))
+    scheme = Scheme("int8", 8, "per-channel")
+    model = apply_plan(
+        insert_activation_quantization(base.mlmodel, ranged), {s.name: scheme for s in sites}, sites
+    )
+    name = f"{base.name}-w8a8"
+    package = out / f"{name}.mlpackage"
+    model.save(str(package))
+    return Built(name, package, None, None, base.precision, model, base, "compressed")
+
+
 def encoder(
     out: Path, arch: str, output: str, piece: str = "single", precision: str = "float16"
 ) -> Built:
@@ -129,6 +157,7 @@ PROGRAMS: dict[str, Builder] = {
     "llama-lut4": _on("llama", Scheme("lut", 4, "per-tensor")),
     "llama-int8": _on("llama", Scheme("int8", 8, "per-channel")),
     "llama-int8-asym": _on("llama", Scheme("int8", 8, "per-channel", symmetric=False)),
+    "llama-w8a8": lambda out, done: w8a8(out, done["llama"]),
     "llama-macos15-lut3-grouped": _on(
         "llama-macos15", Scheme("lut", 3, "per-grouped-channel", group_size=16)
     ),

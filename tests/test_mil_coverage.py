@@ -30,7 +30,7 @@ REQUIRED = {
     "quantize", "dequantize", "constexpr_lut_to_dense", "constexpr_affine_dequantize",
     "constexpr_blockwise_shift_scale",
 }  # fmt: skip
-COMPRESSION = ("lut", "int8")
+COMPRESSION = ("lut", "int8", "w8a8")
 ENCODERS = [name for name in PROGRAMS if "bert" in name]
 COMPRESSED = [name for name in PROGRAMS if any(k in name for k in COMPRESSION)]
 DECODERS = [name for name in PROGRAMS if name not in ENCODERS + COMPRESSED]
@@ -74,6 +74,7 @@ def test_the_programs_exercise_every_form_anec_emits(programs: Programs) -> None
     assert any("shape=yes" in s for s in lut) and any("shape=-" in s for s in lut)
     types = {s.split("(")[0] for s in forms}
     assert {"constexpr_affine_dequantize", "constexpr_blockwise_shift_scale"} <= types
+    assert {"quantize", "dequantize"} <= types  # w8a8 activations
 
 
 @pytest.mark.parametrize("name", DECODERS)
