@@ -73,6 +73,7 @@ class Chip:
 
 
 GB = 10**9
+MAX_CHANNELS = 65536  # the same on every chip listed
 _BASE_BW_SOURCE = "anemll-bench Results.MD (model size / inference time, base chips cluster 55-70)"
 _DISPATCH_UNMEASURED = Figure(
     0.095,
@@ -99,200 +100,162 @@ _CPU_GBPS = Figure(
     "GB/s",
     "ane-guide ch.18 segmenter anchor (CPU 10 GB/s); high end: unified memory on base chips",
 )
+_NO_INT8_FAST_PATH = "no int8 fast path: fp16 figure"
 
-CHIPS: dict[str, Chip] = {
-    c.name: c
-    for c in [
-        Chip(
-            name="M1",
-            platform="macOS",
-            fp16_tflops=Figure(
-                11.0,
-                5.5,
-                12.0,
-                "TFLOP/s",
-                "Apple M1: 11 TOPS, precision not "
-                "stated (read as fp16; half if int8-style); ane-guide ch.9: ~12 "
-                "fp16 TFLOP/s slope",
-            ),
-            int8_tops=Figure(
-                11.0,
-                5.5,
-                12.0,
-                "TOPS",
-                "no int8 fast path (coremltools "
-                "opt-quantization-overview: A17 Pro / M4 and later): fp16 figure",
-            ),
-            weight_stream_gbps=Figure(
-                60.9,
-                51.0,
-                85.0,
-                "GB/s",
-                "anemll-bench M1 60.9; ane-guide M1: 51 weight stream, 85 DRAM roof",
-            ),
-            dispatch_ms=Figure(
-                0.23, 0.07, 0.23, "ms", "ane-guide ch.18 M1 fit 0.23; ANEForge ~0.07 per program"
-            ),
-            cpu_gflops=_CPU_GFLOPS,
-            cpu_gbps=_CPU_GBPS,
-            max_spatial=16384,
-            max_channels=65536,
-            model_budget_bytes=2 * GB,
-            native_trig=False,
-            texture_engine=False,
-            int8_fast_path=False,
-        ),
-        Chip(
-            name="M2",
-            platform="macOS",
-            fp16_tflops=Figure(
-                15.8,
-                7.9,
-                15.8,
-                "TFLOP/s",
-                "Apple ML research (15.8 teraflops "
-                "for this NE generation); hollance supported-devices",
-            ),
-            int8_tops=Figure(15.8, 7.9, 15.8, "TOPS", "no int8 fast path: fp16 figure"),
-            weight_stream_gbps=Figure(
-                60.5, 55.0, 70.0, "GB/s", f"anemll-bench M2 60.5; range: {_BASE_BW_SOURCE}"
-            ),
-            dispatch_ms=_DISPATCH_UNMEASURED,
-            cpu_gflops=_CPU_GFLOPS,
-            cpu_gbps=_CPU_GBPS,
-            max_spatial=16384,
-            max_channels=65536,
-            model_budget_bytes=2 * GB,
-            native_trig=False,
-            texture_engine=True,
-            int8_fast_path=False,
-        ),
-        Chip(
-            name="M3",
-            platform="macOS",
-            fp16_tflops=Figure(
-                18.0,
-                15.8,
-                18.0,
-                "TFLOP/s",
-                "eeNews: 60% faster than M1 "
-                "(about 18 TOPS); hollance lists 15.8 (conflict); M3 Pro direct "
-                "path 16.8 (maderix)",
-            ),
-            int8_tops=Figure(18.0, 15.8, 18.0, "TOPS", "no int8 fast path: fp16 figure"),
-            weight_stream_gbps=Figure(
-                63.1, 55.0, 70.0, "GB/s", f"anemll-bench M3 63.1; range: {_BASE_BW_SOURCE}"
-            ),
-            dispatch_ms=_DISPATCH_UNMEASURED,
-            cpu_gflops=_CPU_GFLOPS,
-            cpu_gbps=_CPU_GBPS,
-            max_spatial=16384,
-            max_channels=65536,
-            model_budget_bytes=2 * GB,
-            native_trig=True,
-            texture_engine=True,
-            int8_fast_path=False,
-        ),
-        Chip(
-            name="M4",
-            platform="macOS",
-            fp16_tflops=Figure(
-                18.6,
-                10.9,
-                19.0,
-                "TFLOP/s",
-                "maderix/ANE direct path 18.6 fp16; "
-                "community 12.6 (M4 Pro) / 10.9 (M4 Max); Apple 38 TOPS is an "
-                "int8-style count (about 19 fp16)",
-            ),
-            int8_tops=Figure(
-                35.1, 35.1, 38.0, "TOPS", "maderix/ANE W8A8 35.1 measured; Apple 38 TOPS"
-            ),
-            weight_stream_gbps=Figure(
-                64.2, 55.0, 70.0, "GB/s", f"anemll-bench M4 64.2; range: {_BASE_BW_SOURCE}"
-            ),
-            dispatch_ms=Figure(
-                0.095, 0.07, 0.095, "ms", "maderix Part 2 (M4, direct path); ANEForge ~0.07"
-            ),
-            cpu_gflops=_CPU_GFLOPS,
-            cpu_gbps=_CPU_GBPS,
-            max_spatial=65536,
-            max_channels=65536,
-            model_budget_bytes=2 * GB,
-            native_trig=True,
-            texture_engine=True,
-            int8_fast_path=True,
-        ),
-        Chip(
-            name="A17 Pro",
-            platform="iOS",
-            fp16_tflops=Figure(
-                17.5,
-                8.75,
-                17.5,
-                "TFLOP/s",
-                "Apple 35 TOPS, widely read as int8 (half for fp16); no fp16 measurement published",
-            ),
-            int8_tops=Figure(
-                35.0,
-                17.5,
-                35.0,
-                "TOPS",
-                "Apple 35 TOPS (hollance "
-                "supported-devices); int8 fast path from A17 Pro (coremltools)",
-            ),
-            weight_stream_gbps=Figure(
-                60.0,
-                40.0,
-                70.0,
-                "GB/s",
-                "no published measurement: "
-                "borrowed from the M-series base chips (anemll-bench), "
-                "range widened",
-            ),
-            dispatch_ms=_DISPATCH_UNMEASURED,
-            cpu_gflops=_CPU_GFLOPS,
-            cpu_gbps=_CPU_GBPS,
-            max_spatial=65536,
-            max_channels=65536,
-            model_budget_bytes=1 * GB,
-            native_trig=True,
-            texture_engine=True,
-            int8_fast_path=True,
-        ),
-        Chip(
-            name="M5",
-            platform="macOS",
-            fp16_tflops=Figure(
-                19.6,
-                19.6,
-                19.6,
-                "TFLOP/s",
-                "ane-guide ch.12 matmul slope; Apple discloses no NE TOPS",
-            ),
-            int8_tops=Figure(
-                19.6,
-                19.6,
-                39.2,
-                "TOPS",
-                "no figure; int8 fast path presumed "
-                "(coremltools: newer than A17 Pro / M4), unmeasured",
-            ),
-            weight_stream_gbps=Figure(
-                70.2, 70.2, 145.0, "GB/s", "anemll-bench M5 70.2; ane-guide ch.12 ~145 (conflict)"
-            ),
-            dispatch_ms=_DISPATCH_UNMEASURED,
-            cpu_gflops=_CPU_GFLOPS,
-            cpu_gbps=_CPU_GBPS,
-            max_spatial=65536,
-            max_channels=65536,
-            model_budget_bytes=2 * GB,
-            native_trig=True,
-            texture_engine=True,
-            int8_fast_path=True,
-        ),
-    ]
+# Placement limits, one row per chip: platform; largest non-channel axis (R-DIM); model size
+# in GB above which the whole model leaves the NE (R-SIZE); sin/cos on the NE (O-TRIG);
+# resize / crop_resize on the NE (O-RESIZE); faster int8 x int8 compute (O-W8A8). The row
+# order is the order of CHIPS.
+# fmt: off
+_LIMITS: dict[str, tuple[Platform, int, int, bool, bool, bool]] = {
+    #           platform  spatial  GB  trig   texture  int8 fast path
+    "M1":      ("macOS",  16384,   2,  False, False,   False),
+    "M2":      ("macOS",  16384,   2,  False, True,    False),
+    "M3":      ("macOS",  16384,   2,  True,  True,    False),
+    "M4":      ("macOS",  65536,   2,  True,  True,    True),
+    "A17 Pro": ("iOS",    65536,   1,  True,  True,    True),
+    "M5":      ("macOS",  65536,   2,  True,  True,    True),
 }
+# fmt: on
+
+_Row = tuple[float, float, float, str]  # value, low, high, source; the unit is the field's
+
+
+@dataclass(frozen=True)
+class _NeFigures:
+    """One chip's own NE figures; what a chip leaves out is filled in by `_chip`."""
+
+    fp16_tflops: _Row  # TFLOP/s
+    weight_stream_gbps: _Row  # GB/s
+    int8_tops: _Row | None = None  # TOPS; None: the fp16 figure (no int8 fast path)
+    dispatch_ms: _Row | None = None  # ms; None: not measured, `_DISPATCH_UNMEASURED`
+
+
+_FIGURES: dict[str, _NeFigures] = {
+    "M1": _NeFigures(
+        fp16_tflops=(
+            11.0,
+            5.5,
+            12.0,
+            "Apple M1: 11 TOPS, precision not stated (read as fp16; half if int8-style); "
+            "ane-guide ch.9: ~12 fp16 TFLOP/s slope",
+        ),
+        int8_tops=(
+            11.0,
+            5.5,
+            12.0,
+            "no int8 fast path (coremltools opt-quantization-overview: A17 Pro / M4 and "
+            "later): fp16 figure",
+        ),
+        weight_stream_gbps=(
+            60.9,
+            51.0,
+            85.0,
+            "anemll-bench M1 60.9; ane-guide M1: 51 weight stream, 85 DRAM roof",
+        ),
+        dispatch_ms=(0.23, 0.07, 0.23, "ane-guide ch.18 M1 fit 0.23; ANEForge ~0.07 per program"),
+    ),
+    "M2": _NeFigures(
+        fp16_tflops=(
+            15.8,
+            7.9,
+            15.8,
+            "Apple ML research (15.8 teraflops for this NE generation); hollance supported-devices",
+        ),
+        weight_stream_gbps=(60.5, 55.0, 70.0, f"anemll-bench M2 60.5; range: {_BASE_BW_SOURCE}"),
+    ),
+    "M3": _NeFigures(
+        fp16_tflops=(
+            18.0,
+            15.8,
+            18.0,
+            "eeNews: 60% faster than M1 (about 18 TOPS); hollance lists 15.8 (conflict); "
+            "M3 Pro direct path 16.8 (maderix)",
+        ),
+        weight_stream_gbps=(63.1, 55.0, 70.0, f"anemll-bench M3 63.1; range: {_BASE_BW_SOURCE}"),
+    ),
+    "M4": _NeFigures(
+        fp16_tflops=(
+            18.6,
+            10.9,
+            19.0,
+            "maderix/ANE direct path 18.6 fp16; community 12.6 (M4 Pro) / 10.9 (M4 Max); "
+            "Apple 38 TOPS is an int8-style count (about 19 fp16)",
+        ),
+        int8_tops=(35.1, 35.1, 38.0, "maderix/ANE W8A8 35.1 measured; Apple 38 TOPS"),
+        weight_stream_gbps=(64.2, 55.0, 70.0, f"anemll-bench M4 64.2; range: {_BASE_BW_SOURCE}"),
+        dispatch_ms=(0.095, 0.07, 0.095, "maderix Part 2 (M4, direct path); ANEForge ~0.07"),
+    ),
+    "A17 Pro": _NeFigures(
+        fp16_tflops=(
+            17.5,
+            8.75,
+            17.5,
+            "Apple 35 TOPS, widely read as int8 (half for fp16); no fp16 measurement published",
+        ),
+        int8_tops=(
+            35.0,
+            17.5,
+            35.0,
+            "Apple 35 TOPS (hollance supported-devices); int8 fast path from A17 Pro (coremltools)",
+        ),
+        weight_stream_gbps=(
+            60.0,
+            40.0,
+            70.0,
+            "no published measurement: borrowed from the M-series base chips (anemll-bench), "
+            "range widened",
+        ),
+    ),
+    "M5": _NeFigures(
+        fp16_tflops=(19.6, 19.6, 19.6, "ane-guide ch.12 matmul slope; Apple discloses no NE TOPS"),
+        int8_tops=(
+            19.6,
+            19.6,
+            39.2,
+            "no figure; int8 fast path presumed (coremltools: newer than A17 Pro / M4), unmeasured",
+        ),
+        weight_stream_gbps=(
+            70.2,
+            70.2,
+            145.0,
+            "anemll-bench M5 70.2; ane-guide ch.12 ~145 (conflict)",
+        ),
+    ),
+}
+
+
+def _figure(row: _Row, unit: str) -> Figure:
+    value, low, high, source = row
+    return Figure(value, low, high, unit, source)
+
+
+def _chip(name: str) -> Chip:
+    """Chip ``name`` from its row of `_LIMITS` and its entry of `_FIGURES`."""
+    platform, max_spatial, budget_gb, native_trig, texture_engine, int8_fast_path = _LIMITS[name]
+    ne = _FIGURES[name]
+    fp16_value, fp16_low, fp16_high, _ = ne.fp16_tflops
+    int8 = ne.int8_tops or (fp16_value, fp16_low, fp16_high, _NO_INT8_FAST_PATH)
+    dispatch = _DISPATCH_UNMEASURED if ne.dispatch_ms is None else _figure(ne.dispatch_ms, "ms")
+    return Chip(
+        name=name,
+        platform=platform,
+        fp16_tflops=_figure(ne.fp16_tflops, "TFLOP/s"),
+        int8_tops=_figure(int8, "TOPS"),
+        weight_stream_gbps=_figure(ne.weight_stream_gbps, "GB/s"),
+        dispatch_ms=dispatch,
+        cpu_gflops=_CPU_GFLOPS,
+        cpu_gbps=_CPU_GBPS,
+        max_spatial=max_spatial,
+        max_channels=MAX_CHANNELS,
+        model_budget_bytes=budget_gb * GB,
+        native_trig=native_trig,
+        texture_engine=texture_engine,
+        int8_fast_path=int8_fast_path,
+    )
+
+
+CHIPS: dict[str, Chip] = {name: _chip(name) for name in _LIMITS}
 
 # The chip whose limits are strictest: the default for a static report.
 STRICTEST = "M1"
