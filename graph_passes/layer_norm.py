@@ -8,12 +8,12 @@ order. Prescales are chosen from measured ranges like the RMSNorm ones (`graph_p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from graph_passes.prescale import NormScale, choose_prescale
+from graph_passes.prescale import NormScale, choose_prescale, measure_norm_inputs, norm_scale
 
 # The smallest normal fp16 number. A smaller constant is an fp16 subnormal (or 0: BERT's
 # C * 1e-12 = 3.8e-10 rounds to 0), which a Neural Engine may flush to zero; a zero epsilon
@@ -93,27 +93,11 @@ class LayerNorm(nn.Module):
 
 
 def measure_centred_l2(
-    norms: list[tuple[str, LayerNorm]], run: Callable[[], object]
+    norms: Sequence[tuple[str, LayerNorm]], run: Callable[[], object]
 ) -> dict[str, float]:
     """Largest per-position L2 norm of the *centred* input (what the norm squares and sums)
     reaching each LayerNorm during ``run()``."""
-    maxima = {name: 0.0 for name, _ in norms}
-    handles = []
-    for name, norm in norms:
-
-        def hook(_: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
-            x = args[0].detach().double()
-            l2 = (x - x.mean(dim=1, keepdim=True)).norm(dim=1).max()
-            maxima[name] = max(maxima[name], float(l2))
-
-        handles.append(norm.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return maxima
+    return measure_norm_inputs(norms, run, centred=True)
 
 
 def apply_layer_norm_prescales(
@@ -125,17 +109,8 @@ def apply_layer_norm_prescales(
     for name, norm in norms:
         scale = choose_prescale(maxima[name])
         norm.set_prescale(scale)
+        # The module keeps the exact constant (the fp32 rewrite); the fp16 program's module
+        # gets the floor (BC1LEncoder.set_eps_floor), and the record says what it stores.
         norm.set_eps_floor(0.0)
-        exact = norm.exact_scaled_eps
-        stored = max(exact, eps_floor)
-        chosen.append(
-            NormScale(
-                name=name,
-                max_l2=maxima[name],
-                prescale=scale,
-                eps=norm.eps,
-                scaled_eps=exact,
-                fp16_scaled_eps=float(torch.tensor(stored).half()),
-            )
-        )
+        chosen.append(norm_scale(name, maxima[name], scale, norm.channels, norm.eps, eps_floor))
     return chosen

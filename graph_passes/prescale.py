@@ -7,7 +7,7 @@ overflows; `graph_passes.norms.RMSNorm` explains why the result is unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +44,22 @@ def choose_prescale(max_l2: float, target_l2: float = TARGET_L2) -> float:
 
 
 def measure_norm_inputs(
-    norms: list[tuple[str, RMSNorm]], run: Callable[[], object]
+    norms: Sequence[tuple[str, nn.Module]], run: Callable[[], object], centred: bool = False
 ) -> dict[str, float]:
-    """Largest per-position L2 norm (over channels, axis 1) reaching each norm during ``run()``."""
+    """Largest per-position L2 norm (over channels, axis 1) reaching each norm during ``run()``.
+
+    With ``centred``, of the input minus its per-position channel mean: what a LayerNorm
+    squares and sums; an RMSNorm squares the input itself.
+    """
     maxima = {name: 0.0 for name, _ in norms}
     handles = []
     for name, norm in norms:
 
         def hook(_: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
-            l2 = args[0].detach().double().norm(dim=1).max()
-            maxima[name] = max(maxima[name], float(l2))
+            x = args[0].detach().double()
+            if centred:
+                x = x - x.mean(dim=1, keepdim=True)
+            maxima[name] = max(maxima[name], float(x.norm(dim=1).max()))
 
         handles.append(norm.register_forward_pre_hook(hook))
     try:
@@ -65,6 +71,22 @@ def measure_norm_inputs(
     return maxima
 
 
+def norm_scale(
+    name: str, max_l2: float, prescale: float, channels: int, eps: float, eps_floor: float = 0.0
+) -> NormScale:
+    """The record of one norm's prescale; the fp16 constant is ``C*eps/a^2`` raised to
+    ``eps_floor`` (0: no floor) and rounded to fp16, as the program stores it."""
+    scaled_eps = channels * eps / (prescale * prescale)
+    return NormScale(
+        name=name,
+        max_l2=max_l2,
+        prescale=prescale,
+        eps=eps,
+        scaled_eps=scaled_eps,
+        fp16_scaled_eps=float(torch.tensor(max(scaled_eps, eps_floor)).half()),
+    )
+
+
 def apply_prescales(
     norms: Iterable[tuple[str, RMSNorm]], maxima: dict[str, float]
 ) -> list[NormScale]:
@@ -73,15 +95,5 @@ def apply_prescales(
     for name, norm in norms:
         scale = choose_prescale(maxima[name])
         norm.set_prescale(scale)
-        scaled_eps = norm.channels * norm.eps / (scale * scale)
-        chosen.append(
-            NormScale(
-                name=name,
-                max_l2=maxima[name],
-                prescale=scale,
-                eps=norm.eps,
-                scaled_eps=scaled_eps,
-                fp16_scaled_eps=float(torch.tensor(scaled_eps).half()),
-            )
-        )
+        chosen.append(norm_scale(name, maxima[name], scale, norm.channels, norm.eps))
     return chosen
