@@ -365,6 +365,33 @@ def test_layer_norm_without_affine_matches_torch() -> None:
     close(out, F.layer_norm(t(x).double(), (8,), eps=1e-5).float(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_matches_torch(affine: bool) -> None:
+    from coremltools.converters.mil import Builder as mb
+
+    x = rand(2, 4, 3, 5, seed=34)
+    mean, var = rand(4, seed=35), np.abs(rand(4, seed=36)) + 0.5
+    gamma, beta = (rand(4, seed=37), rand(4, seed=38)) if affine else (None, None)
+    kwargs = {"gamma": gamma, "beta": beta} if affine else {}
+    out = run1(lambda a: mb.batch_norm(x=a, mean=mean, variance=var, epsilon=1e-3, **kwargs), x)
+    w, b = (t(gamma).double(), t(beta).double()) if affine else (None, None)
+    expected = F.batch_norm(t(x).double(), t(mean).double(), t(var).double(), w, b, eps=1e-3)
+    close(out, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_instance_norm_matches_torch(affine: bool) -> None:
+    from coremltools.converters.mil import Builder as mb
+
+    x = rand(2, 4, 3, 5, seed=39) * 2 + 1
+    gamma, beta = (rand(4, seed=40), rand(4, seed=41)) if affine else (None, None)
+    kwargs = {"gamma": gamma, "beta": beta} if affine else {}
+    out = run1(lambda a: mb.instance_norm(x=a, epsilon=1e-3, **kwargs), x)
+    w, b = (t(gamma).double(), t(beta).double()) if affine else (None, None)
+    expected = F.instance_norm(t(x).double(), weight=w, bias=b, eps=1e-3)
+    close(out, expected.float(), rtol=1e-5, atol=1e-6)
+
+
 REDUCTIONS = {
     "reduce_sum": lambda x, d, k: x.sum(dim=d, keepdim=k),
     "reduce_mean": lambda x, d, k: x.mean(dim=d, keepdim=k),

@@ -6,6 +6,8 @@ The sums inside (softmax's denominator, the mean and variance) go through
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from parity.mil.kernels._axes import norm_axes, norm_axis
@@ -31,6 +33,17 @@ def _normalize(call: Call, x: np.ndarray, axes: tuple[int, ...], eps: float) -> 
     return centered / np.sqrt(var + np.float32(eps))
 
 
+def _affine(call: Call, out: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """``out * gamma + beta``, each optional, reshaped to ``shape`` to broadcast against
+    ``out``: the scale first, then the shift, as every norm op here defines them."""
+    gamma, beta = call.get("gamma"), call.get("beta")
+    if gamma is not None:
+        out = out * gamma.reshape(shape)
+    if beta is not None:
+        out = out + beta.reshape(shape)
+    return out
+
+
 @kernel("layer_norm", attributes=("axes",))
 def layer_norm(call: Call) -> np.ndarray:
     """``gamma * (x - mean) / sqrt(var + epsilon) + beta`` over ``axes`` (all when absent)."""
@@ -38,12 +51,7 @@ def layer_norm(call: Call) -> np.ndarray:
     axes = norm_axes(call.integers("axes"), x.ndim)
     out = _normalize(call, x, axes, call.number("epsilon", 1e-5))
     shape = [x.shape[i] if i in axes else 1 for i in range(x.ndim)]
-    gamma, beta = call.get("gamma"), call.get("beta")
-    if gamma is not None:
-        out = out * gamma.reshape(shape)
-    if beta is not None:
-        out = out + beta.reshape(shape)
-    return out
+    return _affine(call, out, shape)
 
 
 @kernel("instance_norm")
@@ -52,12 +60,7 @@ def instance_norm(call: Call) -> np.ndarray:
     x = call["x"]
     out = _normalize(call, x, tuple(range(2, x.ndim)), call.number("epsilon", 1e-5))
     shape = (1, -1) + (1,) * (x.ndim - 2)
-    gamma, beta = call.get("gamma"), call.get("beta")
-    if gamma is not None:
-        out = out * gamma.reshape(shape)
-    if beta is not None:
-        out = out + beta.reshape(shape)
-    return out
+    return _affine(call, out, shape)
 
 
 @kernel("batch_norm")
@@ -68,12 +71,7 @@ def batch_norm(call: Call) -> np.ndarray:
     mean = call["mean"].reshape(shape)
     var = call["variance"].reshape(shape)
     out = (x - mean) / np.sqrt(var + np.float32(call.number("epsilon", 1e-5)))
-    gamma, beta = call.get("gamma"), call.get("beta")
-    if gamma is not None:
-        out = out * gamma.reshape(shape)
-    if beta is not None:
-        out = out + beta.reshape(shape)
-    return out
+    return _affine(call, out, shape)
 
 
 @kernel("l2_norm")
