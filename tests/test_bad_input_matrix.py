@@ -23,27 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from tiny_models import one_torch_thread, tiny_hf_model
+from tiny_models import one_torch_thread, run_anec, save_tiny_llama, tiny_recipe
 
-from converter.cli import main
-
-# The checkpoint every row starts from: a tiny perturbed Llama without tokenizer files.
-GOOD_RECIPE = """\
-name: tiny
-task: text-generation
-source:
-  kind: hf-dir
-  path: {path}
-shapes:
-  batch: 1
-  sequence_length: 16
-io:
-  lm_head_chunk: 128
-fixtures:
-  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
-"""
 UP_PROJ = "model.layers.1.mlp.up_proj.weight"
 
 
@@ -54,10 +36,8 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint, saved once as safetensors (config.json + model.safetensors)."""
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    tiny_hf_model("llama").save_pretrained(path, safe_serialization=True)
-    return path
+    """The tiny checkpoint (no tokenizer files), saved once; every row starts from a copy."""
+    return save_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
 
 
 @dataclass
@@ -73,13 +53,13 @@ class Case:
     def recipe(self, text: str | None = None) -> Path:
         """Write the recipe (the good one unless ``text``) and return its path."""
         path = self.root / "recipe.yaml"
-        body = GOOD_RECIPE.format(path=self.checkpoint) if text is None else text
+        body = tiny_recipe(self.checkpoint) if text is None else text
         path.write_text(body, encoding="utf-8")
         return path
 
     def edit_recipe(self, old: str, new: str) -> Path:
         """The good recipe with one substring replaced."""
-        text = GOOD_RECIPE.format(path=self.checkpoint)
+        text = tiny_recipe(self.checkpoint)
         assert old in text, old
         return self.recipe(text.replace(old, new))
 
@@ -186,7 +166,7 @@ def _gguf(damage: Callable[[bytes], bytes]) -> Callable[[Case, pytest.MonkeyPatc
     def make(c: Case, mp: pytest.MonkeyPatch) -> Path:
         path = _tiny_gguf(c)
         path.write_bytes(damage(path.read_bytes()))
-        return c.recipe(GOOD_RECIPE.format(path=path).replace("kind: hf-dir", "kind: gguf"))
+        return c.recipe(tiny_recipe(path).replace("kind: hf-dir", "kind: gguf"))
 
     return make
 
@@ -347,7 +327,7 @@ ROWS = [
     ),
     Row(
         "checkpoint-missing",
-        lambda c, mp: c.recipe(GOOD_RECIPE.format(path=c.root / "nowhere")),
+        lambda c, mp: c.recipe(tiny_recipe(c.root / "nowhere")),
         ("recipe.yaml: source.path", "nowhere, which does not exist"),
     ),
     Row(
@@ -479,7 +459,7 @@ def test_bad_input_exits_2_names_the_problem_and_changes_nothing(
 ) -> None:
     recipe = row.make(case, monkeypatch)
     before = snapshot(case.out)
-    result = CliRunner().invoke(main, ["convert", str(recipe), "--out", str(case.out)])
+    result = run_anec("convert", recipe, "--out", case.out)
     monkeypatch.undo()  # before reading files again: some rows patch os.open / os.write
     assert result.exit_code == 2, result.output
     for text in row.expected:

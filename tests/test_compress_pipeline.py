@@ -12,27 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner, Result
-from tiny_models import one_torch_thread, tiny_hf_model
+from click.testing import Result
+from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.cli import main
 from converter.compress.config import DEFAULT_KEEP_FP16
 from converter.hashing import mlpackage_content_hash, sha256_file
 from converter.manifest import Manifest
 
-RECIPE = """\
-name: tiny
-task: text-generation
-source:
-  kind: hf-dir
-  path: {path}
-shapes:
-  batch: 1
-  sequence_length: 16
-io:
-  lm_head_chunk: 128
-fixtures:
-  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
+# The variants, appended to the tiny recipe (tiny_models.tiny_recipe).
+COMPRESSION = """\
 compression:
   held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
   calibration: [[60, 61, 62, 63, 64, 65, 66, 67], [80, 81, 82, 83, 84, 85, 86]]
@@ -41,26 +29,26 @@ compression:
     - suffix: int8
       method: int8
       granularity: per-channel
-      gates: {{min_top1_agreement: 0.9, max_mean_kl: 0.01}}
+      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
     - suffix: lut4
       method: lut
       bits: 4
-      gates: {{min_top1_agreement: 0.5, max_mean_kl: 0.5}}
+      gates: {min_top1_agreement: 0.5, max_mean_kl: 0.5}
     - suffix: lut2-strict
       method: lut
       bits: 2
       # a 2-bit palette cannot keep KL below 1e-9: this variant must fail, alone
-      gates: {{min_top1_agreement: 0.5, max_mean_kl: 1.0e-9}}
+      gates: {min_top1_agreement: 0.5, max_mean_kl: 1.0e-9}
     - suffix: w8a8
       method: w8a8
       granularity: per-channel
-      gates: {{min_top1_agreement: 0.8, max_mean_kl: 0.05}}
+      gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
     - suffix: mixed
       method: mixed
       search:
         bits: [16, 8, 4]
-        budget: {{min_top1_agreement: 0.9, max_mean_kl: 0.005}}
-      gates: {{min_top1_agreement: 0.8, max_mean_kl: 0.05}}
+        budget: {min_top1_agreement: 0.9, max_mean_kl: 0.005}
+      gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
 """
 
 
@@ -72,11 +60,10 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
     root = tmp_path_factory.mktemp("compress")
-    tiny_hf_model("llama").save_pretrained(root / "ckpt", safe_serialization=True)
-    recipe = root / "tiny.yaml"
-    recipe.write_text(RECIPE.format(path=root / "ckpt"), encoding="utf-8")
+    checkpoint = save_tiny_llama(root / "ckpt")
+    recipe = write_tiny_recipe(root / "tiny.yaml", checkpoint, extra=COMPRESSION)
     out = root / "out"
-    result = CliRunner().invoke(main, ["convert", str(recipe), "--out", str(out), "--json"])
+    result = run_anec("convert", recipe, "--out", out, "--json")
     return result, out
 
 

@@ -25,13 +25,12 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from click.testing import Result
 from safetensors.torch import load_file
-from tiny_models import one_torch_thread, tiny_hf_model
+from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
 from converter import pipeline
 from converter.checkpoint import load_checkpoint
-from converter.cli import main
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.preflight import ARTIFACT_OVERHEAD_BYTES, artifact_bytes
@@ -42,22 +41,6 @@ from converter.runlog import LOG_NAME
 from converter.weightfiles import read_weight_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RECIPE = """\
-name: {name}
-task: text-generation
-source:
-  kind: hf-dir
-  path: {path}
-shapes:
-  batch: 1
-  sequence_length: 16
-io:
-  lm_head_chunk: 128
-gates:
-  fp32_layer_rel_error: {layer_gate}
-fixtures:
-  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
-"""
 PASSING_GATE = 1.0e-4
 # The fp32 rewrite is exact to about 4e-7 here: a 1e-12 gate must fail.
 FAILING_GATE = 1.0e-12
@@ -79,22 +62,19 @@ class Workspace:
     def recipe(self, name: str, gate: float = PASSING_GATE, path: Path | None = None) -> Path:
         """Write a recipe called ``name`` (file ``<name>-<gate>.yaml``) and return its path."""
         file = self.root / f"{name}-{gate:g}.yaml"
-        text = RECIPE.format(name=name, path=path or self.checkpoint, layer_gate=f"{gate:.1e}")
-        file.write_text(text, encoding="utf-8")
-        return file
+        gates = {"fp32_layer_rel_error": f"{gate:.1e}"}
+        return write_tiny_recipe(file, path or self.checkpoint, name, gates=gates)
 
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     root = tmp_path_factory.mktemp("robust")
-    checkpoint = root / "ckpt"
-    tiny_hf_model("llama").save_pretrained(checkpoint, safe_serialization=True)
-    return Workspace(root, checkpoint)
+    return Workspace(root, save_tiny_llama(root / "ckpt"))
 
 
 def convert(*args: str | Path) -> Result:
     """Run `anec convert ARGS` in-process."""
-    return CliRunner().invoke(main, ["convert", *map(str, args)])
+    return run_anec("convert", *args)
 
 
 @dataclass(frozen=True)

@@ -8,27 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
-from tiny_models import one_torch_thread, tiny_hf_model
-
-from converter.cli import main
-
-RECIPE = """\
-name: {name}
-task: text-generation
-source:
-  kind: hf-dir
-  path: {path}
-shapes:
-  batch: 1
-  sequence_length: 16
-io:
-  lm_head_chunk: 128
-gates:
-  mil_fp32_layer_rel_error: {mil_gate}
-fixtures:
-  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
-"""
+from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -39,23 +19,18 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mil_cli")
-    tiny_hf_model("llama").save_pretrained(root / "ckpt", safe_serialization=True)
+    save_tiny_llama(root / "ckpt")
     return root
 
 
 def _recipe(root: Path, name: str, mil_gate: float) -> Path:
-    path = root / f"{name}.yaml"
-    path.write_text(RECIPE.format(name=name, path=root / "ckpt", mil_gate=mil_gate))
-    return path
-
-
-def run(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, [str(a) for a in args])
+    gates = {"mil_fp32_layer_rel_error": mil_gate}
+    return write_tiny_recipe(root / f"{name}.yaml", root / "ckpt", name, gates=gates)
 
 
 @pytest.fixture(scope="module")
 def artifact(root: Path) -> Path:
-    result = run("convert", _recipe(root, "tiny", 1e-5), "--out", root / "out", "--json")
+    result = run_anec("convert", _recipe(root, "tiny", 1e-5), "--out", root / "out", "--json")
     assert result.exit_code == 0, result.output
     return root / "out" / "tiny"
 
@@ -92,7 +67,7 @@ def test_published_parity_covers_every_level(artifact: Path) -> None:
 def test_a_failed_mil_gate_publishes_nothing(root: Path) -> None:
     # The program matches its module to about 1e-6 here: a 1e-12 gate must fail.
     out = root / "strict-out"
-    result = run("convert", _recipe(root, "strict", 1e-12), "--out", out, "--json")
+    result = run_anec("convert", _recipe(root, "strict", 1e-12), "--out", out, "--json")
     assert result.exit_code == 1, result.output
     assert not (out / "strict").exists()
     doc = json.loads((out / "strict.failed" / "parity.json").read_text())
@@ -103,7 +78,7 @@ def test_a_failed_mil_gate_publishes_nothing(root: Path) -> None:
 
 def test_anec_parity_reruns_the_gates_on_the_artifact(artifact: Path, root: Path) -> None:
     out = root / "recheck"
-    result = run("parity", artifact, "--out", out, "--profile", "fp32", "--profile", "fp16")
+    result = run_anec("parity", artifact, "--out", out, "--profile", "fp32", "--profile", "fp16")
     assert result.exit_code == 0, result.output
     assert "Conversion level" in result.output and "not run on this platform" in result.output
     published = _gates(json.loads((artifact / "parity.json").read_text()))
@@ -125,6 +100,6 @@ def test_anec_parity_refuses_a_package_that_differs_from_its_manifest(
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    result = run("parity", copy)
+    result = run_anec("parity", copy)
     assert result.exit_code == 2
     assert "differs from the hash in manifest.json" in result.output

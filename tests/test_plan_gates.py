@@ -9,30 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
-from tiny_models import one_torch_thread, tiny_hf_model
+from click.testing import Result
+from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.cli import main
 from converter.recipe import RecipeError, load_recipe
 
-RECIPE = """\
-name: {name}
-task: text-generation
-source:
-  kind: hf-dir
-  path: {path}
-shapes:
-  batch: 1
-  sequence_length: 16
-io:
-  lm_head_chunk: 128
-precision: {precision}
-gates:
-  plan_min_ne_flop_share: 0.999
-  plan_max_ne_segments: 1
-fixtures:
-  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]
-"""
+# Both plan gates, strict enough that an fp32 program (on the CPU) fails them.
+PLAN_GATES = {"plan_min_ne_flop_share": 0.999, "plan_max_ne_segments": 1}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,19 +25,16 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("plan-gates") / "ckpt"
-    tiny_hf_model("llama").save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("plan-gates") / "ckpt")
 
 
 def recipe(tmp_path: Path, checkpoint: Path, name: str, precision: str) -> Path:
     file = tmp_path / f"{name}.yaml"
-    file.write_text(RECIPE.format(name=name, path=checkpoint, precision=precision))
-    return file
+    return write_tiny_recipe(file, checkpoint, name, precision=precision, gates=PLAN_GATES)
 
 
 def convert(*args: str | Path) -> Result:
-    return CliRunner().invoke(main, ["convert", *map(str, args)])
+    return run_anec("convert", *args)
 
 
 def test_an_ne_resident_program_passes_and_ships_its_plan(checkpoint: Path, tmp_path: Path) -> None:

@@ -2,16 +2,19 @@
 
 transformers initialises biases to 0 and norm weights to 1, which hides dropped biases and
 wrong norm conventions; `perturb_` moves every parameter away from those values. Everything
-is built with transformers' own classes, in fp32, eval mode, from a fixed seed.
+is built with transformers' own classes, in fp32, eval mode, from a fixed seed. The CLI tests
+share `save_tiny_llama`, `tiny_recipe` / `write_tiny_recipe` and `run_anec`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from click.testing import CliRunner, Result
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -94,6 +97,56 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
     model = model_cls(config).float().eval()
     perturb_(model)
     return model
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """Save ``tiny_hf_model("llama")`` as an hf-dir checkpoint (config.json, model.safetensors)."""
+    tiny_hf_model("llama").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tiny_recipe(
+    checkpoint: Path,
+    name: str = "tiny",
+    *,
+    precision: str | None = None,
+    gates: Mapping[str, object] | None = None,
+    extra: str = "",
+) -> str:
+    """Recipe text converting an hf-dir ``checkpoint`` (`save_tiny_llama`): a 16-token window,
+    two fixtures; ``precision``, ``gates`` (values written as ``str()`` gives them) and
+    ``extra`` YAML (appended) where given."""
+    lines = [
+        f"name: {name}",
+        "task: text-generation",
+        "source:",
+        "  kind: hf-dir",
+        f"  path: {checkpoint}",
+        "shapes:",
+        "  batch: 1",
+        "  sequence_length: 16",
+        "io:",
+        "  lm_head_chunk: 128",
+    ]
+    if precision is not None:
+        lines.append(f"precision: {precision}")
+    if gates:
+        lines += ["gates:", *(f"  {key}: {value}" for key, value in gates.items())]
+    lines += ["fixtures:", "  token_ids: [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]]"]
+    return "\n".join(lines) + "\n" + extra
+
+
+def write_tiny_recipe(file: Path, checkpoint: Path, name: str = "tiny", **options: Any) -> Path:
+    """Write ``tiny_recipe(checkpoint, name, **options)`` to ``file`` and return ``file``."""
+    file.write_text(tiny_recipe(checkpoint, name, **options), encoding="utf-8")
+    return file
+
+
+def run_anec(*args: str | Path) -> Result:
+    """Run ``anec ARGS`` in-process through click's test runner (stderr kept apart)."""
+    from converter.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def random_sequences(seed: int, lengths: tuple[int, ...] = FIXTURE_LENGTHS) -> list[list[int]]:
