@@ -24,7 +24,7 @@ from converter.errors import AnecError
 INTERNAL_ERROR = 3
 _STATUS = {
     0: "converted",
-    1: "parity gate failed",
+    1: "a gate failed",  # the outcome names the kind when the conversion result says it
     2: "bad input",
     INTERNAL_ERROR: "internal error",
 }
@@ -39,6 +39,14 @@ class Outcome:
     exit_code: int
     summary: dict[str, Any] | None = None  # result_to_json of a conversion that ran to the end
     error: str | None = None
+    failed_gate: str | None = None  # "parity", "plan" or "variant" (summary.failed_gate)
+
+    @property
+    def status(self) -> str:
+        """The exit code in words; for a failed gate, which kind failed where known."""
+        if self.exit_code == 1 and self.failed_gate is not None:
+            return f"{self.failed_gate} gate failed"
+        return _STATUS[self.exit_code]
 
     def to_json(self) -> dict[str, Any]:
         """The per-recipe line of ``--json``: the conversion summary, or the error."""
@@ -46,7 +54,7 @@ class Outcome:
             "recipe": self.recipe,
             "name": self.name,
             "exit_code": self.exit_code,
-            "status": _STATUS[self.exit_code],
+            "status": self.status,
         }
         if self.summary is not None:
             return {**head, **self.summary}
@@ -73,7 +81,7 @@ def convert_recipes(
     if len(outcomes) > 1 and not as_json:
         click.echo("\nrecipes:")
         for o in outcomes:
-            click.echo(f"  {o.recipe} ({o.name or '?'}): {_STATUS[o.exit_code]} [{o.exit_code}]")
+            click.echo(f"  {o.recipe} ({o.name or '?'}): {o.status} [{o.exit_code}]")
     return combined_exit_code(outcomes)
 
 
@@ -86,7 +94,7 @@ def _convert_one(
     from converter.publish import Interrupted
     from converter.recipe import load_recipe, locate_recipe
     from converter.runlog import RunLog
-    from converter.summary import print_summary, result_to_json
+    from converter.summary import failed_gate, print_summary, result_to_json
 
     outcome = Outcome(ref, None, INTERNAL_ERROR)
     with RunLog(ref):
@@ -109,6 +117,7 @@ def _convert_one(
             outcome.error = f"internal error: {type(e).__name__}: {e}"
         else:
             outcome.exit_code, outcome.summary = result.exit_code, result_to_json(result)
+            outcome.failed_gate = failed_gate(result)
             if not as_json:
                 print_summary(result, Console(highlight=False))
     if as_json:

@@ -46,7 +46,7 @@ def main() -> None:
     """Convert transformer checkpoints to Core ML packages for the Apple Neural Engine.
 
     Every conversion is described by a YAML recipe and proven by parity gates.
-    Exit codes: 0 success, 1 a parity gate failed, 2 bad input; convert also 3 internal
+    Exit codes: 0 success, 1 a gate failed, 2 bad input; convert also 3 internal
     error and 130 / 143 when interrupted by SIGINT / SIGTERM.
     """
 
@@ -194,8 +194,9 @@ def convert_command(
     With --json, one JSON line per recipe.
 
     Exit codes (the highest over all recipes): 0 every recipe converted and passed, 1 a
-    parity gate failed, 2 bad input, 3 internal error; 130 / 143 interrupted by SIGINT /
-    SIGTERM (nothing partial is left, a previous artifact stays as it was).
+    gate failed (parity, plan or a compressed variant's), 2 bad input, 3 internal error;
+    130 / 143 interrupted by SIGINT / SIGTERM (nothing partial is left, a previous artifact
+    stays as it was).
     """
     import signal
 

@@ -1,6 +1,6 @@
 """Errors that the CLI turns into exit codes.
 
-Exit codes: 0 converted and every gate passed, 1 a parity gate failed, 2 bad input.
+Exit codes: 0 converted and every gate passed, 1 a gate failed, 2 bad input.
 """
 
 from __future__ import annotations

@@ -34,11 +34,24 @@ def result_to_json(result: ConvertResult) -> dict[str, Any]:
     }
 
 
+def failed_gate(result: ConvertResult) -> str | None:
+    """The kind of gate that failed: "parity" (torch or MIL level), "plan" or "variant" (a
+    compressed variant's); None when every gate passed."""
+    if not result.parity.passed:
+        return "parity"
+    if not result.passed:
+        return "plan"  # parity held: the plan gate is the only one checked after it
+    if any(not v.passed for v in result.variants):
+        return "variant"
+    return None
+
+
 def print_summary(result: ConvertResult, console: Console) -> None:
     """Gates, where the artifact and its reports are, and how long each step took."""
-    status = "[green]converted[/]" if result.passed else "[red]parity gate failed[/]"
-    if not result.passed and result.parity.passed:
-        status = "[red]plan gate failed[/]"  # parity held; plan_artifact gave the reasons
+    # The main artifact's verdict; each variant's is printed below with it.
+    status = (
+        "[green]converted[/]" if result.passed else f"[red]{failed_gate(result)} gate failed[/]"
+    )
     console.print(f"\n[bold]{result.name}[/]: {status}")
     table = Table(show_header=True, header_style="bold")
     for column in ("gate", "implementation", "value", "threshold", ""):
