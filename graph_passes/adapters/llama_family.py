@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from converter.errors import InputError
+from graph_passes.adapters.weights import WeightReader
 from graph_passes.spec import (
     AttentionSpec,
     CanonicalModel,
@@ -55,39 +56,6 @@ def rope_theta(config: object) -> float:
     if theta is None:
         raise InputError("config: neither rope_parameters nor rope_theta is set")
     return float(theta)
-
-
-class _WeightReader:
-    """Takes tensors out of a state dict by name, checking shapes, and tracks what is left."""
-
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], architecture: str) -> None:
-        self._sd = state_dict
-        self._left = set(state_dict)
-        self._arch = architecture
-
-    def take(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if key not in self._sd:
-            raise InputError(f"checkpoint tensor {key!r} is missing (expected shape {shape})")
-        tensor = self._sd[key]
-        if tuple(tensor.shape) != shape:
-            raise InputError(
-                f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}; the config "
-                f"implies {shape}"
-            )
-        self._left.discard(key)
-        return tensor.detach().to(torch.float32).clone()
-
-    def skip(self, key: str) -> None:
-        self._left.discard(key)
-
-    def finish(self) -> None:
-        if self._left:
-            names = ", ".join(sorted(self._left)[:8])
-            more = f" (and {len(self._left) - 8} more)" if len(self._left) > 8 else ""
-            raise InputError(
-                f"checkpoint tensors not mapped by the {self._arch} adapter: {names}{more}; "
-                "anec refuses to drop weights silently"
-            )
 
 
 def map_decoder(
@@ -138,7 +106,7 @@ def map_decoder(
         tied_embeddings=tied,
     )
 
-    r = _WeightReader(state_dict, architecture)
+    r = WeightReader(state_dict, architecture)
     w: dict[str, torch.Tensor] = {
         "embed.weight": r.take("model.embed_tokens.weight", (vocab, d_model))
     }

@@ -12,7 +12,8 @@ import torch
 
 from converter.errors import InputError
 from graph_passes.adapters.encoder_common import label_names, model_prefix, require_exact_gelu
-from graph_passes.adapters.llama_family import _WeightReader, config_value
+from graph_passes.adapters.llama_family import config_value
+from graph_passes.adapters.weights import WeightReader
 from graph_passes.spec import (
     AttentionSpec,
     ClassifierSpec,
@@ -115,7 +116,7 @@ def adapt(config: object, state_dict: Mapping[str, torch.Tensor]) -> EncoderMode
         classifier=classifier,
     )
 
-    r = _WeightReader(state_dict, "modernbert")
+    r = WeightReader(state_dict, "modernbert")
     w: dict[str, torch.Tensor] = {}
 
     def take_norm(dst: str, src: str) -> None:
