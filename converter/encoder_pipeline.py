@@ -21,29 +21,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.checkpoint import Checkpoint, load_checkpoint, tokenizer_json
+from converter.checkpoint import Checkpoint, load_checkpoint
 from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
 from converter.errors import InputError
-from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
-from converter.manifest import (
-    BoundaryEntry,
-    Deviation,
-    FileEntry,
-    Manifest,
-    PackageEntry,
-    PieceEntry,
-    TensorEntry,
-)
-from converter.pipeline import ConvertResult, _npy_bytes, _pad_id, _tools
+from converter.manifest import BoundaryEntry, Deviation, FileEntry, Manifest, PieceEntry
+from converter.manifest_fields import common_fields, package_entry, write_npy, write_tokenizer
+from converter.pipeline import ConvertResult, _pad_id, gate_failed, published
 from converter.progress import Steps
 from converter.publish import (
     clean_leftovers,
     stage_artifact,
-    write_bytes_atomic,
     write_json_atomic,
     write_text_atomic,
 )
-from converter.recipe import EncoderOptions, Recipe, recipe_to_dict
+from converter.recipe import EncoderOptions, Recipe, ResolvedSource
 from converter.runlog import write_log_into
 from converter.targets import TARGETS
 from graph_passes.adapters import adapt_encoder
@@ -399,9 +390,7 @@ def convert_encoder(
         del ckpt.model
         if not report.passed:
             _write_parity(stage.path, report, rows, name, table_check)
-            write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
-            failed = stage.keep_as_failed()
-            return ConvertResult(name, False, None, failed, report, steps.timings)
+            return gate_failed(stage, "parity", report, steps.timings)
 
         packages, contracts, ops = _emit_programs(
             recipe, module, rw, target, dtype, stage.path, steps
@@ -433,19 +422,11 @@ def convert_encoder(
                 report.implementations[MIL_LEVEL] = f"not run: {mil_note}"
         parity_path = _write_parity(stage.path, report, rows, name, table_check)
         if not report.passed:
-            write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
-            failed = stage.keep_as_failed()
-            return ConvertResult(name, False, None, failed, report, steps.timings)
+            return gate_failed(stage, "parity", report, steps.timings)
 
         with steps.step("save"):
             host_files = _write_host_files(stage.path, rw.host) if rw.host is not None else None
-            tokenizer = None
-            text = tokenizer_json(ckpt.tokenizer) if ckpt.tokenizer is not None else None
-            if text is not None:
-                path = write_text_atomic(stage.path / "tokenizer.json", text)
-                tokenizer = FileEntry(
-                    file=path.name, sha256=sha256_file(path), meaning="the checkpoint's tokenizer"
-                )
+            tokenizer = write_tokenizer(stage.path, ckpt.tokenizer, "the checkpoint's tokenizer")
             manifest = _manifest(
                 recipe,
                 source,
@@ -465,16 +446,7 @@ def convert_encoder(
         final = stage.commit()
 
     n_ops = sum(sum(o.values()) for o in ops.values())
-    return ConvertResult(
-        name,
-        True,
-        final,
-        final,
-        report,
-        steps.timings,
-        live_ops=n_ops,
-        live_ops_per_layer=n_ops / module.spec.num_layers,
-    )
+    return published(final, report, steps.timings, n_ops, module.spec.num_layers)
 
 
 def _references(
@@ -553,22 +525,11 @@ def _write_host_files(directory: Path, host: HostEmbedding) -> list[FileEntry]:
         "embedding_norm_weight.npy": (host.norm_weight, "embedding LayerNorm gamma, fp32"),
         "embedding_norm_bias.npy": (host.norm_bias, "embedding LayerNorm beta, fp32"),
     }
-    entries = []
-    for file, (tensor, meaning) in tables.items():
-        if tensor is None:
-            continue
-        array = tensor.numpy()
-        path = write_bytes_atomic(directory / file, _npy_bytes(array))
-        entries.append(
-            FileEntry(
-                file=file,
-                sha256=sha256_file(path),
-                dtype=str(array.dtype),
-                shape=list(array.shape),
-                meaning=meaning,
-            )
-        )
-    return entries
+    return [
+        write_npy(directory / file, tensor.numpy(), meaning)
+        for file, (tensor, meaning) in tables.items()
+        if tensor is not None
+    ]
 
 
 def encoder_deviations(rw: EncoderRewrite, precision: str) -> list[Deviation]:
@@ -637,16 +598,6 @@ def encoder_deviations(rw: EncoderRewrite, precision: str) -> list[Deviation]:
     return out
 
 
-def _package_entry(path: Path, ops: Any) -> PackageEntry:
-    return PackageEntry(
-        file=path.name,
-        content_sha256=mlpackage_content_hash(path),
-        files=mlpackage_content_files(path),
-        function="main",
-        live_ops=dict(sorted(ops.items())),
-    )
-
-
 def _pieces(
     rw: EncoderRewrite,
     packages: dict[str, Path],
@@ -701,7 +652,7 @@ def _pieces(
 
 def _manifest(
     recipe: Recipe,
-    source: Any,
+    source: ResolvedSource,
     ckpt: Checkpoint,
     rw: EncoderRewrite,
     options: EncoderOptions,
@@ -718,24 +669,17 @@ def _manifest(
     inputs, outputs = contracts[main]
     if "tail" in contracts:
         outputs = contracts["tail"][1]
-
-    def entry(t: TensorIO) -> TensorEntry:
-        return TensorEntry(name=t.name, shape=list(t.shape), dtype=t.dtype, meaning=t.meaning)
-
     pieces = boundary_entries = None
     if rw.host is not None:
         pieces, boundary_entries = _pieces(rw, packages, contracts, host_files)
     layers = spec.layers
     return Manifest(
-        name=recipe.name,
-        task=recipe.task,
+        **common_fields(
+            recipe, source, ckpt, inputs, outputs, packages[main], ops[main], tokenizer, parity_path
+        ),
         architecture=spec.architecture,
-        target=recipe.target,
-        precision=recipe.precision,
         batch=module.io.batch,
         sequence_length=module.io.length,
-        inputs=[entry(t) for t in inputs],
-        outputs=[entry(t) for t in outputs],
         conventions={
             "layout": "activations are [1, channels, 1, batch * sequence] inside the program: "
             "the batch is folded into the sequence and a block-diagonal mask keeps samples apart",
@@ -749,26 +693,8 @@ def _manifest(
         rope_theta=[ls.attention.rope_theta for ls in layers if ls.attention.rope],
         vocab_size=spec.embedding.vocab_size,
         lm_head_chunks=[],
-        package=_package_entry(packages[main], ops[main]),
         embeddings=None,
-        tokenizer=tokenizer,
-        parity=FileEntry(file=parity_path.name, sha256=sha256_file(parity_path)),
         deviations=encoder_deviations(rw, recipe.precision),
-        checkpoint={
-            "source": {
-                "kind": source.kind,
-                "directory": str(source.directory),
-                "gguf_file": source.gguf_file,
-            },
-            "sha256": ckpt.sha256,
-            "license": ckpt.license,
-            "note": ckpt.note,
-        },
-        recipe={
-            **recipe_to_dict(recipe),
-            "sha256": sha256_file(recipe.source_file) if recipe.source_file else None,
-        },
-        tools=_tools(),
         encoder={
             "output": module.io.output,
             "partition": options.partition,
@@ -786,7 +712,7 @@ def _manifest(
         pieces=pieces,
         boundaries=boundary_entries,
         host_files=host_files,
-        extra_packages=[_package_entry(packages["tail"], ops["tail"])]
+        extra_packages=[package_entry(packages["tail"], ops["tail"])]
         if "tail" in packages
         else None,
     )

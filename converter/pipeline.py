@@ -9,34 +9,24 @@ artifact stage, so a failure at any point publishes nothing under the final name
 
 from __future__ import annotations
 
-import importlib.metadata
-import io as _io
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from converter.checkpoint import Checkpoint, load_checkpoint, tokenizer_json
+from converter.checkpoint import Checkpoint, load_checkpoint
 from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
 from converter.errors import InputError
-from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
-from converter.manifest import Deviation, FileEntry, Manifest, PackageEntry, TensorEntry
+from converter.manifest import Deviation, FileEntry, Manifest
+from converter.manifest_fields import common_fields, write_npy, write_tokenizer
 from converter.markers import mark_layer_outputs
 from converter.plan.artifact_gate import plan_artifact
 from converter.preflight import preflight
 from converter.progress import Steps
-from converter.publish import (
-    clean_leftovers,
-    stage_artifact,
-    write_bytes_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
-from converter.recipe import Recipe, recipe_to_dict
+from converter.publish import ArtifactStage, clean_leftovers, stage_artifact, write_json_atomic
+from converter.recipe import Recipe, ResolvedSource
 from converter.runlog import write_log_into
 from converter.targets import TARGETS
 from graph_passes.adapters import adapt
@@ -70,6 +60,41 @@ class ConvertResult:
     def exit_code(self) -> int:
         """0 when every gate passed (each compressed variant's too), else 1."""
         return 0 if self.passed and all(v.passed for v in self.variants) else 1
+
+
+def gate_failed(
+    stage: ArtifactStage,
+    gate: str,
+    report: ParityReport,
+    timings: dict[str, float],
+    notes: list[str] | None = None,
+) -> ConvertResult:
+    """Keep the staged reports as ``<name>.failed`` and log which gate failed (exit code 1)."""
+    write_log_into(stage.path, f"a {gate} gate failed; reports kept in {stage.name}.failed")
+    failed = stage.keep_as_failed()
+    return ConvertResult(stage.name, False, None, failed, report, timings, notes=notes or [])
+
+
+def published(
+    final: Path,
+    report: ParityReport,
+    timings: dict[str, float],
+    ops: int,
+    num_layers: int,
+    variants: list[Any] | None = None,
+) -> ConvertResult:
+    """The result of an artifact published at ``final`` with ``ops`` live ops (exit code 0)."""
+    return ConvertResult(
+        final.name,
+        True,
+        final,
+        final,
+        report,
+        timings,
+        live_ops=ops,
+        live_ops_per_layer=ops / num_layers,
+        variants=variants or [],
+    )
 
 
 def decoder_io(recipe: Recipe, canonical: CanonicalModel) -> DecoderIO:
@@ -219,22 +244,6 @@ def reference_runs(
     return runs
 
 
-def _tools() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for dist in ("anec", "coremltools", "torch", "transformers", "numpy"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "unknown"
-    return versions
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buffer = _io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
 def convert(
     recipe: Recipe,
     out_dir: Path | None = None,
@@ -280,9 +289,7 @@ def convert(
 
         write_parity_reports(stage.path, report, None, {"recipe": name})
         if not report.passed:
-            write_log_into(stage.path, f"a parity gate failed; reports kept in {name}.failed")
-            failed = stage.keep_as_failed()
-            return ConvertResult(name, False, None, failed, report, steps.timings)
+            return gate_failed(stage, "parity", report, steps.timings)
 
         inputs, outputs = tensor_contract(module, recipe.io.dtype)
         with steps.step("trace"):
@@ -315,32 +322,22 @@ def convert(
         merge(report, conversion)
         write_parity_reports(stage.path, report, conversion, {"recipe": name})
         if not report.passed:
-            write_log_into(stage.path, f"a MIL-level gate failed; reports kept in {name}.failed")
-            failed = stage.keep_as_failed()
-            return ConvertResult(name, False, None, failed, report, steps.timings)
+            return gate_failed(stage, "MIL-level", report, steps.timings)
 
         with steps.step("write manifest"):
             embeddings = None
             if module.io.inputs == "embeddings":
-                data = _npy_bytes(embed_table.to(torch.float16).numpy())
-                path = write_bytes_atomic(stage.path / "embeddings.npy", data)
-                embeddings = FileEntry(
-                    file=path.name,
-                    sha256=sha256_file(path),
-                    dtype="float16",
-                    shape=list(embed_table.shape),
-                    meaning="embedding table (vocab, hidden); row t is the input for token id t",
+                embeddings = write_npy(
+                    stage.path / "embeddings.npy",
+                    embed_table.to(torch.float16).numpy(),
+                    "embedding table (vocab, hidden); row t is the input for token id t",
                 )
-            tokenizer = None
-            text = tokenizer_json(ckpt.tokenizer) if ckpt.tokenizer is not None else None
-            if text is not None:
-                path = write_text_atomic(stage.path / "tokenizer.json", text)
-                tokenizer = FileEntry(
-                    file=path.name,
-                    sha256=sha256_file(path),
-                    meaning="the checkpoint's tokenizer; a runtime refuses a draft whose "
-                    "vocabulary differs from its target's",
-                )
+            tokenizer = write_tokenizer(
+                stage.path,
+                ckpt.tokenizer,
+                "the checkpoint's tokenizer; a runtime refuses a draft whose "
+                "vocabulary differs from its target's",
+            )
             manifest = _manifest(
                 recipe,
                 source,
@@ -367,10 +364,7 @@ def convert(
                 stage.path,
             )
         if not plan.passed:
-            write_log_into(stage.path, f"a plan gate failed; reports kept in {name}.failed")
-            failed = stage.keep_as_failed()
-            notes = plan.failures()
-            return ConvertResult(name, False, None, failed, report, steps.timings, notes=notes)
+            return gate_failed(stage, "plan", report, steps.timings, notes=plan.failures())
         write_log_into(stage.path, f"every gate passed; publishing {out_dir / name}")
         final = stage.commit()
 
@@ -382,17 +376,8 @@ def convert(
             recipe.compression, name, final, module, embed_table, held_out, out_dir,
             recipe.gates.mil_fp32_layer_rel_error, force, steps,
         )  # fmt: skip
-    n_ops = sum(ops.values())
-    return ConvertResult(
-        name,
-        True,
-        final,
-        final,
-        report,
-        steps.timings,
-        live_ops=n_ops,
-        live_ops_per_layer=n_ops / module.spec.num_layers,
-        variants=variants,
+    return published(
+        final, report, steps.timings, sum(ops.values()), module.spec.num_layers, variants
     )
 
 
@@ -420,7 +405,7 @@ def _pad_id(ckpt: Checkpoint) -> int:
 
 def _manifest(
     recipe: Recipe,
-    source: Any,
+    source: ResolvedSource,
     ckpt: Checkpoint,
     module: BC1LDecoder,
     scales: list[NormScale],
@@ -433,20 +418,13 @@ def _manifest(
     parity_path: Path,
 ) -> Manifest:
     spec = module.spec
-
-    def entry(t: TensorIO) -> TensorEntry:
-        return TensorEntry(name=t.name, shape=list(t.shape), dtype=t.dtype, meaning=t.meaning)
-
     return Manifest(
-        name=recipe.name,
-        task=recipe.task,
+        **common_fields(
+            recipe, source, ckpt, inputs, outputs, package, ops, tokenizer, parity_path
+        ),
         architecture=spec.architecture,
-        target=recipe.target,
-        precision=recipe.precision,
         batch=module.io.batch,
         sequence_length=module.io.length,
-        inputs=[entry(t) for t in inputs],
-        outputs=[entry(t) for t in outputs],
         conventions={
             "layout": "activations are [batch, channels, 1, sequence] (BC1L) inside the program",
             "padding": "left: the last real token sits in the last slot, sequence_length - 1",
@@ -461,30 +439,6 @@ def _manifest(
         rope_theta=[layer.attention.rope_theta for layer in spec.layers],
         vocab_size=spec.vocab_size,
         lm_head_chunks=module.chunk_sizes,
-        package=PackageEntry(
-            file=package.name,
-            content_sha256=mlpackage_content_hash(package),
-            files=mlpackage_content_files(package),
-            function="main",
-            live_ops=dict(sorted(ops.items())),
-        ),
         embeddings=embeddings,
-        tokenizer=tokenizer,
-        parity=FileEntry(file=parity_path.name, sha256=sha256_file(parity_path)),
         deviations=deviations(scales, recipe.precision),
-        checkpoint={
-            "source": {
-                "kind": source.kind,
-                "directory": str(source.directory),
-                "gguf_file": source.gguf_file,
-            },
-            "sha256": ckpt.sha256,
-            "license": ckpt.license,
-            "note": ckpt.note,
-        },
-        recipe={
-            **recipe_to_dict(recipe),
-            "sha256": sha256_file(recipe.source_file) if recipe.source_file else None,
-        },
-        tools=_tools(),
     )

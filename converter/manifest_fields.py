@@ -1,0 +1,113 @@
+"""The parts of ``manifest.json`` that the decoder and encoder pipelines fill the same way.
+
+The recipe's identity, the tensor contract, the package entry, the hashed files written
+beside the package (tables, tokenizer), the parity report and the provenance (checkpoint,
+recipe, tool versions). Each pipeline adds its own fields (layout, deviations, ...).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converter.checkpoint import Checkpoint, tokenizer_json
+from converter.coreml import TensorIO
+from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
+from converter.manifest import FileEntry, PackageEntry, TensorEntry
+from converter.publish import write_bytes_atomic, write_text_atomic
+from converter.recipe import Recipe, ResolvedSource, recipe_to_dict
+
+
+def tools() -> dict[str, str]:
+    """The Python version and the versions of the packages a conversion depends on."""
+    versions = {"python": platform.python_version()}
+    for dist in ("anec", "coremltools", "torch", "transformers", "numpy"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "unknown"
+    return versions
+
+
+def write_npy(path: Path, array: np.ndarray, meaning: str) -> FileEntry:
+    """Write ``array`` to ``path`` as ``.npy`` (no pickle), atomically; returns its entry."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    written = write_bytes_atomic(path, buffer.getvalue())
+    return FileEntry(
+        file=written.name,
+        sha256=sha256_file(written),
+        dtype=str(array.dtype),
+        shape=list(array.shape),
+        meaning=meaning,
+    )
+
+
+def write_tokenizer(directory: Path, tokenizer: Any, meaning: str) -> FileEntry | None:
+    """Write ``directory/tokenizer.json``; None when there is no tokenizer or no fast backend."""
+    text = tokenizer_json(tokenizer) if tokenizer is not None else None
+    if text is None:
+        return None
+    path = write_text_atomic(directory / "tokenizer.json", text)
+    return FileEntry(file=path.name, sha256=sha256_file(path), meaning=meaning)
+
+
+def package_entry(path: Path, ops: Mapping[str, int]) -> PackageEntry:
+    """The entry of one saved ``.mlpackage``: content hashes and live op counts."""
+    return PackageEntry(
+        file=path.name,
+        content_sha256=mlpackage_content_hash(path),
+        files=mlpackage_content_files(path),
+        function="main",
+        live_ops=dict(sorted(ops.items())),
+    )
+
+
+def common_fields(
+    recipe: Recipe,
+    source: ResolvedSource,
+    ckpt: Checkpoint,
+    inputs: list[TensorIO],
+    outputs: list[TensorIO],
+    package: Path,
+    ops: Mapping[str, int],
+    tokenizer: FileEntry | None,
+    parity_path: Path,
+) -> dict[str, Any]:
+    """The `Manifest` fields every pipeline fills the same way, as keyword arguments."""
+
+    def entry(t: TensorIO) -> TensorEntry:
+        return TensorEntry(name=t.name, shape=list(t.shape), dtype=t.dtype, meaning=t.meaning)
+
+    return {
+        "name": recipe.name,
+        "task": recipe.task,
+        "target": recipe.target,
+        "precision": recipe.precision,
+        "inputs": [entry(t) for t in inputs],
+        "outputs": [entry(t) for t in outputs],
+        "package": package_entry(package, ops),
+        "tokenizer": tokenizer,
+        "parity": FileEntry(file=parity_path.name, sha256=sha256_file(parity_path)),
+        "checkpoint": {
+            "source": {
+                "kind": source.kind,
+                "directory": str(source.directory),
+                "gguf_file": source.gguf_file,
+            },
+            "sha256": ckpt.sha256,
+            "license": ckpt.license,
+            "note": ckpt.note,
+        },
+        "recipe": {
+            **recipe_to_dict(recipe),
+            "sha256": sha256_file(recipe.source_file) if recipe.source_file else None,
+        },
+        "tools": tools(),
+    }
