@@ -20,7 +20,7 @@ import torch
 from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
-from converter.weightfiles import check_loading_info
+from converter.weightfiles import check_loading_info, read_gguf_metadata
 
 _CAUSAL_LM_TASKS = {"text-generation"}
 # Encoder tasks and the transformers auto class that loads each one's reference model.
@@ -153,11 +153,9 @@ def _license(source: ResolvedSource) -> str | None:
     """The checkpoint's licence where it is recorded: GGUF metadata, a model card, a package."""
     if source.gguf_path is not None:
         try:
-            from gguf import GGUFReader
-
-            field = GGUFReader(source.gguf_path).fields.get("general.license")
-            if field is not None:
-                return bytes(field.parts[field.data[0]]).decode()
+            value = read_gguf_metadata(source.gguf_path, ["general.license"]).get("general.license")
+            if isinstance(value, str):
+                return value
         except Exception:  # the licence is informative; a reader problem must not fail the run
             pass
     card = source.directory / "README.md"

@@ -24,7 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import one_torch_thread, run_anec, save_tiny_llama, tiny_recipe
+from tiny_models import (
+    one_torch_thread,
+    run_anec,
+    save_tiny_llama,
+    tiny_recipe,
+    write_tiny_gguf,
+)
 
 UP_PROJ = "model.layers.1.mlp.up_proj.weight"
 
@@ -144,27 +150,9 @@ def _corrupt_safetensors(c: Case, mp: pytest.MonkeyPatch) -> Path:
     return c.recipe()
 
 
-def _tiny_gguf(c: Case) -> Path:
-    """A small valid GGUF (llama metadata, two tensors), written with the gguf package."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path = c.checkpoint / "tiny.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_token_list([f"t{i}" for i in range(300)])  # a string array, like a real vocab
-    writer.add_tensor("token_embd.weight", np.ones((300, 64), dtype=np.float32))
-    writer.add_tensor("blk.0.ffn_up.weight", np.ones((128, 64), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def _gguf(damage: Callable[[bytes], bytes]) -> Callable[[Case, pytest.MonkeyPatch], Path]:
     def make(c: Case, mp: pytest.MonkeyPatch) -> Path:
-        path = _tiny_gguf(c)
+        path = write_tiny_gguf(c.checkpoint / "tiny.gguf")
         path.write_bytes(damage(path.read_bytes()))
         return c.recipe(tiny_recipe(path).replace("kind: hf-dir", "kind: gguf"))
 

@@ -3,7 +3,8 @@
 transformers initialises biases to 0 and norm weights to 1, which hides dropped biases and
 wrong norm conventions; `perturb_` moves every parameter away from those values. Everything
 is built with transformers' own classes, in fp32, eval mode, from a fixed seed. The CLI tests
-share `save_tiny_llama`, `tiny_recipe` / `write_tiny_recipe` and `run_anec`.
+share `save_tiny_llama`, `tiny_recipe` / `write_tiny_recipe`, `write_tiny_gguf` and
+`run_anec`.
 """
 
 from __future__ import annotations
@@ -140,6 +141,26 @@ def write_tiny_recipe(file: Path, checkpoint: Path, name: str = "tiny", **option
     """Write ``tiny_recipe(checkpoint, name, **options)`` to ``file`` and return ``file``."""
     file.write_text(tiny_recipe(checkpoint, name, **options), encoding="utf-8")
     return file
+
+
+def write_tiny_gguf(path: Path, licence: str | None = None) -> Path:
+    """A small valid GGUF written with the gguf package: llama metadata (``general.license``
+    if given), a 300-token vocabulary (a string array, like a real one) and two tensors."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    if licence is not None:
+        writer.add_license(licence)
+    writer.add_token_list([f"t{i}" for i in range(300)])
+    writer.add_tensor("token_embd.weight", np.ones((300, 64), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_up.weight", np.ones((128, 64), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def run_anec(*args: str | Path) -> Result:
