@@ -39,7 +39,7 @@ class Outcome:
     exit_code: int
     summary: dict[str, Any] | None = None  # result_to_json of a conversion that ran to the end
     error: str | None = None
-    failed_gate: str | None = None  # "parity", "plan" or "variant" (summary.failed_gate)
+    failed_gate: str | None = None  # "parity", "MIL-level", "plan" or "variant"
 
     @property
     def status(self) -> str:

@@ -55,6 +55,7 @@ class ConvertResult:
     live_ops_per_layer: float = 0.0
     notes: list[str] = field(default_factory=list)
     variants: list[Any] = field(default_factory=list)  # compress.emit.VariantResult, in order
+    failed_gate: str | None = None  # the kind of gate that blocked the artifact, if one did
 
     @property
     def exit_code(self) -> int:
@@ -72,7 +73,9 @@ def gate_failed(
     """Keep the staged reports as ``<name>.failed`` and log which gate failed (exit code 1)."""
     write_log_into(stage.path, f"a {gate} gate failed; reports kept in {stage.name}.failed")
     failed = stage.keep_as_failed()
-    return ConvertResult(stage.name, False, None, failed, report, timings, notes=notes or [])
+    return ConvertResult(
+        stage.name, False, None, failed, report, timings, notes=notes or [], failed_gate=gate
+    )
 
 
 def published(

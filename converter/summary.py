@@ -35,12 +35,10 @@ def result_to_json(result: ConvertResult) -> dict[str, Any]:
 
 
 def failed_gate(result: ConvertResult) -> str | None:
-    """The kind of gate that failed: "parity" (torch or MIL level), "plan" or "variant" (a
-    compressed variant's); None when every gate passed."""
-    if not result.parity.passed:
-        return "parity"
+    """The kind of gate that failed: the one that blocked the artifact ("parity", "MIL-level",
+    "plan"), else "variant" (a compressed variant's); None when every gate passed."""
     if not result.passed:
-        return "plan"  # parity held: the plan gate is the only one checked after it
+        return result.failed_gate or "a"
     if any(not v.passed for v in result.variants):
         return "variant"
     return None

@@ -28,8 +28,11 @@ def _result(
     gate = GateResult("argmax agreement", "torch-fp16", 1.0 if parity else 0.5, 1.0, ">=", parity)
     report = ParityReport([gate], [LayerRow(0, fp16_max_abs=1.0)], [], None)
     variants = [VariantResult(f"{name}-int8", "int8", variant, Path(f"{name}-int8"))]
-    # parity.passed and plan: ConvertResult.passed is False when either failed
-    return ConvertResult(name, parity and plan, None, Path(name), report, {}, variants=variants)
+    # as pipeline.gate_failed returns it: not passed, with the kind of gate that blocked it
+    blocked = None if parity and plan else "parity" if not parity else "plan"
+    return ConvertResult(
+        name, blocked is None, None, Path(name), report, {}, variants=variants, failed_gate=blocked
+    )
 
 
 RESULTS = {
