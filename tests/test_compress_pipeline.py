@@ -150,6 +150,11 @@ def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Pa
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
     assert gates[("logits relative error", "mil-fp32")]["value"] <= 1e-5
     assert "storage ratios" in (out / "tiny-int8" / "parity.txt").read_text()
+    # one decode-error row per compressed weight, worst first, and the table in the text
+    rows = report["weight_errors"]
+    assert len(rows) == 12 and all(0 < r["rel_error"] < 0.05 for r in rows)
+    assert [r["rel_error"] for r in rows] == sorted((r["rel_error"] for r in rows), reverse=True)
+    assert "peak kept" in (out / "tiny-int8" / "parity.txt").read_text()
 
 
 def test_default_keep_patterns_cover_norms_embeddings_and_head() -> None:

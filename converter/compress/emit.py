@@ -38,6 +38,7 @@ from converter.compress.plan import Scheme, apply_plan, split_sites, variant_sch
 from converter.compress.records import WeightRecord, weight_records
 from converter.compress.sites import WeightSite, weight_sites
 from converter.compress.size import SizeReport, size_report
+from converter.compress.weight_error import errors_json, errors_text, weight_errors
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import FileEntry, Manifest, PackageEntry
 from converter.progress import Steps
@@ -276,6 +277,9 @@ def _emit_one(
             program = load_package(path)
             records, decoded = weight_records(program.functions["main"], sites, plan, kept)
             size = size_report(records, fp16_dir / f"{name}.mlpackage", path)
+            errors = weight_errors(
+                decoded, {n: module.get_parameter(n).detach().half().numpy() for n in decoded}
+            )
             ops = _live_ops(program)
             wrap, act = None, None
             if act_sites:
@@ -298,9 +302,10 @@ def _emit_one(
         doc = parity_json(parity) | {
             "variant": vname,
             "size": size.to_json(),
+            "weight_errors": errors_json(errors),
             **search_doc,
         }
-        text = parity_text(parity) + "\n\n" + size.to_text()
+        text = "\n\n".join([parity_text(parity), size.to_text(), errors_text(errors)])
         write_reports(stage.path, doc, text)
         manifest = _manifest(
             fp16_dir, stage.path, vname, variant, path, ops, records, size, search_doc

@@ -20,8 +20,8 @@ from converter.compress.plan import Scheme
 from converter.compress.sites import WeightSite
 
 _COMPRESSED_SUFFIXES = ("_palettized", "_quantized")
-# coremltools clusters with kmeans1d (optimal 1-D k-means) for fp16 weights of at least this
-# many values when kmeans1d is installed, else scikit-learn k-means (k-means++, random_state 0).
+# coremltools clusters with kmeans1d (optimal 1-D k-means, vendored in coremltools._deps) for
+# fp16 weights of at least this many values, else scikit-learn k-means (k-means++, random_state 0).
 _KMEANS1D_MIN = 10_000
 
 
@@ -91,12 +91,8 @@ def _algorithm(scheme: Scheme, site: WeightSite) -> str:
     per_table = site.elements
     if scheme.granularity == "per-grouped-channel" and scheme.group_size:
         per_table = site.elements * scheme.group_size // site.shape[0]
-    try:
-        import kmeans1d  # noqa: F401
+    from coremltools._deps import _HAS_KMEANS1D as has_1d  # coremltools vendors kmeans1d
 
-        has_1d = True
-    except ImportError:
-        has_1d = False
     if has_1d and per_table >= _KMEANS1D_MIN and site.dtype == "float16":
         return "k-means, kmeans1d (optimal 1-D clustering of the fp16 values), coremltools"
     return "k-means, scikit-learn KMeans (k-means++, n_init 1, tol 1e-2, random_state 0)"
