@@ -113,9 +113,6 @@ class Baselines:
     mil_fp16: Logits
 
 
-PlanFn = Callable[[Variant, list[WeightSite]], tuple[dict[str, Scheme], dict[str, Any]]]
-
-
 def uniform_plan(
     compression: Compression, variant: Variant, sites: list[WeightSite]
 ) -> tuple[dict[str, Scheme], dict[str, str]]:
@@ -126,18 +123,32 @@ def uniform_plan(
     return {s.name: scheme for s in chosen}, kept
 
 
-def _default_search(module: BC1LDecoder, embed_table: torch.Tensor, held_out: HeldOut) -> PlanFn:
-    """The mixed-bit search of ``converter.compress.search`` on the recipe's slices."""
+def _search(
+    compression: Compression,
+    variant: Variant,
+    sites: list[WeightSite],
+    module: BC1LDecoder,
+    embed_table: torch.Tensor,
+    held_out: HeldOut,
+    steps: Steps,
+) -> tuple[dict[str, Scheme], dict[str, str], dict[str, Any]]:
+    """The mixed-bit plan of ``converter.compress.search``, the kept weights and its report."""
     from converter.compress.search import search_plan
 
-    def run(variant: Variant, sites: list[WeightSite]) -> tuple[dict[str, Scheme], dict[str, Any]]:
-        assert variant.search is not None  # recipe rule
-        return search_plan(
-            module, sites, variant.search, held_out.calibration, held_out.texts, embed_table,
-            held_out.pad_id, log=logging.getLogger("anec.compress").info,
+    assert variant.search is not None  # recipe rule
+    keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
+    chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
+    widths = [b for b in variant.search.bits if b != 16]
+    label = f"{variant.suffix}: search ({len(chosen)} weights x {len(widths)} widths)"
+    with steps.step(label, total=len(chosen) * len(widths)) as advance:
+        plan, found = search_plan(
+            module, chosen, variant.search, held_out.calibration, held_out.texts, embed_table,
+            held_out.pad_id, log=logging.getLogger("anec.compress").info, advance=advance,
         )  # fmt: skip
-
-    return run
+    for site in chosen:
+        if site.name not in plan:
+            kept[site.name] = "the mixed-bit search kept it fp16"
+    return plan, kept, {"search": found}
 
 
 def _calibrate(
@@ -179,7 +190,6 @@ def emit_variants(
     mil_fp32_threshold: float,
     force: bool = False,
     steps: Steps | None = None,
-    plan_for: PlanFn | None = None,
 ) -> list[VariantResult]:
     """Build, measure and publish every variant of ``compression`` (in recipe order)."""
     import coremltools as ct
@@ -217,7 +227,6 @@ def emit_variants(
                 mil_fp32_threshold,
                 force,
                 steps,
-                plan_for,
             )  # fmt: skip
         )
     return results
@@ -238,26 +247,21 @@ def _emit_one(
     mil_fp32_threshold: float,
     force: bool,
     steps: Steps,
-    plan_for: PlanFn | None,
 ) -> VariantResult:
     from parity.mil import load_package
 
     vname = f"{name}-{variant.suffix}"
     seconds: dict[str, float] = {}
     with stage_artifact(out_dir, vname, force=force) as stage:
-        with steps.step(f"{variant.suffix}: plan and compress"):
+        search_doc: dict[str, Any] = {}
+        if variant.method == "mixed":
             start = time.perf_counter()
-            search_doc: dict[str, Any] = {}
-            if variant.method == "mixed":
-                keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
-                chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
-                search = plan_for or _default_search(module, embed_table, held_out)
-                plan, found = search(variant, chosen)
-                search_doc = {"search": found}
-                for site in chosen:
-                    if site.name not in plan:
-                        kept[site.name] = "the mixed-bit search kept it fp16"
-            else:
+            plan, kept, search_doc = _search(compression, variant, sites, module, embed_table,
+                                             held_out, steps)  # fmt: skip
+            seconds["search"] = time.perf_counter() - start
+        with steps.step(f"{variant.suffix}: compress"):
+            start = time.perf_counter()
+            if variant.method != "mixed":
                 plan, kept = uniform_plan(compression, variant, sites)
             source, act_sites = mlmodel, []
             if variant.method == "w8a8":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,8 +113,10 @@ def search_plan(
     embed_table: torch.Tensor,
     pad_id: int,
     log: Any = print,
+    advance: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, Scheme], dict[str, Any]]:
-    """Search a per-weight plan; returns it and the report (sensitivities, path, frontier)."""
+    """Search a per-weight plan; returns it and the report (sensitivities, path, frontier).
+    ``advance`` is called after each of the len(sites) x widths sensitivity measurements."""
     start = time.perf_counter()
     widths = sorted((b for b in space.bits if b != 16), reverse=True)  # 8, 6, 4
     # fp16-rounded weights, as the fp16 program holds them (fp32 arithmetic)
@@ -133,6 +136,7 @@ def search_plan(
         for b in widths:
             calib.set(site.name, quantized[(site.name, b)])
             sensitivity[site.name][b] = calib.compare()[0]
+            advance()
         calib.set(site.name, fp16[site.name])
     log(f"sensitivity: {len(sites)} weights x {len(widths)} widths measured")
 
