@@ -13,7 +13,9 @@ weights are the weights the program will hold.
 3. Budget, on the held-out text (never the calibration text): top-1 agreement and mean KL
    against the fp16 model, measured on full fake-quantized models along the path by binary
    search for the smallest plan that meets it (the path's quality falls as it goes; each
-   measured point is kept, so the report shows what was explored).
+   measured point is kept, so the report shows what was explored). Each uniform plan (every
+   weight at one width) is measured too; the chosen plan is the smallest measured plan that
+   meets the budget, uniform ones included (all-lut8 is not always on the greedy path).
 4. The chosen plan is emitted and confirmed like any variant: torch and MIL level.
 """
 
@@ -90,12 +92,20 @@ class Scorer:
 class Point:
     """One measured plan on the held-out slice (against the fp16 model)."""
 
-    step: int  # position on the greedy path (0 = all fp16)
+    step: int | None  # position on the greedy path (0 = all fp16); None for a uniform plan
     weight_bytes: int  # stored bytes of the searched weights (palettes + indices)
     predicted_kl: float  # sum of the sensitivities of its choices
     mean_kl: float
     top1: float
     meets_budget: bool
+    uniform_bits: int | None = None  # every weight at this width (measured for comparison)
+
+
+def smallest_meeting(points: list[Point]) -> Point:
+    """The smallest measured plan that meets the budget, path and uniform plans alike (a
+    uniform plan is not always on the greedy path; all-fp16, step 0, always meets it)."""
+    meeting = [p for p in points if p.meets_budget]
+    return min(meeting, key=lambda p: (p.weight_bytes, p.uniform_bits is not None))
 
 
 def _bytes(site: WeightSite, bits: int) -> int:
@@ -206,10 +216,16 @@ def search_plan(
         for name in plan_b:
             scorer.set(name, quantized[(name, b)])
         kl, top1 = scorer.compare()
-        uniform[f"lut{b}"] = {"weight_bytes": size(plan_b), "mean_kl": kl, "top1": top1}
-    chosen = path[lo]
+        ok = kl <= budget.max_mean_kl and top1 >= budget.min_top1_agreement
+        uniform[b] = Point(None, size(plan_b), predicted(plan_b), kl, top1, ok, uniform_bits=b)
+    pick = smallest_meeting([*points.values(), *uniform.values()])
+    if pick.uniform_bits is not None:
+        chosen = {s.name: pick.uniform_bits for s in sites}
+    else:
+        assert pick.step is not None  # a path point
+        chosen = path[pick.step]
     plan = {n: Scheme("lut", b, "per-tensor") for n, b in chosen.items() if b != 16}
-    explored = sorted(points.values(), key=lambda p: p.weight_bytes)
+    explored = sorted([*points.values(), *uniform.values()], key=lambda p: p.weight_bytes)
     frontier, best_kl = [], float("inf")
     # Pareto frontier (bytes vs KL): a plan stays if every smaller plan has a higher KL
     for p in explored:
@@ -240,13 +256,17 @@ def search_plan(
         "path_length": len(path),
         "explored": [vars(p) for p in explored],
         "frontier": [vars(p) for p in frontier],
-        "uniform": uniform,
+        "uniform": {
+            f"lut{b}": {"weight_bytes": u.weight_bytes, "mean_kl": u.mean_kl, "top1": u.top1}
+            for b, u in uniform.items()
+        },
         "chosen": {
-            "step": lo,
+            "step": pick.step,
+            "uniform": pick.uniform_bits,
             "weight_bytes": size(chosen),
             "counts": counts,
             "bits": chosen,
-            "meets_budget": points[lo].meets_budget,
+            "meets_budget": pick.meets_budget,
         },
         "seconds": {
             "palettes": round(quantize_seconds, 1),
