@@ -33,7 +33,7 @@ from graph_passes.adapters import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.masks import MASKED
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
-from graph_passes.spec import CanonicalModel
+from graph_passes.spec import CanonicalModel, TransformerSpec
 from parity.conversion import check_conversion
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gates import ParityReport, Thresholds, check_decoder, module_inputs
@@ -209,7 +209,7 @@ def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
 class Rewrite:
     """The BC1L module for a recipe, with the fixtures it is checked on."""
 
-    canonical: CanonicalModel
+    spec: TransformerSpec  # not the canonical weights: their memory is freed with the reference
     module: BC1LDecoder
     embed_table: torch.Tensor
     fixtures: list[Fixture]
@@ -233,7 +233,7 @@ def rewrite_decoder(recipe: Recipe, ckpt: Checkpoint) -> Rewrite:
     )
     batches = make_batches(fixtures, io.batch, io.length, _pad_id(ckpt))
     scales = choose_scales(module, batches, embed_table)
-    return Rewrite(canonical, module, embed_table, fixtures, batches, scales)
+    return Rewrite(canonical.spec, module, embed_table, fixtures, batches, scales)
 
 
 def reference_runs(
@@ -393,7 +393,7 @@ def _held_out(recipe: Recipe, ckpt: Checkpoint, rewrite: Rewrite) -> Any:
     c = recipe.compression
     return prepare_held_out(
         c.held_out, ckpt.tokenizer, ckpt.model, rewrite.module.io.length,
-        rewrite.canonical.spec.vocab_size, c.mil_positions, _pad_id(ckpt), c.calibration,
+        rewrite.spec.vocab_size, c.mil_positions, _pad_id(ckpt), c.calibration,
     )  # fmt: skip
 
 

@@ -10,7 +10,8 @@ weights, the BC1L module and its fp16 copy exist side by side during the rewrite
 steps. Fitted to two peaks of ``anec convert`` measured with ``/usr/bin/time -v`` (README,
 "Recipes"): SmolLM2-135M (134.5M parameters) 2.65 GiB, Qwen2.5-0.5B-shaped random weights
 (494.0M) 8.00 GiB; the fit through both is 0.64 GiB + 4.0 x fp32, rounded up here to leave
-room for run-to-run variation (estimates 2.85 and 8.48 GiB).
+room for run-to-run variation (estimates 2.85 and 8.48 GiB). Since the rewrite stopped keeping
+the canonical weights the Qwen-shaped peak is 7.13 GiB, so the estimate errs on the safe side.
 """
 
 from __future__ import annotations
