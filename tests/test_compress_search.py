@@ -22,3 +22,23 @@ def test_a_path_plan_wins_over_a_larger_uniform_one_and_failing_plans_never_win(
     uniform = [_point(None, 101, True, 8), _point(None, 50, False, 4)]
     chosen = smallest_meeting(path + uniform)
     assert chosen.step == 12 and chosen.uniform_bits is None
+
+
+def test_a_one_weight_measurement_from_its_layer_equals_the_whole_model_run() -> None:
+    """The scorer starts a one-weight measurement at the weight's layer, from cached inputs;
+    that must give exactly what running the whole model gives."""
+    import copy
+
+    from tiny_models import build_tiny
+
+    from converter.compress.search import Scorer, palette
+
+    tiny = build_tiny("llama")
+    module = copy.deepcopy(tiny.module).eval()
+    scorer = Scorer(module, tiny.fixtures, tiny.embed_table, pad_id=0)
+    assert scorer.compare() == (0.0, 1.0)
+    name = "layers.1.mlp.down.weight"
+    fp16 = module.get_parameter(name).detach().half().numpy()
+    scorer.set(name, palette(fp16, 2))
+    from_layer, whole = scorer.compare(first_layer=1), scorer.compare()
+    assert from_layer == whole and whole[0] > 0

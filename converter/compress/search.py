@@ -35,7 +35,7 @@ from converter.compress.plan import Scheme
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
 from parity.fixtures import Fixture, make_batches
-from parity.gates import module_inputs, run_module
+from parity.gates import module_inputs
 
 
 def palette(weight: np.ndarray, bits: int) -> np.ndarray:
@@ -65,18 +65,30 @@ class Scorer:
             (r, length - len(f.token_ids)) for r, f in enumerate(self.batch.fixtures)
         ]  # row, first real slot
         self.params = dict(self.module.named_parameters())
+        x, key_mask = module_inputs(self.module, self.batch, self.embed_table, torch.float32)
+        with torch.no_grad():
+            self.mask = self.module.attention_mask(key_mask)
+            # The input of every layer with the weights as they are now: a weight of layer i
+            # changes nothing before it, so a one-weight measurement starts at layer i.
+            self.layer_inputs = [self.module.embed_bc1l(x)]
+            for layer in self.module.decoder_layers()[:-1]:
+                self.layer_inputs.append(layer(self.layer_inputs[-1], self.mask))
         self.base = self.log_probs()
 
-    def log_probs(self) -> torch.Tensor:
-        """Log-softmax at every real position, (positions, V), fp32."""
-        x, mask = module_inputs(self.module, self.batch, self.embed_table, torch.float32)
-        _, logits = run_module(self.module, x, mask)
-        rows = [logits[r, :, 0, start:].T for r, start in self.real]
-        return torch.cat(rows).log_softmax(-1)
+    def log_probs(self, first_layer: int = 0) -> torch.Tensor:
+        """Log-softmax at every real position, (positions, V), fp32; layers before
+        ``first_layer`` are taken from the cached inputs (their weights must be unchanged)."""
+        with torch.no_grad():
+            h = self.layer_inputs[first_layer]
+            for layer in self.module.decoder_layers()[first_layer:]:
+                h = layer(h, self.mask)
+            rows = [h[r : r + 1, :, :, start:] for r, start in self.real]
+            logits = [torch.cat(self.module.head(row), dim=1)[0, :, 0].T for row in rows]
+        return torch.cat(logits).log_softmax(-1)
 
-    def compare(self) -> tuple[float, float]:
+    def compare(self, first_layer: int = 0) -> tuple[float, float]:
         """Mean KL(base || now) and top-1 agreement with the baseline."""
-        now = self.log_probs()
+        now = self.log_probs(first_layer)
         kl = (self.base.exp() * (self.base - now)).sum(-1).clamp_min(0).mean()
         top1 = (now.argmax(-1) == self.base.argmax(-1)).float().mean()
         return float(kl), float(top1)
@@ -106,6 +118,12 @@ def smallest_meeting(points: list[Point]) -> Point:
     uniform plan is not always on the greedy path; all-fp16, step 0, always meets it)."""
     meeting = [p for p in points if p.meets_budget]
     return min(meeting, key=lambda p: (p.weight_bytes, p.uniform_bits is not None))
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a weight belongs to (``layers.<i>.…``); 0 for anything else."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else 0
 
 
 def _bytes(site: WeightSite, bits: int) -> int:
@@ -145,7 +163,7 @@ def search_plan(
         sensitivity[site.name] = {16: 0.0}
         for b in widths:
             calib.set(site.name, quantized[(site.name, b)])
-            sensitivity[site.name][b] = calib.compare()[0]
+            sensitivity[site.name][b] = calib.compare(_layer_of(site.name))[0]
             advance()
         calib.set(site.name, fp16[site.name])
     log(f"sensitivity: {len(sites)} weights x {len(widths)} widths measured")
