@@ -52,6 +52,7 @@ def test_uniform_variants_validate(tmp_path: Path) -> None:
         ("bits: 4\n      granularity: per-grouped-channel", "required for per-grouped-channel"),
         ("bits: 4\n      group_size: 8", "only for per-grouped-channel"),
         ("bits: 4\n      symmetric: false", "only int8 and w8a8 weights have a zero point"),
+        ("bits: 4\n      activations_keep_fp16: ['*down*']", "only for method: w8a8"),
     ],
 )
 def test_lut_rules_name_the_field(tmp_path: Path, variant: str, message: str) -> None:

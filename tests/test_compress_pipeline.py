@@ -42,6 +42,7 @@ compression:
     - suffix: w8a8
       method: w8a8
       granularity: per-channel
+      activations_keep_fp16: ["layers.0.mlp.down*"]
       gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
     - suffix: mixed
       method: mixed
@@ -196,12 +197,15 @@ def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(
     assert manifest.compression is not None
     activations = manifest.compression["activations"]
     quantized = activations["quantized_inputs"]
-    assert len(quantized) == 12  # the inputs of the 12 compressed projections, not the LM head
+    # the inputs of the 12 compressed projections but the one the recipe keeps, not the LM head
+    assert len(quantized) == 11
+    assert activations["kept_fp16_inputs"] == ["layers.0.mlp.down.weight"]
+    assert "layers.0.mlp.down.weight" not in {q["weight"] for q in quantized}
     assert all(q["scale"] and q["rmax"] > q["rmin"] for q in quantized)
     assert "residual stream" in activations["kept_fp16"]
     assert "A17 Pro / M4" in activations["pays_on"]
-    assert manifest.package.live_ops.get("quantize") == 12
-    assert manifest.package.live_ops.get("dequantize") == 12
+    assert manifest.package.live_ops.get("quantize") == 11
+    assert manifest.package.live_ops.get("dequantize") == 11
     report = json.loads((directory / "parity.json").read_text())
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
     # each int8 quantizer of the program is the torch fake-quantizer, bit for bit

@@ -165,8 +165,11 @@ def fake_quantized_inputs(module: nn.Module, scales: dict[str, float]) -> Iterat
             handle.remove()
 
 
-def activation_report(sites: list[ActivationSite], scales: dict[str, float]) -> dict[str, Any]:
-    """What is quantized (with ranges and scales) and what stays fp16."""
+def activation_report(
+    sites: list[ActivationSite], scales: dict[str, float], kept_inputs: list[str]
+) -> dict[str, Any]:
+    """What is quantized (with ranges and scales) and what stays fp16 (``kept_inputs``: the
+    weights of int8 projections whose input the recipe keeps fp16)."""
     return {
         "calibration": "anec MIL evaluator, profile fp16, on the fp16 program and the recipe's "
         "calibration text (coremltools' own calibration needs MLModel.predict, i.e. macOS)",
@@ -181,6 +184,7 @@ def activation_report(sites: list[ActivationSite], scales: dict[str, float]) -> 
             }
             for s in sites
         ],  # fmt: skip
+        "kept_fp16_inputs": kept_inputs,
         "kept_fp16": "the residual stream, every norm input and output not listed above, "
         "attention scores and softmax, RoPE, the LM head input: outliers (|h| ~ 25k in the "
         "residual stream) that one per-tensor int8 scale cannot hold",

@@ -109,6 +109,9 @@ class Variant(_Model):
     group_size: int | None = Field(default=None, ge=1, strict=True)
     symmetric: bool = Field(default=True, strict=True)
     keep_fp16: list[str] | None = None  # None: the section's keep_fp16
+    # w8a8 only: projections (weight-name patterns) whose input stays fp16, e.g. the MLP down
+    # projections that carry a model's outlier activations (SmolLM2: up to 3058).
+    activations_keep_fp16: list[str] = []
     gates: VariantGates
     search: SearchSpace | None = None
 
@@ -149,6 +152,8 @@ class Variant(_Model):
                 problems.append((("group_size",), "required for per-grouped-channel"))
         elif self.group_size is not None:
             problems.append((("group_size",), "only for per-grouped-channel"))
+        if self.activations_keep_fp16 and self.method != "w8a8":
+            problems.append((("activations_keep_fp16",), "only for method: w8a8"))
         if self.method not in ("int8", "w8a8") and not self.symmetric:
             problems.append((("symmetric",), "only int8 and w8a8 weights have a zero point"))
         _raise("Variant", problems)

@@ -36,7 +36,7 @@ from converter.compress.activations import (
 from converter.compress.config import Compression, Variant
 from converter.compress.plan import Scheme, apply_plan, split_sites, variant_scheme
 from converter.compress.records import WeightRecord, weight_records
-from converter.compress.sites import WeightSite, weight_sites
+from converter.compress.sites import WeightSite, keep_reason, weight_sites
 from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
@@ -152,6 +152,7 @@ def _search(
 
 
 def _calibrate(
+    variant: Variant,
     package: Path,
     module: BC1LDecoder,
     plan: dict[str, Scheme],
@@ -167,7 +168,9 @@ def _calibrate(
 
     program = load_package(package)
     function = program.functions["main"]
-    chosen = activation_sites(function, [s for s in sites if s.name in plan])
+    keep = variant.activations_keep_fp16
+    quantized = [s for s in sites if s.name in plan and keep_reason(s, keep, 0) is None]
+    chosen = activation_sites(function, quantized)
     evaluator = Evaluator(program, "fp16")
     io = module.io
     batches = make_batches(held_out.calibration, io.batch, io.length, held_out.pad_id)
@@ -265,7 +268,7 @@ def _emit_one(
                 plan, kept = uniform_plan(compression, variant, sites)
             source, act_sites = mlmodel, []
             if variant.method == "w8a8":
-                act_sites = _calibrate(fp16_dir / f"{name}.mlpackage", module, plan, sites,
+                act_sites = _calibrate(variant, fp16_dir / f"{name}.mlpackage", module, plan, sites,
                                        held_out, embed_table)  # fmt: skip
                 source = insert_activation_quantization(mlmodel, act_sites)
             compressed = apply_plan(source, plan, sites)
@@ -288,7 +291,8 @@ def _emit_one(
             wrap, act = None, None
             if act_sites:
                 scales = program_scales(program.functions["main"], act_sites)
-                search_doc = {"activations": activation_report(act_sites, scales)}
+                kept_inputs = sorted(set(plan) - {a.weight for a in act_sites})
+                search_doc = {"activations": activation_report(act_sites, scales, kept_inputs)}
                 act = (act_sites, scales)
 
                 def wrap(m: torch.nn.Module, sc: dict[str, float] = scales) -> Any:
