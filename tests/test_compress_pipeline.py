@@ -201,6 +201,8 @@ def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(
     assert len(quantized) == 11
     assert activations["kept_fp16_inputs"] == ["layers.0.mlp.down.weight"]
     assert "layers.0.mlp.down.weight" not in {q["weight"] for q in quantized}
+    text = (directory / "parity.txt").read_text()
+    assert "Activation inputs: 11 int8 (the widest below), 1 kept fp16" in text
     assert all(q["scale"] and q["rmax"] > q["rmin"] for q in quantized)
     assert "residual stream" in activations["kept_fp16"]
     assert "A17 Pro / M4" in activations["pays_on"]

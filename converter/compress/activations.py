@@ -191,3 +191,20 @@ def activation_report(
         "pays_on": "int8 x int8 arithmetic pays only on A17 Pro / M4 and later (SPEC 3); "
         "older NEs dequantize to fp16",
     }
+
+
+def ranges_text(
+    sites: list[ActivationSite], scales: dict[str, float], kept_inputs: list[str], worst: int = 5
+) -> str:
+    """The widest int8 inputs (range and scale) and the inputs kept fp16, as a short table:
+    one wide input makes its scale coarse for every ordinary value it carries."""
+    rows = sorted(sites, key=lambda s: max(abs(s.rmin), abs(s.rmax)), reverse=True)[:worst]
+    lines = [
+        f"Activation inputs: {len(sites)} int8 (the widest below), {len(kept_inputs)} kept fp16 "
+        "by activations_keep_fp16",
+        f"  {'projection weight':<44} {'min':>9} {'max':>9} {'scale':>9}",
+    ]
+    for s in rows:
+        scale = scales.get(s.module, float("nan"))
+        lines.append(f"  {s.weight:<44} {s.rmin:9.3g} {s.rmax:9.3g} {scale:9.3g}")
+    return "\n".join(lines)

@@ -32,6 +32,7 @@ from converter.compress.activations import (
     insert_activation_quantization,
     program_scales,
     quantizer_mismatches,
+    ranges_text,
 )
 from converter.compress.config import Compression, Variant
 from converter.compress.plan import Scheme, apply_plan, split_sites, variant_scheme
@@ -288,11 +289,12 @@ def _emit_one(
                 decoded, {n: module.get_parameter(n).detach().half().numpy() for n in decoded}
             )
             ops = _live_ops(program)
-            wrap, act = None, None
+            wrap, act, act_text = None, None, ""
             if act_sites:
                 scales = program_scales(program.functions["main"], act_sites)
                 kept_inputs = sorted(set(plan) - {a.weight for a in act_sites})
                 search_doc = {"activations": activation_report(act_sites, scales, kept_inputs)}
+                act_text = ranges_text(act_sites, scales, kept_inputs)
                 act = (act_sites, scales)
 
                 def wrap(m: torch.nn.Module, sc: dict[str, float] = scales) -> Any:
@@ -313,7 +315,8 @@ def _emit_one(
             "weight_errors": errors_json(errors),
             **search_doc,
         }
-        text = "\n\n".join([parity_text(parity), size.to_text(), errors_text(errors)])
+        sections = [parity_text(parity), size.to_text(), errors_text(errors), act_text]
+        text = "\n\n".join(s for s in sections if s)
         write_reports(stage.path, doc, text)
         manifest = _manifest(
             fp16_dir, stage.path, vname, variant, path, ops, records, size, search_doc
