@@ -178,13 +178,9 @@ def cmd_minilm(args: argparse.Namespace) -> None:
     from converter.compress.records import weight_records
     from converter.compress.sites import weight_sites
     from converter.compress.size import size_report
-    from converter.encoder_pipeline import (
-        convert_encoder,
-        mil_level_runner,
-        rewrite_encoder,
-    )
-    from converter.pipeline import _pad_id
+    from converter.pipeline import convert
     from converter.recipe import EncoderOptions, load_recipe, locate_recipe
+    from converter.tasks.encoder import rewrite_encoder
     from parity.compression_gates import with_weights
     from parity.encoder_gates import (
         fp16_module,
@@ -193,13 +189,14 @@ def cmd_minilm(args: argparse.Namespace) -> None:
         real_part,
         run_encoder_reference,
     )
-    from parity.fixtures import build_fixtures
+    from parity.encoder_mil import output_runner
+    from parity.fixtures import build_fixtures, pad_id
     from parity.mil import load_package
 
     recipe = load_recipe(locate_recipe("minilm-l6-embed"))
     out = Path(args.out or tempfile.mkdtemp(prefix="minilm-compress-"))
     start = time.perf_counter()
-    result = convert_encoder(recipe, out, force=True)
+    result = convert(recipe, out, force=True)
     print(f"fp16 artifact: {result.artifact_dir} ({time.perf_counter() - start:.0f} s)")
     assert result.artifact_dir is not None
     package = result.artifact_dir / f"{recipe.name}.mlpackage"
@@ -213,7 +210,7 @@ def cmd_minilm(args: argparse.Namespace) -> None:
     refs = {
         f.name: run_encoder_reference(ckpt.model, f.token_ids, module.io.output) for f in fixtures
     }
-    batches = make_encoder_batches(fixtures, batch, length, _pad_id(ckpt))
+    batches = make_encoder_batches(fixtures, batch, length, pad_id(ckpt.tokenizer, ckpt.config))
     kind = module.io.output
 
     def embeddings(run: Any) -> dict[str, torch.Tensor]:
@@ -233,8 +230,7 @@ def cmd_minilm(args: argparse.Namespace) -> None:
         return out_
 
     base_torch = embeddings(module_runner(fp16_module(module), torch.float16))
-    base_mil_run, note = mil_level_runner({"single": package}, module, None)
-    assert base_mil_run is not None, note
+    base_mil_run = output_runner({"main": package}, module, None, recipe.io.dtype)
     base_mil = embeddings(base_mil_run)
     mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
     program = load_package(package)
@@ -257,8 +253,7 @@ def cmd_minilm(args: argparse.Namespace) -> None:
         size = size_report(records, package, path)
         variant = with_weights(module, decoded)  # type: ignore[arg-type]
         t16 = embeddings(module_runner(fp16_module(variant), torch.float16))  # type: ignore[arg-type]
-        run, note = mil_level_runner({"single": path}, variant, None)  # type: ignore[arg-type]
-        assert run is not None, note
+        run = output_runner({"main": path}, variant, None, recipe.io.dtype)  # type: ignore[arg-type]
         m16 = embeddings(run)
         row = {
             "variant": method,

@@ -57,17 +57,14 @@ def parity_command(
 
     quiet_third_party_output()  # before torch is imported
     from converter.recheck import recheck
-    from parity.conversion import DEFAULT_PROFILES, conversion_to_text
-    from parity.report import report_to_text
+    from parity.conversion import DEFAULT_PROFILES
 
     with Steps(quiet=as_json) as steps:
         result = recheck(artifact, out_dir, profiles or DEFAULT_PROFILES, allow_pickle, steps)
     if as_json:
         click.echo(json.dumps(result.document, sort_keys=True))
     else:
-        click.echo(report_to_text(result.report))
-        click.echo("")
-        click.echo(conversion_to_text(result.conversion))
-        click.echo(f"\nreports: {result.report_dir}")
+        click.echo(result.text)
+        click.echo(f"reports: {result.report_dir}")
     if result.exit_code:
         raise SystemExit(result.exit_code)

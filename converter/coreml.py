@@ -69,6 +69,12 @@ def to_mlprogram(
         )
 
 
+def save_package(mlmodel: Any, path: Path) -> Path:
+    """Save ``mlmodel`` as the ``.mlpackage`` at ``path`` (inside a staging directory)."""
+    mlmodel.save(str(path))
+    return path
+
+
 def live_ops(mlmodel: Any) -> collections.Counter[str]:
     """Op types of every function in the program, constants excluded."""
     counts: collections.Counter[str] = collections.Counter()

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class _Strict(BaseModel):
@@ -71,7 +71,7 @@ class BoundaryEntry(_Strict):
 
     source: str
     target: str
-    tensors: list[str]
+    tensors: list[TensorEntry]  # name, shape, dtype and layout (meaning) of each
     bytes: int
 
 

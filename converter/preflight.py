@@ -47,7 +47,7 @@ def preflight(
     """Run every check that needs no weights loaded; raise InputError on the first problem."""
     files = weight_files(source, allow_pickle)
     tables = read_weight_tables(files)
-    _check_architecture(source, tables)
+    _check_architecture(source, tables, recipe.task)
     _check_tokenizer(recipe, source)
     if tables:
         n_parameters = sum(t.n_parameters for t in tables)
@@ -88,19 +88,21 @@ def _read_config(source: ResolvedSource) -> dict[str, Any] | None:
     return data
 
 
-def _check_architecture(source: ResolvedSource, tables: list[WeightTable]) -> None:
-    """Refuse an architecture anec has no adapter for, before transformers sees it.
+def _check_architecture(source: ResolvedSource, tables: list[WeightTable], task: str) -> None:
+    """Refuse an architecture anec has no adapter for (for ``task``), before transformers
+    sees it.
 
     transformers would otherwise fail on an unknown ``model_type`` with advice to upgrade it,
     or load a known but unsupported one in full before anec refuses it.
     """
-    from graph_passes.adapters import ADAPTERS
+    from graph_passes.adapters import ADAPTERS, ENCODER_ADAPTERS
 
-    supported = ", ".join(sorted(ADAPTERS))
+    adapters = ADAPTERS if task == "text-generation" else ENCODER_ADAPTERS
+    supported = f"supported for task {task}: " + ", ".join(sorted(adapters))
     config = _read_config(source)
     if config is not None:
         model_type = config.get("model_type")
-        if model_type not in ADAPTERS:
+        if model_type not in adapters:
             remote = (
                 "; its auto_map points at code shipped with the checkpoint, which anec never runs"
                 if "auto_map" in config
@@ -108,13 +110,13 @@ def _check_architecture(source: ResolvedSource, tables: list[WeightTable]) -> No
             )
             raise InputError(
                 f"{source.directory / 'config.json'}: model_type: architecture {model_type!r} is "
-                f"not supported; supported: {supported}{remote}"
+                f"not supported; {supported}{remote}"
             )
     for table in tables:
-        if table.format == "gguf" and table.architecture not in ADAPTERS:
+        if table.format == "gguf" and table.architecture not in adapters:
             raise InputError(
                 f"{table.file}: general.architecture: {table.architecture!r} is not supported; "
-                f"supported: {supported}"
+                f"{supported}"
             )
 
 

@@ -1,28 +1,32 @@
-"""``anec parity``: re-run every parity gate on a published artifact.
+"""``anec parity``: re-run every parity gate on a published artifact, for every task.
 
 The artifact's manifest names the checkpoint (with its hash) and holds the whole recipe, so
-the BC1L module, the fixtures and the reference runs are rebuilt exactly; the saved package is
-then run by the MIL evaluator like ``anec convert`` runs it before publishing.
+the BC1L module, the fixtures and the reference runs are rebuilt exactly; the saved package(s)
+are then run by the MIL evaluator like ``anec convert`` runs them before publishing: the task's
+re-check step list is its conversion step list without converting, the manifest and the plan.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from converter.checkpoint import load_checkpoint
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest
-from converter.pipeline import reference_runs, rewrite_decoder
 from converter.progress import Steps
 from converter.recipe import Recipe, ResolvedSource
-from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversion
-from parity.gates import ParityReport, Thresholds, check_decoder
-from parity.report_files import merge, write_parity_reports
+from converter.steps import run_steps
+from converter.tasks import task_for
+from converter.tasks.base import Job, Program
+from converter.tasks.text_generation import DecoderRun
+from parity.conversion import DEFAULT_PROFILES
+from parity.gates import ParityReport
 
 
 @dataclass
@@ -30,7 +34,6 @@ class RecheckResult:
     """The re-run gates, where the reports went, and the JSON document."""
 
     report: ParityReport
-    conversion: ConversionReport
     report_dir: Path
     document: dict[str, Any]
 
@@ -38,6 +41,11 @@ class RecheckResult:
     def exit_code(self) -> int:
         """0 when every gate passed, else 1."""
         return 0 if self.report.passed else 1
+
+    @property
+    def text(self) -> str:
+        """The re-run's parity.txt."""
+        return (self.report_dir / "parity.txt").read_text(encoding="utf-8")
 
 
 def read_manifest(artifact: Path) -> Manifest:
@@ -66,6 +74,21 @@ def checkpoint_source(manifest: Manifest) -> ResolvedSource:
     return ResolvedSource(src["kind"], Path(src["directory"]), src["gguf_file"])
 
 
+def _packages(artifact: Path, manifest: Manifest) -> list[Program]:
+    """The artifact's packages in call order, each checked against its manifest hash."""
+    entries = [manifest.package, *(manifest.extra_packages or [])]
+    pieces = [p.name for p in manifest.pieces or [] if p.runs_on != "host"] or ["main"]
+    programs = []
+    for piece, entry in zip(pieces, entries, strict=True):
+        package = artifact / entry.file
+        if not package.is_dir():
+            raise InputError(f"{package}: the package the manifest names is missing")
+        if mlpackage_content_hash(package) != entry.content_sha256:
+            raise InputError(f"{package}: its content differs from the hash in manifest.json")
+        programs.append(Program(piece, [], [], package, None, collections.Counter()))
+    return programs
+
+
 def recheck(
     artifact: Path,
     out: Path | None = None,
@@ -73,62 +96,33 @@ def recheck(
     allow_pickle: bool = False,
     steps: Steps | None = None,
 ) -> RecheckResult:
-    """Re-run the torch and MIL gates of a decoder artifact against its original checkpoint.
+    """Re-run the torch and MIL gates of an artifact against its original checkpoint.
 
     Reports go to ``out`` (default: ``<artifact>.parity`` beside the artifact, so the
-    published files and their hashes stay as they are).
+    published files and their hashes stay as they are). ``profiles`` selects the MIL
+    evaluator profiles of a decoder (encoders run fp32 per layer and fp16).
     """
-    steps = steps or Steps(quiet=True)
+    progress = steps or Steps(quiet=True)
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
-    if manifest.task != "text-generation":
-        raise InputError(
-            f"{artifact}: anec parity re-checks decoder artifacts (task text-generation); "
-            f"this one is {manifest.task}"
-        )
     recipe = recipe_from_manifest(manifest)
-    package = artifact / manifest.package.file
-    if not package.is_dir():
-        raise InputError(f"{package}: the package the manifest names is missing")
-    if mlpackage_content_hash(package) != manifest.package.content_sha256:
-        raise InputError(f"{package}: its content differs from the hash in manifest.json")
-    source = checkpoint_source(manifest)
-
-    with steps.step("load checkpoint"):
-        ckpt = load_checkpoint(source, recipe.task, allow_pickle=allow_pickle)
-    if ckpt.sha256 != manifest.checkpoint["sha256"]:
-        raise InputError(
-            f"{source.directory}: the checkpoint differs from the one {artifact.name} was "
-            f"converted from (sha256 {ckpt.sha256[:12]}..., manifest "
-            f"{manifest.checkpoint['sha256'][:12]}...)"
-        )
-    with steps.step("rewrite to BC1L"):
-        rewrite = rewrite_decoder(recipe, ckpt)
-    thresholds = Thresholds(**recipe.gates.parity_thresholds())
-    total = len(rewrite.fixtures) + len(rewrite.batches)
-    with steps.step("parity (torch fp32, fp16)", total=total) as advance:
-        references = reference_runs(ckpt, rewrite, advance)
-        report = check_decoder(
-            rewrite.module, rewrite.batches, references, rewrite.embed_table, thresholds, advance
-        )
-    del ckpt.model
-    total = len(profiles) * len(rewrite.batches)
-    with steps.step(f"parity (MIL: {', '.join(profiles)})", total=total) as advance:
-        conversion = check_conversion(
-            package,
-            rewrite.module,
-            rewrite.batches,
-            references,
-            rewrite.embed_table,
-            thresholds,
-            recipe.precision,
-            profiles,
-            advance,
-        )
-    merge(report, conversion)
+    task = task_for(recipe.task)
+    programs = _packages(artifact, manifest)
     report_dir = out or artifact.parent / f"{artifact.name}.parity"
     report_dir.mkdir(parents=True, exist_ok=True)
-    document = write_parity_reports(
-        report_dir, report, conversion, {"recipe": recipe.name, "artifact": str(artifact)}
+    job = Job(
+        recipe,
+        checkpoint_source(manifest),
+        report_dir,
+        allow_pickle,
+        expected_checkpoint_sha256=manifest.checkpoint["sha256"],
     )
-    return RecheckResult(report, conversion, report_dir, document)
+    run = task.start(job)
+    run.programs = programs
+    if isinstance(run, DecoderRun):
+        run.profiles = profiles
+    run_steps(task.recheck_steps, run, progress)
+    report = run.report or ParityReport([], [], [], None, {})
+    document = json.loads((report_dir / "parity.json").read_text(encoding="utf-8"))
+    document["artifact"] = str(artifact)
+    return RecheckResult(report, report_dir, document)

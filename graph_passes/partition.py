@@ -29,11 +29,12 @@ FP16_BYTES = 2
 
 @dataclass
 class HostEmbedding:
-    """The host-side embedding step and the tables it ships (fp16)."""
+    """The host-side embedding step and the tables it ships, in the island's input dtype
+    (fp16 for an fp16 program, fp32 for an fp32 one: what ships is what the gates run)."""
 
-    word: torch.Tensor  # (V, D) fp16; normalised rows when ``prenormalized``
-    position: torch.Tensor | None  # (L, D) fp16: the rows of positions 0..L-1
-    types: torch.Tensor | None  # (T, D) fp16
+    word: torch.Tensor  # (V, D); normalised rows when ``prenormalized``
+    position: torch.Tensor | None  # (L, D): the rows of positions 0..L-1
+    types: torch.Tensor | None  # (T, D)
     norm_weight: torch.Tensor | None  # (D,) fp32, None when prenormalized
     norm_bias: torch.Tensor | None
     eps: float
@@ -42,10 +43,11 @@ class HostEmbedding:
     def __call__(
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        """(B, L) ids -> (B, L, D) fp16 normalised embedding rows, as the runtime computes them."""
+        """(B, L) ids -> (B, L, D) normalised embedding rows in the tables' dtype, as the
+        runtime computes them."""
         x = self.word[input_ids].float()
         if self.prenormalized:
-            return x.half()
+            return x.to(self.word.dtype)
         if self.types is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             x = x + self.types[types].float()
@@ -54,12 +56,14 @@ class HostEmbedding:
         # fp32 on the host: BERT's epsilon 1e-12 is kept exactly here (unlike in fp16).
         assert self.norm_weight is not None
         y = nn.functional.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.eps)
-        return y.half()
+        return y.to(self.word.dtype)
 
 
-def host_embedding(model: EncoderModel, length: int, prenormalize: bool) -> HostEmbedding:
-    """The host step for ``model``; ``prenormalize`` only where the norm reads the token row
-    alone (raises ValueError otherwise)."""
+def host_embedding(
+    model: EncoderModel, length: int, prenormalize: bool, dtype: torch.dtype = torch.float16
+) -> HostEmbedding:
+    """The host step for ``model`` with tables in ``dtype``; ``prenormalize`` only where the
+    norm reads the token row alone (raises ValueError otherwise)."""
     spec, w = model.spec.embedding, model.weights
     if prenormalize and not spec.norm_reads_token_row_alone:
         raise ValueError(
@@ -70,7 +74,7 @@ def host_embedding(model: EncoderModel, length: int, prenormalize: bool) -> Host
     bias = w.get("embed.norm.bias")
     word = w["embed.word.weight"]
     if prenormalize:
-        # LayerNorm of each row in fp64, rounded once to fp16: the same real arithmetic as
+        # LayerNorm of each row in fp64, rounded once to dtype: the same real arithmetic as
         # normalising the gathered row, with one rounding instead of two.
         word64 = word.double()
         word = nn.functional.layer_norm(
@@ -81,9 +85,9 @@ def host_embedding(model: EncoderModel, length: int, prenormalize: bool) -> Host
             spec.norm.eps,
         )
     return HostEmbedding(
-        word=word.half(),
-        position=w["embed.position.weight"][:length].half() if spec.max_positions else None,
-        types=w["embed.type.weight"].half() if spec.type_vocab_size else None,
+        word=word.to(dtype),
+        position=w["embed.position.weight"][:length].to(dtype) if spec.max_positions else None,
+        types=w["embed.type.weight"].to(dtype) if spec.type_vocab_size else None,
         norm_weight=None if prenormalize else weight.float(),
         norm_bias=None if prenormalize or bias is None else bias.float(),
         eps=spec.norm.eps,

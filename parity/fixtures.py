@@ -91,3 +91,16 @@ def make_batches(fixtures: list[Fixture], batch: int, length: int, pad_id: int) 
             mask[r, length - n :] = 1
         batches.append(Batch(tuple(group), ids, mask))
     return batches
+
+
+def pad_id(tokenizer: Any, config: Any) -> int:
+    """The id written into padded slots: the tokenizer's or config's pad id, else EOS, else 0.
+
+    Any id works (the key mask excludes padded slots); a real one keeps the fixtures readable.
+    """
+    for holder in (tokenizer, config):
+        value = getattr(holder, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    eos = getattr(config, "eos_token_id", None)
+    return eos if isinstance(eos, int) else 0

@@ -66,6 +66,8 @@ def report_to_text(report: ParityReport) -> str:
             f"{row.layer:>5}  {row.fp32_rel_error:>12.3g}  {row.fp16_rel_error:>12.3g}  "
             f"{row.fp16_max_abs:>11.1f}  {row.fp16_overflow_margin:>14.1f}x"
         )
+    if not report.fixtures:
+        return "\n".join(lines)  # an encoder report: its own fixture table follows
     lines.append("")
     lines.append("fixture                          slice        tokens  argmax  max|dp|  certified")
     for f in report.fixtures:

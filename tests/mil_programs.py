@@ -23,15 +23,11 @@ from converter.compress.activations import (
 from converter.compress.plan import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 from converter.coreml import to_mlprogram, trace
-from converter.encoder_pipeline import (
-    island_contract,
-    program_module,
-    single_contract,
-    tail_contract,
-)
 from converter.markers import mark_layer_outputs
-from converter.pipeline import tensor_contract
 from converter.targets import TARGETS
+from converter.tasks.decoder_contract import tensor_contract
+from converter.tasks.encoder import program_module
+from converter.tasks.encoder_contract import island_contract, single_contract, tail_contract
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.partition import Island, Tail
 from parity.compression_gates import program_feed

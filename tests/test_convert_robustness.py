@@ -29,7 +29,7 @@ from click.testing import Result
 from safetensors.torch import load_file
 from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter import pipeline
+from converter.tasks import base as task_steps
 from converter.checkpoint import load_checkpoint
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
@@ -195,7 +195,7 @@ def test_existing_artifact_is_refused_without_force_before_any_work(
     def no_loading(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the checkpoint must not be loaded when the artifact exists")
 
-    monkeypatch.setattr(pipeline, "load_checkpoint", no_loading)
+    monkeypatch.setattr(task_steps, "load_checkpoint", no_loading)
     result = convert(ws.recipe("tiny"), "--out", out)
     assert result.exit_code == 2
     assert f"{out / 'tiny'} already exists; pass --force to replace it" in result.stderr
@@ -299,11 +299,11 @@ def test_batch_keeps_going_and_reports_each_recipe(batch: Batch) -> None:
     assert sorted(os.listdir(out)) == ["tiny", "tiny-gate.failed"]
 
     published_log = (out / "tiny" / LOG_NAME).read_text()
-    for text in ("step load checkpoint: done", "step save: done", "every gate passed"):
+    for text in ("step load checkpoint: done", "step convert to ML Program: done", "every gate passed"):
         assert text in published_log
     failed_log = (out / "tiny-gate.failed" / LOG_NAME).read_text()
     assert "a parity gate failed" in failed_log
-    assert "step trace" not in failed_log  # it stopped at the gates
+    assert "step convert to ML Program" not in failed_log  # it stopped at the gates
 
 
 def test_batch_reports_a_crash_as_exit_3_and_goes_on(
@@ -312,7 +312,7 @@ def test_batch_reports_a_crash_as_exit_3_and_goes_on(
     def crash(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("simulated bug in tracing")
 
-    monkeypatch.setattr(pipeline, "trace", crash)
+    monkeypatch.setattr(task_steps, "trace", crash)
     first, second = ws.recipe("tiny-one"), ws.recipe("tiny-two", FAILING_GATE)
     result = convert(first, second, "--out", tmp_path)
     assert result.exit_code == 3  # the highest of 3 and 1

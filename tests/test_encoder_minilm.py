@@ -17,13 +17,13 @@ import torch
 from test_encoder_teeth import apple_order_forward
 
 from converter.checkpoint import load_checkpoint
-from converter.encoder_pipeline import (
+from converter.recipe import EncoderOptions, load_recipe, locate_recipe
+from converter.tasks.encoder import (
     PARTITIONED,
     partitioned_runner,
     rewrite_encoder,
-    thresholds_for,
+    thresholds,
 )
-from converter.recipe import EncoderOptions, load_recipe, locate_recipe
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.partition import boundaries, host_embedding
 from parity.encoder_gates import check_encoder, run_encoder_reference
@@ -113,9 +113,9 @@ def test_apple_layer_norm_order_fails_the_gates(
     minilm: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recipe, rw, refs = minilm
-    thresholds = thresholds_for(recipe, recipe.encoder)
+    thresholds_ = thresholds(recipe, recipe.encoder)
     monkeypatch.setattr(LayerNorm, "forward", apple_order_forward)
-    report, _ = check_encoder(rw.module, rw.batches[:2], refs, thresholds)  # 6 sentences
+    report, _ = check_encoder(rw.module, rw.batches[:2], refs, thresholds_)  # 6 sentences
     assert not report.passed
     assert report.first_diverging_layer == 0
     cos = [g for g in report.gates if g.name == "min cosine" and g.implementation == "torch-fp32"]
@@ -132,7 +132,7 @@ def test_partitioned_minilm_matches(minilm: tuple[Any, Any, Any]) -> None:
     runner = partitioned_runner(rw.module, host)
     batches = rw.batches[-3:]  # 9 sentences, the longest among them: CI budget
     report, rows = check_encoder(
-        rw.module, batches, refs, thresholds_for(recipe, recipe.encoder), {PARTITIONED: runner}
+        rw.module, batches, refs, thresholds(recipe, recipe.encoder), {PARTITIONED: runner}
     )
     assert report.passed
     worst = min(row.cosine[PARTITIONED] for row in rows)

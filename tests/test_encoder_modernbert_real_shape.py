@@ -18,12 +18,14 @@ from encoder_models import SHARED_CONFIGS, THRESHOLDS, TinyEncoder, build_encode
 from tiny_models import perturb_
 
 from converter.coreml import to_mlprogram, trace
-from converter.encoder_pipeline import island_contract, mil_level_runner, program_module
 from converter.targets import TARGETS
+from converter.tasks.encoder import program_module
+from converter.tasks.encoder_contract import island_contract
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import Island, host_embedding
 from parity.encoder_gates import MIL_LEVEL, check_encoder, module_inputs, state_rows
+from parity.encoder_mil import output_runner
 
 pytestmark = [
     pytest.mark.slow,
@@ -109,8 +111,7 @@ def test_emitted_island_passes_at_mil_level(real: TinyEncoder, tmp_path: Path) -
     package = tmp_path / "island.mlpackage"
     mlmodel.save(str(package))
     host = host_embedding(real.canonical, LENGTH, prenormalize=True)
-    runner, note = mil_level_runner({"island": package}, real.module, host)
-    assert runner is not None, note
+    runner = output_runner({"island": package}, real.module, host, "float16")
     report, rows = check_encoder(
         real.module,
         real.batches,

@@ -13,8 +13,8 @@ from tiny_models import Tiny, build_tiny
 
 from converter.coreml import trace
 from converter.markers import MarkerError, find_markers, mark_layer_outputs
-from converter.pipeline import tensor_contract
 from converter.targets import TARGETS
+from converter.tasks.decoder_contract import tensor_contract
 from parity.conversion import ConversionReport, check_conversion
 from parity.gates import check_decoder
 from parity.mil import load_package

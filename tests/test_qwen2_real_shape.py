@@ -17,9 +17,10 @@ from tiny_models import perturb_
 
 from converter.checkpoint import load_checkpoint
 from converter.coreml import live_ops, to_mlprogram, trace
-from converter.pipeline import reference_runs, rewrite_decoder, tensor_contract
 from converter.recipe import load_recipe
 from converter.targets import TARGETS
+from converter.tasks.decoder_contract import tensor_contract
+from converter.tasks.text_generation import reference_runs, rewrite_decoder
 from parity.gates import Thresholds, check_decoder
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from converter.pipeline import Rewrite, reference_runs, rewrite_decoder
 from converter.recipe import load_recipe, locate_recipe
+from converter.tasks.text_generation import Rewrite, reference_runs, rewrite_decoder
 from parity.gates import Thresholds, check_decoder
 from parity.reference import ReferenceRun
 

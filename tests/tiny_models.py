@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from converter.pipeline import choose_scales
+from converter.tasks.text_generation import choose_scales
 from graph_passes.adapters import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
 from graph_passes.prescale import NormScale

@@ -1,0 +1,61 @@
+"""Tasks: what each recipe ``task`` converts, as a state type and a step list.
+
+`TASKS` maps a recipe task to its `Task`; `converter.pipeline.convert` runs any of them the
+same way (check inputs, the steps inside an artifact stage, publish, compressed variants).
+Adding a task is one module with its state and steps, plus one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from converter.errors import InputError
+from converter.progress import Steps
+from converter.steps import Step
+from converter.tasks import encoder, text_generation
+from converter.tasks.base import Job, TaskRun
+
+R = TypeVar("R", bound=TaskRun)
+# (state, published artifact, output directory, force, progress) -> the variants' results
+Compress = Callable[[Any, Path, Path, bool, Steps], list[Any]]
+
+
+@dataclass(frozen=True)
+class Task(Generic[R]):
+    """A task: how to start its state, its steps (converting; re-checking a published
+    artifact), and how to emit compressed variants."""
+
+    name: str
+    start: Callable[[Job], R]
+    steps: tuple[Step[R], ...]
+    recheck_steps: tuple[Step[R], ...]
+    compress: Compress
+
+
+_DECODER = Task(
+    "text-generation",
+    text_generation.DecoderRun,
+    text_generation.CONVERT_STEPS,
+    text_generation.RECHECK_STEPS,
+    text_generation.compress,
+)
+_ENCODER = Task(
+    "encoder", encoder.EncoderRun, encoder.CONVERT_STEPS, encoder.RECHECK_STEPS, encoder.compress
+)
+
+TASKS: dict[str, Task[Any]] = {
+    "text-generation": _DECODER,
+    "feature-extraction": _ENCODER,
+    "sentence-similarity": _ENCODER,
+    "text-classification": _ENCODER,
+}
+
+
+def task_for(name: str) -> Task[Any]:
+    """The task a recipe's ``task`` names; InputError for an unknown one."""
+    if name not in TASKS:
+        raise InputError(f"task: {name!r} is not a task; one of {', '.join(TASKS)}")
+    return TASKS[name]

@@ -1,0 +1,134 @@
+"""What every task's conversion state holds, and the steps every task shares.
+
+A task's state is a dataclass derived from `TaskRun`: the job (recipe, source, where files
+go) plus the fields its steps fill in order. Shared steps here: loading the checkpoint,
+tracing / converting / saving a program, the static plan gate.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from converter.checkpoint import Checkpoint, load_checkpoint
+from converter.coreml import TensorIO, live_ops, save_package, to_mlprogram, trace
+from converter.errors import InputError
+from converter.manifest import Manifest
+from converter.markers import mark_layer_outputs
+from converter.plan.artifact_gate import plan_artifact
+from converter.recipe import Recipe, ResolvedSource
+from converter.steps import Advance, Stop
+from converter.targets import TARGETS
+from parity.gates import ParityReport
+
+T = TypeVar("T")
+
+
+def need(value: T | None, what: str) -> T:
+    """``value``, which an earlier step must have produced (a pipeline bug otherwise)."""
+    if value is None:
+        raise RuntimeError(f"pipeline order: {what} is needed before this step")
+    return value
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one conversion was asked to do and where its files go (the staging directory)."""
+
+    recipe: Recipe
+    source: ResolvedSource
+    directory: Path
+    allow_pickle: bool = False
+    # `anec parity`: the checkpoint must be the one the artifact was converted from.
+    expected_checkpoint_sha256: str | None = None
+
+
+@dataclass
+class Program:
+    """One emitted package: the traced piece's I/O contract, the converted program, its path."""
+
+    piece: str  # "main", or "island" / "tail" of a partitioned encoder
+    inputs: list[TensorIO]
+    outputs: list[TensorIO]
+    path: Path
+    mlmodel: Any = field(repr=False)
+    ops: collections.Counter[str]
+
+
+@dataclass
+class TaskRun:
+    """The state every task's steps share; tasks derive their own state from it."""
+
+    job: Job
+    ckpt: Checkpoint | None = None
+    report: ParityReport | None = None
+    programs: list[Program] = field(default_factory=list)
+    manifest: Manifest | None = None
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe being converted."""
+        return self.job.recipe
+
+    @property
+    def main(self) -> Program:
+        """The package the manifest's ``package`` entry names (the single or island program)."""
+        return need(self.programs[0] if self.programs else None, "a converted program")
+
+    def num_layers(self) -> int:
+        """Transformer layers of the converted model (for the summary's ops per layer)."""
+        raise NotImplementedError
+
+
+def load(run: TaskRun, advance: Advance) -> None:
+    """Load the checkpoint the recipe names (safetensors / GGUF; pickle only when allowed)."""
+    job = run.job
+    run.ckpt = load_checkpoint(job.source, run.recipe.task, allow_pickle=job.allow_pickle)
+    expected = job.expected_checkpoint_sha256
+    if expected is not None and run.ckpt.sha256 != expected:
+        raise InputError(
+            f"{job.source.directory}: the checkpoint differs from the one the artifact was "
+            f"converted from (sha256 {run.ckpt.sha256[:12]}..., manifest {expected[:12]}...)"
+        )
+
+
+def emit_program(
+    run: TaskRun,
+    piece: str,
+    module: torch.nn.Module,
+    contract: tuple[list[TensorIO], list[TensorIO]],
+    file: str,
+    markers: int = 0,
+) -> Program:
+    """Trace ``module``, name its first ``markers`` layer outputs ``layer_<i>_out`` (so the MIL
+    level compares layer by layer), convert to an ML Program and save it as ``file``."""
+    inputs, outputs = contract
+    traced = trace(module, inputs)
+    if markers:
+        mark_layer_outputs(traced, markers)
+    target = TARGETS[run.recipe.target]
+    mlmodel = to_mlprogram(traced, inputs, outputs, target.ct_target(), run.recipe.precision)
+    path = run.job.directory / file
+    save_package(mlmodel, path)
+    program = Program(piece, inputs, outputs, path, mlmodel, live_ops(mlmodel))
+    run.programs.append(program)
+    return program
+
+
+def plan(run: TaskRun, advance: Advance) -> Stop | None:
+    """The static placement prediction of the main package and the recipe's plan gates."""
+    main = run.main
+    result = plan_artifact(
+        main.mlmodel._mil_program,  # the program just saved, without reloading its weights
+        main.path,
+        need(run.manifest, "the manifest").package.content_sha256,
+        TARGETS[run.recipe.target].platform,
+        run.recipe.gates.plan_min_ne_flop_share,
+        run.recipe.gates.plan_max_ne_segments,
+        run.job.directory,
+    )
+    return None if result.passed else Stop("plan", result.failures())

@@ -1,0 +1,394 @@
+"""The encoder tasks (feature-extraction, sentence-similarity, text-classification): their
+state and step list.
+
+    load -> rewrite to BC1L (+ prescales, host partition) -> reference -> torch parity (fp32,
+        fp16, partitioned fp16) -> convert (single program, or island + tail; layer markers)
+        -> MIL parity (fp32 per layer, fp16 gated) -> manifest -> plan (static)
+
+With ``encoder.partition: host-embedding`` the artifact is three pieces called in order: the
+host embedding step (tables in the I/O dtype), the NE island (every layer), and the tail.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converter.checkpoint import Checkpoint
+from converter.errors import InputError
+from converter.manifest_fields import write_tokenizer
+from converter.markers import MarkerError
+from converter.progress import Steps
+from converter.publish import write_json_atomic, write_text_atomic
+from converter.recipe import EncoderOptions, Recipe
+from converter.steps import Advance, Step, Stop
+from converter.tasks.base import TaskRun, emit_program, load, need, plan
+from converter.tasks.encoder_contract import (
+    encoder_deviations,
+    encoder_manifest,
+    island_contract,
+    single_contract,
+    tail_contract,
+    write_host_files,
+)
+from graph_passes.adapters import adapt_encoder
+from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
+from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
+from graph_passes.masks import key_mask_from_padding
+from graph_passes.partition import (
+    HostEmbedding,
+    Island,
+    Tail,
+    host_embedding,
+    prenormalized_table_check,
+)
+from graph_passes.prescale import NormScale, choose_prescale
+from graph_passes.spec import EncoderModel
+from parity.encoder_gates import (
+    MIL_LEVEL,
+    EncoderFixtureRow,
+    EncoderReference,
+    EncoderThresholds,
+    Runner,
+    check_encoder,
+    fixture_rows_to_json,
+    fixture_rows_to_text,
+    fp16_module,
+    make_encoder_batches,
+    module_inputs,
+    run_encoder_reference,
+)
+from parity.encoder_mil import layer_level, output_runner
+from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
+from parity.gates import GateResult
+from parity.html_report import report_to_html
+from parity.mil.errors import MILError
+from parity.report import report_to_json, report_to_text
+
+OUTPUTS: dict[str, EncoderOutput] = {
+    "feature-extraction": "last-hidden-state",
+    "sentence-similarity": "sentence-embedding",
+    "text-classification": "logits",
+}
+PARTITIONED = "partitioned-fp16"
+
+
+@dataclass
+class EncoderRewrite:
+    """The BC1L encoder for a recipe, its fixtures, prescales and (optional) host step."""
+
+    canonical: EncoderModel
+    module: BC1LEncoder
+    fixtures: list[Fixture]
+    batches: list[Batch]
+    scales: list[NormScale]
+    pooled_prescale: float  # sentence embeddings: the power of two before the L2 norm
+    host: HostEmbedding | None
+
+
+@dataclass
+class EncoderRun(TaskRun):
+    """An encoder conversion in progress."""
+
+    rewrite: EncoderRewrite | None = None
+    references: dict[str, EncoderReference] = field(default_factory=dict)
+    rows: list[EncoderFixtureRow] = field(default_factory=list)
+    extra_json: dict[str, Any] = field(default_factory=dict)
+
+    def num_layers(self) -> int:
+        """Transformer layers of the converted model."""
+        return need(self.rewrite, "the rewrite").module.spec.num_layers
+
+    @property
+    def options(self) -> EncoderOptions:
+        """The recipe's encoder section (defaults when absent)."""
+        return self.recipe.encoder or EncoderOptions()
+
+
+def output_kind(task: str) -> EncoderOutput:
+    """The encoder output a recipe task asks for."""
+    if task not in OUTPUTS:
+        raise InputError(f"task: {task!r} is not an encoder task")
+    return OUTPUTS[task]
+
+
+def set_scales(module: BC1LEncoder, batches: list[Batch]) -> tuple[list[NormScale], float]:
+    """Measure every LayerNorm input (centred L2) and the pooled sentence vector on the fixtures
+    (fp32) and set power-of-two prescales; returns what was chosen."""
+    norms = module.norms()
+    pooled_max = 0.0
+
+    def run_all() -> None:
+        nonlocal pooled_max
+        for batch in batches:
+            *x, key_mask = module_inputs(module, batch, torch.float32)
+            h = module.finish(
+                module.run_layers(module.embed(x[0], x[1] if x[1:] else None), key_mask)[-1]
+            )
+            if isinstance(module.tail, SentenceEmbeddingTail):
+                pooled = module.tail.pooled(h, key_mask)
+                pooled_max = max(pooled_max, float(pooled.double().norm(dim=1).max()))
+            module.tail(h, key_mask)
+
+    scales = apply_layer_norm_prescales(norms, measure_centred_l2(norms, run_all), FP16_EPS_FLOOR)
+    prescale = choose_prescale(pooled_max)
+    if isinstance(module.tail, SentenceEmbeddingTail):
+        module.tail.normalize.set_prescale(prescale)
+    return scales, prescale
+
+
+def rewrite_encoder(recipe: Recipe, ckpt: Checkpoint, options: EncoderOptions) -> EncoderRewrite:
+    """Adapt the checkpoint, build the BC1L encoder, its fixtures and prescales."""
+    canonical = adapt_encoder(ckpt.config, ckpt.model.state_dict())
+    kind = output_kind(recipe.task)
+    if kind == "logits" and canonical.spec.classifier is None:
+        raise InputError("task: text-classification needs a checkpoint with a classifier head")
+    if kind == "sentence-embedding" and (options.pooling != "mean" or not options.normalize):
+        raise InputError("encoder: only mean pooling with L2 normalisation is implemented")
+    length = recipe.shapes.sequence_length
+    if recipe.shapes.batch * length > 16384:
+        raise InputError("shapes: batch * sequence_length exceeds the NE's per-axis limit 16384")
+    io = EncoderIO(recipe.shapes.batch, length, "token-ids", kind)
+    module = BC1LEncoder(canonical, io).eval()
+    fixtures = build_fixtures(
+        recipe.fixtures.prompts,
+        recipe.fixtures.token_ids,
+        ckpt.tokenizer,
+        length,
+        canonical.spec.embedding.vocab_size,
+        recipe.fixtures.padded_variants,
+    )
+    batches = make_encoder_batches(fixtures, io.batch, length, pad_id(ckpt.tokenizer, ckpt.config))
+    scales, pooled = set_scales(module, batches)
+    host = None
+    if options.partition == "host-embedding":
+        dtype = torch.float16 if recipe.io.dtype == "float16" else torch.float32
+        try:
+            host = host_embedding(canonical, length, options.prenormalize_embeddings, dtype)
+        except ValueError as e:
+            raise InputError(f"encoder.{e}") from None
+    elif options.prenormalize_embeddings:
+        raise InputError("encoder.prenormalize_embeddings: needs partition: host-embedding")
+    return EncoderRewrite(canonical, module, fixtures, batches, scales, pooled, host)
+
+
+def partitioned_runner(module: BC1LEncoder, host: HostEmbedding) -> Runner:
+    """Host embedding -> island (fp16) -> tail (fp16), as the runtime calls them."""
+    half = fp16_module(module)
+    island, tail = Island(half).eval(), Tail(half).eval()
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        key_mask = key_mask_from_padding(batch.attention_mask).half()
+        rows = host(batch.input_ids, torch.zeros_like(batch.input_ids)).half()
+        with torch.no_grad():
+            out = island(rows, key_mask)
+            if not island.returns_task_output:
+                out = tail(out, key_mask)
+        return None, out
+
+    return run
+
+
+def thresholds(recipe: Recipe, options: EncoderOptions) -> EncoderThresholds:
+    """The recipe's gates for an encoder (fixed in the recipe before measuring)."""
+    g = recipe.gates
+    return EncoderThresholds(
+        fp32_layer_rel_error=g.fp32_layer_rel_error,
+        fp32_output_rel_error=g.fp32_logits_rel_error,
+        fp32_min_cosine=options.fp32_min_cosine,
+        fp16_min_cosine=options.fp16_min_cosine,
+        fp16_argmax_agreement=g.fp16_argmax_agreement,
+        fp16_max_abs_dprob=g.fp16_max_abs_dprob,
+    )
+
+
+def program_module(module: BC1LEncoder, precision: str) -> BC1LEncoder:
+    """The module to trace: fp32 weights, with the fp16 epsilon floors for an fp16 program."""
+    out = copy.deepcopy(module).eval()
+    out.set_eps_floor(FP16_EPS_FLOOR if precision == "float16" else 0.0)
+    return out
+
+
+def write_parity(run: EncoderRun) -> None:
+    """parity.json, parity.txt and parity.html of the encoder report so far."""
+    report, directory = need(run.report, "the torch report"), run.job.directory
+    extra = {"recipe": run.recipe.name, "encoder_fixtures": fixture_rows_to_json(run.rows)}
+    doc = report_to_json(report, {**extra, **run.extra_json})
+    write_json_atomic(directory / "parity.json", doc)
+    text = report_to_text(report) + "\n\n" + fixture_rows_to_text(run.rows) + "\n"
+    write_text_atomic(directory / "parity.txt", text)
+    html = report_to_html(doc, f"anec parity report: {run.recipe.name}")
+    write_text_atomic(directory / "parity.html", html)
+
+
+# ---- steps -----------------------------------------------------------------------------------
+
+
+def rewrite(run: EncoderRun, advance: Advance) -> None:
+    """Adapt the checkpoint into the BC1L encoder, its fixtures and host step."""
+    if run.recipe.compression is not None:
+        raise InputError("compression: encoder variants are not wired yet")
+    run.rewrite = rewrite_encoder(run.recipe, need(run.ckpt, "the checkpoint"), run.options)
+
+
+def references(run: EncoderRun, advance: Advance) -> None:
+    """The original model on every fixture, unpadded; then its memory is freed."""
+    ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
+    for fixture in rw.fixtures:
+        run.references[fixture.name] = run_encoder_reference(
+            ckpt.model, fixture.token_ids, rw.module.io.output
+        )
+        advance()
+    del ckpt.model
+
+
+def torch_parity(run: EncoderRun, advance: Advance) -> Stop | None:
+    """The BC1L encoder in fp32 and fp16 (and the partitioned pieces) against the reference."""
+    rw = need(run.rewrite, "the rewrite")
+    extra: dict[str, Runner] = {}
+    described: dict[str, str] = {}
+    if rw.host is not None:
+        extra[PARTITIONED] = partitioned_runner(rw.module, rw.host)
+        described[PARTITIONED] = (
+            "host embedding from the shipped tables"
+            + (" (pre-normalised offline)" if rw.host.prenormalized else " with an fp32 norm")
+            + " -> island -> tail, each the fp16 torch module"
+        )
+        if rw.host.prenormalized:
+            run.extra_json["prenormalized_table"] = prenormalized_table_check(rw.canonical, rw.host)
+    run.report, run.rows = check_encoder(
+        rw.module, rw.batches, run.references, thresholds(run.recipe, run.options), extra, described
+    )
+    write_parity(run)
+    return None if run.report.passed else Stop("parity")
+
+
+def convert(run: EncoderRun, advance: Advance) -> None:
+    """Trace (layer outputs marked), convert and save the single program, or island and tail."""
+    rw, recipe = need(run.rewrite, "the rewrite"), run.recipe
+    program = program_module(rw.module, recipe.precision)
+    dtype, n = recipe.io.dtype, program.spec.num_layers
+    # Layer markers live in the program's `layers` container; Island wraps the encoder, so
+    # its layers are `encoder.layers` - mark_layer_outputs finds them by that path.
+    if rw.host is None:
+        emit_program(
+            run, "main", program, single_contract(program, dtype), f"{recipe.name}.mlpackage", n
+        )
+        return
+    island = Island(program).eval()
+    emit_program(
+        run, "island", island, island_contract(program, dtype), f"{recipe.name}.island.mlpackage", n
+    )
+    if program.io.output != "last-hidden-state":
+        tail = Tail(program).eval()
+        emit_program(
+            run, "tail", tail, tail_contract(program, dtype), f"{recipe.name}.tail.mlpackage"
+        )
+
+
+def _failed(name: str, implementation: str, detail: str) -> GateResult:
+    return GateResult(name, implementation, 0.0, 1.0, "==", False, detail)
+
+
+def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
+    """The emitted program(s) in the MIL evaluator: fp32 per layer against the BC1L module,
+    fp16 task output gated against the original model. A program the evaluator cannot run is
+    a failed gate."""
+    rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
+    packages = {p.piece: p.path for p in run.programs}
+    try:
+        level = layer_level(
+            run.main.path, rw.module, rw.host, rw.batches, recipe.io.dtype, recipe.precision
+        )
+        runner = output_runner(packages, rw.module, rw.host, recipe.io.dtype)
+    except (MILError, MarkerError) as e:
+        report.gates.append(
+            _failed("MIL evaluator runs the program", "mil", f"cannot run the program: {e}")
+        )
+        report.implementations[MIL_LEVEL] = f"failed: {e}"
+        write_parity(run)
+        return Stop("MIL-level")
+    worst = max(level.layer_rel_error, default=0.0)
+    limit = recipe.gates.mil_fp32_layer_rel_error
+    report.gates.append(
+        GateResult(
+            "per-layer relative error",
+            "mil-fp32",
+            worst,
+            limit,
+            "<=",
+            level.finite and worst <= limit,
+            "max over layers and fixtures of ||h'-h||/||h|| at real slots, against the BC1L "
+            "module with the program's constants in fp64",
+        )
+    )
+    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
+    report.implementations["mil-fp32"] = "anec MIL evaluator, profile fp32, on the emitted program"
+    mil_report, mil_rows = check_encoder(
+        rw.module,
+        rw.batches,
+        run.references,
+        thresholds(recipe, run.options),
+        {MIL_LEVEL: runner},
+        torch_levels=False,
+    )
+    report.gates.extend(mil_report.gates)
+    report.implementations[MIL_LEVEL] = (
+        "anec MIL evaluator, profile fp16, on the emitted program(s)"
+    )
+    for row, mil_row in zip(run.rows, mil_rows, strict=True):
+        for name in (
+            "cosine",
+            "max_abs_error",
+            "rel_error",
+            "argmax_kept",
+            "max_abs_dprob",
+            "certified",
+        ):
+            getattr(row, name).update(getattr(mil_row, name))
+    write_parity(run)
+    return None if report.passed else Stop("MIL-level")
+
+
+def manifest(run: EncoderRun, advance: Advance) -> None:
+    """Write the host tables, the tokenizer and manifest.json."""
+    rw, ckpt, directory = need(run.rewrite, "rewrite"), need(run.ckpt, "ckpt"), run.job.directory
+    host_files = write_host_files(directory, rw.host) if rw.host is not None else None
+    tokenizer = write_tokenizer(directory, ckpt.tokenizer, "the checkpoint's tokenizer")
+    deviations = encoder_deviations(
+        rw.module, rw.scales, rw.pooled_prescale, rw.host, run.recipe.precision
+    )
+    run.manifest = encoder_manifest(
+        run.job, ckpt, rw.module, run.options, run.programs, host_files, tokenizer, deviations,
+        rw.host,
+    )  # fmt: skip
+    write_json_atomic(directory / "manifest.json", run.manifest.model_dump(mode="json"))
+
+
+def _fixture_count(run: EncoderRun) -> int:
+    return len(need(run.rewrite, "the rewrite").fixtures)
+
+
+CONVERT_STEPS: tuple[Step[EncoderRun], ...] = (
+    Step("load checkpoint", load),
+    Step("rewrite to BC1L", rewrite),
+    Step("reference (original model)", references, _fixture_count),
+    Step("parity (torch fp32, fp16)", torch_parity),
+    Step("convert to ML Program", convert),
+    Step("parity (MIL: fp32, fp16)", mil_parity),
+    Step("write manifest", manifest),
+    Step("plan (static)", plan),
+)
+# `anec parity`: the same gates on a published package, nothing converted or written into it.
+RECHECK_STEPS = tuple(s for s in CONVERT_STEPS if s.run not in (convert, manifest, plan))
+
+
+def compress(
+    run: EncoderRun, published: Path, out_dir: Path, force: bool, progress: Steps
+) -> list[Any]:
+    """Compressed variants of an encoder artifact."""
+    return []

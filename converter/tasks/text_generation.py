@@ -1,0 +1,249 @@
+"""The text-generation task (draft decoders): its state and its step list.
+
+    load -> rewrite to BC1L (+ prescales) -> reference -> torch parity (fp32, fp16)
+        -> convert (trace with layer markers, ML Program, save) -> MIL parity (fp32 per layer,
+        fp16 gated, fp16-acc reported) -> manifest -> plan (static)
+
+The I/O contract, deviations and manifest fields are in `converter.tasks.decoder_contract`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converter.checkpoint import Checkpoint
+from converter.manifest_fields import write_npy, write_tokenizer
+from converter.progress import Steps
+from converter.publish import write_json_atomic
+from converter.recipe import Recipe
+from converter.steps import Advance, Step, Stop
+from converter.tasks.base import TaskRun, emit_program, load, need, plan
+from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
+from graph_passes.adapters import adapt
+from graph_passes.decoder import BC1LDecoder
+from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
+from graph_passes.spec import TransformerSpec
+from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversion
+from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
+from parity.gates import Thresholds, check_decoder, module_inputs
+from parity.reference import ReferenceRun, run_reference
+from parity.report_files import merge, write_parity_reports
+
+MIL_PROFILES = DEFAULT_PROFILES  # fp32 per layer, fp16 gated, fp16-acc reported
+
+
+@dataclass
+class Rewrite:
+    """The BC1L module for a recipe, with the fixtures it is checked on."""
+
+    spec: TransformerSpec  # not the canonical weights: their memory is freed with the reference
+    module: BC1LDecoder
+    # The embedding table in fp32. The artifact ships it in the I/O dtype (embeddings.npy):
+    # an fp16 input rounds every row to fp16 anyway (the fp16 gates feed rounded rows), and an
+    # fp32 artifact ships it unrounded, as its fp32 gates feed it.
+    embed_table: torch.Tensor
+    fixtures: list[Fixture]
+    batches: list[Batch]
+    scales: list[NormScale]
+
+
+@dataclass
+class DecoderRun(TaskRun):
+    """A decoder conversion in progress."""
+
+    rewrite: Rewrite | None = None
+    references: dict[str, ReferenceRun] = field(default_factory=dict)
+    conversion: ConversionReport | None = None
+    held_out: Any = None  # compress.HeldOut when the recipe has a compression section
+    profiles: tuple[str, ...] = MIL_PROFILES  # the MIL evaluator profiles to run
+
+    def num_layers(self) -> int:
+        """Transformer layers of the converted model."""
+        return need(self.rewrite, "the rewrite").spec.num_layers
+
+
+def thresholds(recipe: Recipe) -> Thresholds:
+    """The recipe's torch and MIL gate thresholds for a decoder."""
+    return Thresholds(**recipe.gates.parity_thresholds())
+
+
+def choose_scales(
+    module: BC1LDecoder, batches: list[Batch], embed_table: torch.Tensor
+) -> list[NormScale]:
+    """Measure every norm's input range on the fixtures (fp32) and set power-of-two prescales."""
+    norms = module.norms()
+
+    def run_all() -> None:
+        for batch in batches:
+            x, mask = module_inputs(module, batch, embed_table, torch.float32)
+            module.head(module.run_layers(x, mask)[-1])
+
+    return apply_prescales(norms, measure_norm_inputs(norms, run_all))
+
+
+def rewrite_decoder(recipe: Recipe, ckpt: Checkpoint) -> Rewrite:
+    """Adapt the checkpoint, build the BC1L module and set its prescales from the fixtures."""
+    canonical = adapt(ckpt.config, ckpt.model.state_dict())
+    io = decoder_io(recipe, canonical)
+    module = BC1LDecoder(canonical, io).eval()
+    embed_table = canonical.weights["embed.weight"]
+    fixtures = build_fixtures(
+        recipe.fixtures.prompts,
+        recipe.fixtures.token_ids,
+        ckpt.tokenizer,
+        io.length,
+        canonical.spec.vocab_size,
+        recipe.fixtures.padded_variants,
+    )
+    batches = make_batches(fixtures, io.batch, io.length, pad_id(ckpt.tokenizer, ckpt.config))
+    scales = choose_scales(module, batches, embed_table)
+    return Rewrite(canonical.spec, module, embed_table, fixtures, batches, scales)
+
+
+def reference_runs(
+    ckpt: Checkpoint, rw: Rewrite, advance: Advance = lambda: None
+) -> dict[str, ReferenceRun]:
+    """The original model on every fixture, unpadded."""
+    runs = {}
+    for fixture in rw.fixtures:
+        runs[fixture.name] = run_reference(ckpt.model, fixture.token_ids)
+        advance()
+    return runs
+
+
+# ---- steps -----------------------------------------------------------------------------------
+
+
+def rewrite(run: DecoderRun, advance: Advance) -> None:
+    """Adapt the checkpoint into the BC1L module and its fixtures."""
+    run.rewrite = rewrite_decoder(run.recipe, need(run.ckpt, "the checkpoint"))
+
+
+def references(run: DecoderRun, advance: Advance) -> None:
+    """The original model on every fixture, unpadded; then the compression held-out slice,
+    which needs it too; then the original model's memory is freed."""
+    ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
+    run.references = reference_runs(ckpt, rw, advance)
+    run.held_out = held_out(run.recipe, ckpt, rw)
+    del ckpt.model
+
+
+def torch_parity(run: DecoderRun, advance: Advance) -> Stop | None:
+    """The BC1L module in fp32 (per layer, logits) and fp16 against the reference."""
+    rw = need(run.rewrite, "the rewrite")
+    run.report = check_decoder(
+        rw.module, rw.batches, run.references, rw.embed_table, thresholds(run.recipe), advance
+    )
+    write_parity_reports(run.job.directory, run.report, None, {"recipe": run.recipe.name})
+    return None if run.report.passed else Stop("parity")
+
+
+def convert(run: DecoderRun, advance: Advance) -> None:
+    """Trace (layer outputs marked), convert to an ML Program and save the package."""
+    module = need(run.rewrite, "the rewrite").module
+    contract = tensor_contract(module, run.recipe.io.dtype)
+    emit_program(
+        run, "main", module, contract, f"{run.recipe.name}.mlpackage", module.spec.num_layers
+    )
+
+
+def mil_parity(run: DecoderRun, advance: Advance) -> Stop | None:
+    """The emitted program in the MIL evaluator: fp32 per layer against the BC1L module, fp16
+    gated and fp16-acc reported against the original model."""
+    rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
+    run.conversion = check_conversion(
+        run.main.path,
+        rw.module,
+        rw.batches,
+        run.references,
+        rw.embed_table,
+        thresholds(run.recipe),
+        run.recipe.precision,
+        run.profiles,
+        advance,
+    )
+    merge(report, run.conversion)
+    write_parity_reports(run.job.directory, report, run.conversion, {"recipe": run.recipe.name})
+    return None if report.passed else Stop("MIL-level")
+
+
+def manifest(run: DecoderRun, advance: Advance) -> None:
+    """Write the host files (embedding table, tokenizer) and manifest.json."""
+    rw, ckpt, directory = (
+        need(run.rewrite, "the rewrite"),
+        need(run.ckpt, "ckpt"),
+        run.job.directory,
+    )
+    embeddings = None
+    if rw.module.io.inputs == "embeddings":
+        dtype = torch.float16 if run.recipe.io.dtype == "float16" else torch.float32
+        embeddings = write_npy(
+            directory / "embeddings.npy",
+            rw.embed_table.to(dtype).numpy(),
+            "embedding table (vocab, hidden); row t is the input for token id t",
+        )
+    tokenizer = write_tokenizer(
+        directory,
+        ckpt.tokenizer,
+        "the checkpoint's tokenizer; a runtime refuses a draft whose vocabulary differs from "
+        "its target's",
+    )
+    run.manifest = decoder_manifest(
+        run.job, ckpt, rw.module, rw.scales, run.main, embeddings, tokenizer
+    )
+    write_json_atomic(directory / "manifest.json", run.manifest.model_dump(mode="json"))
+
+
+def held_out(recipe: Recipe, ckpt: Checkpoint, rw: Rewrite) -> Any:
+    """The compression section's held-out slice with the original model's logits, or None."""
+    if recipe.compression is None:
+        return None
+    from parity.compression_gates import prepare_held_out
+
+    c = recipe.compression
+    return prepare_held_out(
+        c.held_out, ckpt.tokenizer, ckpt.model, rw.module.io.length, rw.spec.vocab_size,
+        c.mil_positions, pad_id(ckpt.tokenizer, ckpt.config), c.calibration,
+    )  # fmt: skip
+
+
+def _fixture_count(run: DecoderRun) -> int:
+    return len(need(run.rewrite, "the rewrite").fixtures)
+
+
+def _batch_count(run: DecoderRun) -> int:
+    return len(need(run.rewrite, "the rewrite").batches)
+
+
+CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
+    Step("load checkpoint", load),
+    Step("rewrite to BC1L", rewrite),
+    Step("reference (original model)", references, _fixture_count),
+    Step("parity (torch fp32, fp16)", torch_parity, _batch_count),
+    Step("convert to ML Program", convert),
+    Step("parity (MIL evaluator)", mil_parity, lambda run: len(run.profiles) * _batch_count(run)),
+    Step("write manifest", manifest),
+    Step("plan (static)", plan),
+)
+# `anec parity`: the same gates on a published package, nothing converted or written into it.
+RECHECK_STEPS = tuple(s for s in CONVERT_STEPS if s.run not in (convert, manifest, plan))
+
+
+def compress(
+    run: DecoderRun, published: Path, out_dir: Path, force: bool, progress: Steps
+) -> list[Any]:
+    """Build, gate and publish every compressed variant the recipe asks for (after the fp16
+    artifact is published; each variant is its own artifact)."""
+    if run.recipe.compression is None or run.held_out is None:
+        return []
+    from converter.compress.emit import emit_variants
+
+    rw = need(run.rewrite, "the rewrite")
+    return emit_variants(
+        run.recipe.compression, run.recipe.name, published, rw.module, rw.embed_table,
+        run.held_out, out_dir, run.recipe.gates.mil_fp32_layer_rel_error, force, progress,
+    )  # fmt: skip
