@@ -381,12 +381,19 @@ ROWS = [
     Row(
         "architecture-unsupported",
         _architecture("gpt2"),
-        ("config.json: model_type: architecture 'gpt2' is not supported; supported for task text-generation: llama, qwen2",),
+        (
+            "config.json: model_type: architecture 'gpt2' is not supported",
+            "supported for task text-generation: llama, qwen2",
+        ),
     ),
     Row(
         "architecture-unknown-with-remote-code",
         _remote_code,
-        ("architecture 'evil' is not supported; supported for task text-generation: llama, qwen2", "never runs"),
+        (
+            "architecture 'evil' is not supported",
+            "supported for task text-generation: llama, qwen2",
+            "never runs",
+        ),
     ),
     Row(
         "pickle-only-checkpoint",

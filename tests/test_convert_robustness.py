@@ -29,7 +29,6 @@ from click.testing import Result
 from safetensors.torch import load_file
 from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.tasks import base as task_steps
 from converter.checkpoint import load_checkpoint
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
@@ -38,6 +37,7 @@ from converter.publish import ArtifactStage
 from converter.recipe import load_recipe
 from converter.resources import GIB, MEMORY_LIMIT_ENV, estimate_peak_memory, memory_budget
 from converter.runlog import LOG_NAME
+from converter.tasks import base as task_steps
 from converter.weightfiles import read_weight_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -299,7 +299,11 @@ def test_batch_keeps_going_and_reports_each_recipe(batch: Batch) -> None:
     assert sorted(os.listdir(out)) == ["tiny", "tiny-gate.failed"]
 
     published_log = (out / "tiny" / LOG_NAME).read_text()
-    for text in ("step load checkpoint: done", "step convert to ML Program: done", "every gate passed"):
+    for text in (
+        "step load checkpoint: done",
+        "step convert to ML Program: done",
+        "every gate passed",
+    ):
         assert text in published_log
     failed_log = (out / "tiny-gate.failed" / LOG_NAME).read_text()
     assert "a parity gate failed" in failed_log
