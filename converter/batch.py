@@ -88,7 +88,7 @@ def convert_recipes(
 def _convert_one(
     ref: str, out_dir: Path | None, force: bool, allow_pickle: bool, as_json: bool
 ) -> Outcome:
-    from converter.cli import report_error
+    from converter.errors import report_error
     from converter.pipeline import convert
     from converter.progress import Steps
     from converter.publish import Interrupted

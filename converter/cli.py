@@ -17,15 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from converter.cli_parity import parity_command
-from converter.errors import AnecError, InputError
+from converter.errors import AnecError, InputError, report_error
 from converter.plan.cli import plan_commands
 from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
-
-
-def report_error(error: AnecError) -> None:
-    """Print an AnecError to stderr, one "error: " line per message line, without traceback."""
-    for line in str(error).splitlines() or [type(error).__name__]:
-        click.echo(f"error: {line}", err=True)
 
 
 class AnecGroup(click.Group):

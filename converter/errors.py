@@ -25,3 +25,11 @@ class GateFailure(AnecError):
     """A parity gate failed: the converted model does not compute the checkpoint's function."""
 
     exit_code = 1
+
+
+def report_error(error: AnecError) -> None:
+    """Print an AnecError to stderr, one "error: " line per message line, without traceback."""
+    import click
+
+    for line in str(error).splitlines() or [type(error).__name__]:
+        click.echo(f"error: {line}", err=True)
