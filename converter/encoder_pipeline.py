@@ -34,7 +34,7 @@ from converter.publish import (
     write_json_atomic,
     write_text_atomic,
 )
-from converter.recipe import EncoderOptions, Recipe, ResolvedSource
+from converter.recipe import EncoderOptions, EncoderRecipe, Recipe, ResolvedSource
 from converter.runlog import write_log_into
 from converter.targets import TARGETS
 from graph_passes.adapters import adapt_encoder
@@ -343,7 +343,7 @@ def mil_level_runner(
 
 
 def convert_encoder(
-    recipe: Recipe,
+    recipe: EncoderRecipe,
     out_dir: Path | None = None,
     force: bool = False,
     allow_pickle: bool = False,

@@ -26,7 +26,7 @@ from converter.plan.artifact_gate import plan_artifact
 from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import ArtifactStage, clean_leftovers, stage_artifact, write_json_atomic
-from converter.recipe import Recipe, ResolvedSource
+from converter.recipe import DecoderRecipe, Recipe, ResolvedSource
 from converter.runlog import write_log_into
 from converter.targets import TARGETS
 from graph_passes.adapters import adapt
@@ -100,7 +100,7 @@ def published(
     )
 
 
-def decoder_io(recipe: Recipe, canonical: CanonicalModel) -> DecoderIO:
+def decoder_io(recipe: DecoderRecipe, canonical: CanonicalModel) -> DecoderIO:
     """Resolve the recipe's I/O choices against the checkpoint (``auto`` inputs)."""
     inputs = recipe.io.inputs
     if inputs == "auto":
@@ -217,7 +217,7 @@ class Rewrite:
     scales: list[NormScale]
 
 
-def rewrite_decoder(recipe: Recipe, ckpt: Checkpoint) -> Rewrite:
+def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
     """Adapt the checkpoint, build the BC1L module and set its prescales from the fixtures."""
     canonical = adapt(ckpt.config, ckpt.model.state_dict())
     io = decoder_io(recipe, canonical)

@@ -19,7 +19,7 @@ from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest
 from converter.pipeline import reference_runs, rewrite_decoder
 from converter.progress import Steps
-from converter.recipe import Recipe, ResolvedSource
+from converter.recipe import DecoderRecipe, Recipe, ResolvedSource, recipe_from_dict
 from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversion
 from parity.gates import ParityReport, Thresholds, check_decoder
 from parity.report_files import merge, write_parity_reports
@@ -53,9 +53,8 @@ def read_manifest(artifact: Path) -> Manifest:
 
 def recipe_from_manifest(manifest: Manifest) -> Recipe:
     """The recipe the artifact was converted with, as the manifest records it."""
-    fields = {k: v for k, v in manifest.recipe.items() if k in Recipe.model_fields}
     try:
-        return Recipe.model_validate(fields)
+        return recipe_from_dict(manifest.recipe)
     except ValidationError as e:
         raise InputError(f"manifest recipe: no longer a valid recipe: {e}") from None
 
@@ -87,6 +86,8 @@ def recheck(
             f"this one is {manifest.task}"
         )
     recipe = recipe_from_manifest(manifest)
+    if not isinstance(recipe, DecoderRecipe):  # the recipe's task disagrees with the manifest's
+        raise InputError(f"{artifact}: manifest recipe: task {recipe.task} is not text-generation")
     package = artifact / manifest.package.file
     if not package.is_dir():
         raise InputError(f"{package}: the package the manifest names is missing")
