@@ -121,8 +121,8 @@ class EncoderOptions(StrictModel):
     def _normalized_only(cls, value: bool) -> bool:
         if not value:
             raise rule(
-                "normalize: false is not implemented; the implemented sentence embedding is "
-                "the mean over real tokens, L2-normalised (normalize: true)"
+                "false is not implemented; the implemented sentence embedding is the mean "
+                "over real tokens, L2-normalised (normalize: true)"
             )
         return value
 

@@ -60,7 +60,11 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         "encoder.fp32_min_cosine)",
     ),
     TaskKey(("gates", "fp16_argmax_agreement"), _LOGIT_TASKS, "argmax agreement of logits"),
-    TaskKey(("gates", "fp16_max_abs_dprob"), _LOGIT_TASKS, "max |dp| of the softmax of logits"),
+    TaskKey(
+        ("gates", "fp16_max_abs_dprob"),
+        _LOGIT_TASKS,
+        "the largest change of a softmax probability",
+    ),
     TaskKey(("encoder",), ENCODER_TASKS, "partition, pooling and cosine gates of an encoder"),
     TaskKey(("encoder", "pooling"), ("sentence-similarity",), "how tokens become a sentence"),
     TaskKey(("encoder", "normalize"), ("sentence-similarity",), "L2 normalisation of a sentence"),
@@ -97,7 +101,7 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     TaskKey(
         ("compression", "variants", EACH, "gates", "max_abs_dprob"),
         _LOGIT_TASKS,
-        "a variant's max |dp| of logits",
+        "a variant's largest change of a probability",
     ),
 )
 
