@@ -90,18 +90,18 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "min_top1_agreement"),
-        _LOGIT_TASKS,
-        "a variant's top-1 agreement of logits",
+        DECODER_TASKS,
+        "a variant's top-1 agreement of next-token logits",
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "max_mean_kl"),
-        _LOGIT_TASKS,
-        "a variant's mean KL of logits",
+        DECODER_TASKS,
+        "a variant's mean KL of next-token distributions",
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "max_abs_dprob"),
-        _LOGIT_TASKS,
-        "a variant's largest change of a probability",
+        DECODER_TASKS,
+        "a variant's largest change of a next-token probability",
     ),
 )
 
