@@ -14,9 +14,9 @@ from converter.errors import InputError
 from converter.recipe.schema import (
     Recipe,
     RecipeBase,
-    common_part,
     cross_field_problems,
     schema_for,
+    validate_recipe,
 )
 from converter.recipe.sections import Fixtures, Shapes
 from converter.recipe.tasks import misplaced_keys
@@ -52,16 +52,13 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         raise RecipeError([RecipeIssue(file, root.start_mark.line + 1, None, message)])
 
     issues = duplicate_keys(file, root)
-    model = schema_for(data)
-    recipe: Any = None
+    recipe: Recipe | None = None
     try:
-        if model is RecipeBase:
-            # An unknown task: report it with the common keys' mistakes; the task's own keys
-            # (io, encoder) are checked once the task is known.
-            RecipeBase.model_validate(common_part(data))
-        else:
-            recipe = model.model_validate(data)
+        # An unknown task is reported with the common keys' mistakes; the task's own keys
+        # (io, encoder) are checked once the task is known.
+        recipe = validate_recipe(data)
     except ValidationError as e:
+        model = schema_for(data)
         issues += [issue_from_error(file, root, err, model) for err in _errors(e, data, model)]
     if issues or recipe is None:
         raise RecipeError(issues)

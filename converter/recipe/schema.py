@@ -146,7 +146,7 @@ class RecipeBase(StrictModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RecipeBase:
-        io = getattr(self, "io", None)
+        io = getattr(self, "io", None)  # each task's schema has its own io section
         problems = cross_field_problems(self.task, self.target, self.shapes, io, self.fixtures)
         problems += misplaced_keys(self.task, self.model_dump(exclude_unset=True))
         if self.compression is not None:
