@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converter.errors import InputError
 from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import ArtifactStage, clean_leftovers, stage_artifact
@@ -70,8 +69,6 @@ def convert(
     progress = steps or Steps(quiet=True)
     out_dir = out_dir or recipe.output_dir
     task = task_for(recipe.task)
-    if recipe.attention != "per-head":
-        raise InputError(f"attention: {recipe.attention!r} is not implemented yet; use 'per-head'")
     # Bad input fails here, in about a second, before the output directory is touched.
     with progress.step("check inputs"):
         source = recipe.resolve_source()

@@ -20,7 +20,7 @@ from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest
 from converter.progress import Steps
-from converter.recipe import Recipe, ResolvedSource
+from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
 from converter.steps import run_steps
 from converter.tasks import task_for
 from converter.tasks.base import Job, Program
@@ -61,9 +61,8 @@ def read_manifest(artifact: Path) -> Manifest:
 
 def recipe_from_manifest(manifest: Manifest) -> Recipe:
     """The recipe the artifact was converted with, as the manifest records it."""
-    fields = {k: v for k, v in manifest.recipe.items() if k in Recipe.model_fields}
     try:
-        return Recipe.model_validate(fields)
+        return recipe_from_dict(manifest.recipe)
     except ValidationError as e:
         raise InputError(f"manifest recipe: no longer a valid recipe: {e}") from None
 
@@ -106,6 +105,11 @@ def recheck(
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
     recipe = recipe_from_manifest(manifest)
+    if recipe.task != manifest.task:
+        raise InputError(
+            f"{artifact}: manifest recipe: task {recipe.task} disagrees with the manifest's "
+            f"task {manifest.task}"
+        )
     task = task_for(recipe.task)
     programs = _packages(artifact, manifest)
     report_dir = out or artifact.parent / f"{artifact.name}.parity"

@@ -58,6 +58,26 @@ def test_validate_invalid_file_exits_2_with_file_line_field(
     assert "Traceback" not in result.output
 
 
+def test_validate_refuses_a_key_the_task_does_not_read(
+    runner: CliRunner, write_file: WriteFile
+) -> None:
+    """An encoder recipe with a decoder-only key: the key's line, the key and the task."""
+    encoder = GOOD.replace("task: text-generation", "task: feature-extraction")
+    write_file("enc.yaml", encoder + "io:\n  dtype: float16\n  logits: last\n")
+    result = runner.invoke(cli.main, ["recipes", "validate", "enc.yaml"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: enc.yaml:9: io.logits: does not apply to task feature-extraction: the positions "
+        "the LM head returns, read by text-generation only; remove it\n"
+    )
+    write_file("dec.yaml", GOOD + "encoder:\n  partition: single\n")
+    result = runner.invoke(cli.main, ["recipes", "validate", "--json", "dec.yaml"])
+    assert result.exit_code == 2
+    (error,) = json.loads(result.stdout)[0]["errors"]
+    assert (error["line"], error["field"]) == (7, "encoder")
+    assert error["message"].startswith("does not apply to task text-generation")
+
+
 def test_validate_json(runner: CliRunner, write_file: WriteFile) -> None:
     write_file("good.yaml", GOOD)
     write_file("bad.yaml", BAD)

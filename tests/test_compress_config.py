@@ -20,16 +20,24 @@ fixtures:
   prompts: ["hello there"]
 compression:
   held_out: ["a held-out text"]
-  calibration: ["a calibration text"]
-  variants:
+{calibration}  variants:
 {variants}
 """
 GATES = "      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.1}\n"
+CALIBRATION = '  calibration: ["a calibration text"]\n'
+
+
+def _text(variants: str, target: str = "macOS14", calibration: bool | None = None) -> str:
+    """BASE with ``variants``; calibration text by default only where a variant reads it."""
+    if calibration is None:
+        calibration = "method: w8a8" in variants or "method: mixed" in variants
+    text = CALIBRATION if calibration else ""
+    return BASE.format(target=target, variants=variants, calibration=text)
 
 
 def _load(tmp_path: Path, variants: str, target: str = "macOS14", extra: str = "") -> object:
     path = tmp_path / "r.yaml"
-    path.write_text(BASE.format(target=target, variants=variants) + extra, encoding="utf-8")
+    path.write_text(_text(variants, target) + extra, encoding="utf-8")
     return load_recipe(path)
 
 
@@ -98,8 +106,8 @@ def test_duplicate_suffix_missing_gates_and_overlaps(tmp_path: Path) -> None:
     missing = "    - {suffix: a, method: lut, bits: 4, gates: {min_top1_agreement: 0.9}}\n"
     assert "needs min_top1_agreement and max_mean_kl" in _errors(tmp_path, missing)
     path = tmp_path / "o.yaml"
-    overlap = BASE.format(target="macOS14", variants="    - {suffix: b, method: lut, bits: 4, "
-                          "gates: {min_top1_agreement: 0.9, max_mean_kl: 0.1}}\n")  # fmt: skip
+    overlap = _text("    - {suffix: b, method: lut, bits: 4, "
+                    "gates: {min_top1_agreement: 0.9, max_mean_kl: 0.1}}\n")  # fmt: skip
     path.write_text(overlap.replace('["a held-out text"]', '["hello there"]'), encoding="utf-8")
     with pytest.raises(RecipeError, match="shares 1 text"):
         load_recipe(path)
@@ -108,6 +116,25 @@ def test_duplicate_suffix_missing_gates_and_overlaps(tmp_path: Path) -> None:
 def test_mixed_needs_search_and_calibration(tmp_path: Path) -> None:
     assert "a mixed variant needs a search section" in _errors(
         tmp_path, "    - suffix: m\n      method: mixed\n" + GATES
+    )
+    path = tmp_path / "c.yaml"
+    w8a8 = "    - suffix: a\n      method: w8a8\n      granularity: per-channel\n" + GATES
+    path.write_text(_text(w8a8, calibration=False), encoding="utf-8")
+    with pytest.raises(RecipeError, match=r"c\.yaml:\d+: compression\.calibration: required by"):
+        load_recipe(path)
+
+
+def test_calibration_without_a_variant_that_reads_it_is_refused(tmp_path: Path) -> None:
+    """Calibration text feeds mixed and w8a8 variants only; with lut / int8 variants alone it
+    would validate and then be ignored."""
+    path = tmp_path / "r.yaml"
+    lut = "    - suffix: l\n      method: lut\n      bits: 4\n" + GATES
+    path.write_text(_text(lut, calibration=True), encoding="utf-8")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path)
+    assert str(e.value) == (
+        f"{path}:9: compression.calibration: used by mixed and w8a8 variants only (layer "
+        "sensitivity, activation ranges) and no variant here is one; remove it"
     )
 
 

@@ -11,12 +11,15 @@ import pytest
 
 from converter.errors import InputError
 from converter.recipe import (
+    DecoderRecipe,
+    EncoderOptions,
+    EncoderRecipe,
     ModelSource,
-    Recipe,
     RecipeError,
     ResolvedSource,
     load_recipe,
     locate_recipe,
+    recipe_from_dict,
     recipe_to_dict,
     shipped_recipes,
 )
@@ -230,9 +233,15 @@ def test_fp16_io_is_fine_on_ios16_and_fp32_io_on_ios15(write_file: WriteFile) ->
     assert load_recipe(write_file("b.yaml", text)).target == "iOS15"
 
 
-def test_heads_batched_attention_has_no_target_requirement(write_file: WriteFile) -> None:
-    text = edit("target: macOS14", "target: macOS13\nattention: heads-batched")
-    assert load_recipe(write_file("x.yaml", text)).attention == "heads-batched"
+def test_heads_batched_attention_is_refused_at_validation(write_file: WriteFile) -> None:
+    """It used to validate and then be refused by `anec convert`: not implemented."""
+    text = edit("target: macOS14", "target: macOS14\nattention: heads-batched")
+    error = errors_of(write_file, text)
+    assert str(error) == (
+        "x.yaml:13: attention: heads-batched is not implemented; the implemented form is "
+        "per-head (one attention matmul per head)"
+    )
+    assert load_recipe(write_file("y.yaml", edit("target: macOS14", "attention: per-head")))
 
 
 MINIMAL = """\
@@ -244,22 +253,32 @@ fixtures: {token_ids: [[101, 2023, 102]]}
 
 
 def test_defaults(write_file: WriteFile) -> None:
-    r = load_recipe(write_file("m.yaml", MINIMAL))
-    assert (r.shapes.batch, r.shapes.sequence_length) == (1, 64)
-    assert (r.io.inputs, r.io.logits, r.io.lm_head_chunk, r.io.dtype) == (
+    decoder = MINIMAL.replace("task: feature-extraction", "task: text-generation")
+    d = load_recipe(write_file("d.yaml", decoder))
+    assert isinstance(d, DecoderRecipe)
+    assert (d.io.inputs, d.io.logits, d.io.lm_head_chunk, d.io.dtype) == (
         "auto",
         "last",
         16384,
         "float16",
     )
-    assert (r.precision, r.target, r.attention) == ("float16", "macOS14", "per-head")
-    g = r.gates
-    assert (g.fp32_layer_rel_error, g.fp32_logits_rel_error) == (1e-4, 1e-4)
-    assert (g.fp16_argmax_agreement, g.fp16_max_abs_dprob) == (1.0, 0.02)
-    assert r.fixtures.prompts == [] and r.fixtures.padded_variants is True
-    assert r.output_dir == Path("artifacts")
-    assert r.source.file is None and r.source.package is None
-    assert r.logits_positions == 1
+    assert d.logits_positions == 1
+    r = load_recipe(write_file("m.yaml", MINIMAL))
+    assert isinstance(r, EncoderRecipe)
+    assert r.io.dtype == "float16" and r.encoder == EncoderOptions()
+    for recipe in (d, r):
+        assert (recipe.shapes.batch, recipe.shapes.sequence_length) == (1, 64)
+        assert (recipe.precision, recipe.target, recipe.attention) == (
+            "float16",
+            "macOS14",
+            "per-head",
+        )
+        g = recipe.gates
+        assert (g.fp32_layer_rel_error, g.fp32_logits_rel_error) == (1e-4, 1e-4)
+        assert (g.fp16_argmax_agreement, g.fp16_max_abs_dprob) == (1.0, 0.02)
+        assert recipe.fixtures.prompts == [] and recipe.fixtures.padded_variants is True
+        assert recipe.output_dir == Path("artifacts")
+        assert recipe.source.file is None and recipe.source.package is None
 
 
 @pytest.mark.parametrize(("logits", "positions"), [("last", 1), ("all", 8), (3, 3)])
@@ -274,10 +293,13 @@ def test_recipe_remembers_its_file_and_dumps_every_value(write_file: WriteFile) 
     assert r.source_file == path and r.recipe_dir == path.parent
     d = recipe_to_dict(r)
     assert d["recipe_file"] == str(path)
-    assert set(d) == {"recipe_file", *Recipe.model_fields}
+    assert set(d) == {"recipe_file", *type(r).model_fields}
     assert d["shapes"] == {"batch": 1, "sequence_length": 64}
-    assert d["gates"]["fp16_max_abs_dprob"] == 0.02
+    assert d["gates"]["fp32_logits_rel_error"] == 1e-4
+    # Keys feature-extraction does not read are not recorded (they are errors in a recipe).
+    assert "fp16_max_abs_dprob" not in d["gates"] and "pooling" not in d["encoder"]
     assert d["output_dir"] == "artifacts"
+    assert recipe_from_dict(d).model_dump() == r.model_dump()
     assert "_source_file" not in r.model_dump()
     resolved = ResolvedSource("hf-dir", Path("/m"), None)
     assert recipe_to_dict(r, resolved)["resolved_source"] == {

@@ -75,6 +75,8 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20),
     st.sampled_from(["last", "all", "auto", "float16", "macOS14", "iOS15", "gguf", "hf-dir"]),
+    # Another task switches the schema under the decoder keys VALID carries.
+    st.sampled_from(["feature-extraction", "sentence-similarity", "text-classification"]),
 )
 values = st.recursive(
     scalars,

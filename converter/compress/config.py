@@ -10,13 +10,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+from pydantic import Field, model_validator
 
 from converter.targets import Feature, check_feature
-
-# The error type converter.recipe reports with its own readable reason (file:line: field: ...).
-_RULE = "recipe_rule"
+from converter.yaml_errors import Loc, StrictModel, raise_rules
 
 Method = Literal["lut", "int8", "w8a8", "mixed"]
 Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel"]
@@ -25,27 +22,14 @@ Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel"]
 LUT_BITS = (1, 2, 3, 4, 6, 8)
 # Bit widths the mixed-bit search may give one weight (16: stays fp16).
 SEARCH_BITS = (16, 8, 6, 4, 3, 2)
+# Methods that read compression.calibration (layer sensitivity, activation ranges).
+CALIBRATED_METHODS = ("mixed", "w8a8")
 
 _SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 # Kept fp16 unless a variant says otherwise: norms (their weights scale a residual stream that
 # reaches |h| ~ 25k), the embedding table and the LM head (the draft's output distribution).
 DEFAULT_KEEP_FP16 = ("*norm*", "embed*", "lm_head*")
-
-Loc = tuple[str | int, ...]
-
-
-def _raise(title: str, problems: list[tuple[Loc, str]]) -> None:
-    if problems:
-        details = [
-            InitErrorDetails(
-                type=PydanticCustomError(_RULE, "{reason}", {"reason": reason}),
-                loc=loc,
-                input=None,
-            )
-            for loc, reason in problems
-        ]
-        raise ValidationError.from_exception_data(title, details)
 
 
 def _keys(items: list[str | list[int]]) -> set[str | tuple[int, ...]]:
@@ -57,11 +41,7 @@ def split_texts(items: list[str | list[int]]) -> tuple[list[str], list[list[int]
     return [i for i in items if isinstance(i, str)], [i for i in items if not isinstance(i, str)]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class VariantGates(_Model):
+class VariantGates(StrictModel):
     """A variant's gates against the original checkpoint on the held-out slice and fixtures.
 
     Decoders: top-1 agreement and mean KL(p_original || p_variant) at every level (torch, MIL);
@@ -75,14 +55,14 @@ class VariantGates(_Model):
     min_cosine: float | None = Field(default=None, gt=0, le=1, strict=True)
 
 
-class SearchBudget(_Model):
+class SearchBudget(StrictModel):
     """The mixed-bit search's budget, against the fp16 model on the held-out slice."""
 
     min_top1_agreement: float = Field(gt=0, le=1, strict=True)
     max_mean_kl: float = Field(gt=0, strict=True)
 
 
-class SearchSpace(_Model):
+class SearchSpace(StrictModel):
     """A fixed search space: one bit width per weight tensor, per-tensor k-means palettes."""
 
     bits: list[int] = Field(default_factory=lambda: [16, 8, 6, 4])
@@ -95,11 +75,11 @@ class SearchSpace(_Model):
         if bad or len(set(self.bits)) != len(self.bits) or len(self.bits) < 2:
             allowed = ", ".join(map(str, SEARCH_BITS))
             problems.append((("bits",), f"expected at least two distinct widths from {allowed}"))
-        _raise("SearchSpace", problems)
+        raise_rules("SearchSpace", problems)
         return self
 
 
-class Variant(_Model):
+class Variant(StrictModel):
     """One compressed variant, published as ``<name>-<suffix>``."""
 
     suffix: str = Field(json_schema_extra={"expected": "lower-case letters, digits, '.', '_', '-'"})
@@ -156,7 +136,7 @@ class Variant(_Model):
             problems.append((("activations_keep_fp16",), "only for method: w8a8"))
         if self.method not in ("int8", "w8a8") and not self.symmetric:
             problems.append((("symmetric",), "only int8 and w8a8 weights have a zero point"))
-        _raise("Variant", problems)
+        raise_rules("Variant", problems)
         return self
 
     def features(self) -> list[tuple[Loc, Feature, str]]:
@@ -176,7 +156,7 @@ class Variant(_Model):
         return used
 
 
-class Compression(_Model):
+class Compression(StrictModel):
     """Compressed variants of the converted model and the evidence they are judged on."""
 
     keep_fp16: list[str] = Field(default_factory=lambda: list(DEFAULT_KEEP_FP16))
@@ -213,12 +193,21 @@ class Compression(_Model):
             problems.append(
                 (("calibration",), f"shares {len(overlap)} text(s) with held_out; keep them apart")
             )
-        needs_calibration = [v.suffix for v in self.variants if v.method in ("mixed", "w8a8")]
+        needs_calibration = [v.suffix for v in self.variants if v.method in CALIBRATED_METHODS]
         if needs_calibration and not self.calibration:
             problems.append(
                 (("calibration",), f"required by variant(s) {', '.join(needs_calibration)}")
             )
-        _raise("Compression", problems)
+        elif self.calibration and not needs_calibration:
+            # Read by mixed and w8a8 variants only: elsewhere it would be silently unused.
+            problems.append(
+                (
+                    ("calibration",),
+                    "used by mixed and w8a8 variants only (layer sensitivity, activation "
+                    "ranges) and no variant here is one; remove it",
+                )
+            )
+        raise_rules("Compression", problems)
         return self
 
 

@@ -6,7 +6,7 @@ from converter.checkpoint import Checkpoint
 from converter.coreml import TensorIO
 from converter.manifest import Deviation, FileEntry, Manifest
 from converter.manifest_fields import common_fields
-from converter.recipe import Recipe
+from converter.recipe import DecoderRecipe
 from converter.tasks.base import Job, Program
 from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.masks import MASKED
@@ -14,7 +14,7 @@ from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
 
 
-def decoder_io(recipe: Recipe, canonical: CanonicalModel) -> DecoderIO:
+def decoder_io(recipe: DecoderRecipe, canonical: CanonicalModel) -> DecoderIO:
     """Resolve the recipe's I/O choices against the checkpoint (``auto`` inputs)."""
     inputs = recipe.io.inputs
     if inputs == "auto":

@@ -24,7 +24,7 @@ from converter.manifest_fields import write_tokenizer
 from converter.markers import MarkerError
 from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
-from converter.recipe import EncoderOptions, Recipe
+from converter.recipe import EncoderOptions, EncoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
 from converter.tasks.base import TaskRun, emit_program, load, need, plan
 from converter.tasks.encoder_contract import (
@@ -104,9 +104,16 @@ class EncoderRun(TaskRun):
         return need(self.rewrite, "the rewrite").module.spec.num_layers
 
     @property
+    def recipe(self) -> EncoderRecipe:
+        """The recipe being converted (an encoder recipe: the task registry says so)."""
+        recipe = self.job.recipe
+        assert isinstance(recipe, EncoderRecipe)
+        return recipe
+
+    @property
     def options(self) -> EncoderOptions:
-        """The recipe's encoder section (defaults when absent)."""
-        return self.recipe.encoder or EncoderOptions()
+        """The recipe's encoder section."""
+        return self.recipe.encoder
 
 
 def output_kind(task: str) -> EncoderOutput:
@@ -141,17 +148,15 @@ def set_scales(module: BC1LEncoder, batches: list[Batch]) -> tuple[list[NormScal
     return scales, prescale
 
 
-def rewrite_encoder(recipe: Recipe, ckpt: Checkpoint, options: EncoderOptions) -> EncoderRewrite:
+def rewrite_encoder(
+    recipe: EncoderRecipe, ckpt: Checkpoint, options: EncoderOptions
+) -> EncoderRewrite:
     """Adapt the checkpoint, build the BC1L encoder, its fixtures and prescales."""
     canonical = adapt_encoder(ckpt.config, ckpt.model.state_dict())
     kind = output_kind(recipe.task)
     if kind == "logits" and canonical.spec.classifier is None:
         raise InputError("task: text-classification needs a checkpoint with a classifier head")
-    if kind == "sentence-embedding" and (options.pooling != "mean" or not options.normalize):
-        raise InputError("encoder: only mean pooling with L2 normalisation is implemented")
     length = recipe.shapes.sequence_length
-    if recipe.shapes.batch * length > 16384:
-        raise InputError("shapes: batch * sequence_length exceeds the NE's per-axis limit 16384")
     io = EncoderIO(recipe.shapes.batch, length, "token-ids", kind)
     module = BC1LEncoder(canonical, io).eval()
     fixtures = build_fixtures(
@@ -171,8 +176,6 @@ def rewrite_encoder(recipe: Recipe, ckpt: Checkpoint, options: EncoderOptions) -
             host = host_embedding(canonical, length, options.prenormalize_embeddings, dtype)
         except ValueError as e:
             raise InputError(f"encoder.{e}") from None
-    elif options.prenormalize_embeddings:
-        raise InputError("encoder.prenormalize_embeddings: needs partition: host-embedding")
     return EncoderRewrite(canonical, module, fixtures, batches, scales, pooled, host)
 
 

@@ -19,7 +19,7 @@ from converter.checkpoint import Checkpoint
 from converter.manifest_fields import write_npy, write_tokenizer
 from converter.progress import Steps
 from converter.publish import write_json_atomic
-from converter.recipe import Recipe
+from converter.recipe import DecoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
 from converter.tasks.base import TaskRun, emit_program, load, need, plan
 from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
@@ -61,6 +61,13 @@ class DecoderRun(TaskRun):
     held_out: Any = None  # compress.HeldOut when the recipe has a compression section
     profiles: tuple[str, ...] = MIL_PROFILES  # the MIL evaluator profiles to run
 
+    @property
+    def recipe(self) -> DecoderRecipe:
+        """The recipe being converted (a decoder recipe: the task registry says so)."""
+        recipe = self.job.recipe
+        assert isinstance(recipe, DecoderRecipe)
+        return recipe
+
     def num_layers(self) -> int:
         """Transformer layers of the converted model."""
         return need(self.rewrite, "the rewrite").spec.num_layers
@@ -85,7 +92,7 @@ def choose_scales(
     return apply_prescales(norms, measure_norm_inputs(norms, run_all))
 
 
-def rewrite_decoder(recipe: Recipe, ckpt: Checkpoint) -> Rewrite:
+def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
     """Adapt the checkpoint, build the BC1L module and set its prescales from the fixtures."""
     canonical = adapt(ckpt.config, ckpt.model.state_dict())
     io = decoder_io(recipe, canonical)

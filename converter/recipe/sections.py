@@ -1,0 +1,134 @@
+"""The recipe's sections: shapes, I/O, gates, fixtures and the encoder options.
+
+Which task reads which key is in `converter.recipe.tasks`; the sections here hold every key
+some task reads, with its default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from converter.yaml_errors import Loc, StrictModel, got, raise_rules, rule
+
+MAX_AXIS = 16384  # the Neural Engine's per-axis limit
+
+InputsMode = Literal["token-ids", "embeddings", "auto"]
+DType = Literal["float16", "float32"]
+
+_LOGITS_EXPECTED = "'last', 'all' or a positive integer n (the last n positions)"
+
+
+class Shapes(StrictModel):
+    """Fixed input shapes of the converted program."""
+
+    batch: int = Field(default=1, ge=1, le=64, strict=True)
+    sequence_length: int = Field(default=64, ge=1, le=MAX_AXIS, strict=True)
+
+
+class IOSpec(StrictModel):
+    """What goes in and comes out of a decoder program (text-generation)."""
+
+    # auto: host-side embeddings when the checkpoint ties its embeddings, token ids otherwise.
+    inputs: InputsMode = "auto"
+    logits: Literal["last", "all"] | int = "last"
+    lm_head_chunk: int = Field(default=MAX_AXIS, ge=1, le=MAX_AXIS, strict=True)
+    dtype: DType = "float16"
+
+    @field_validator("logits", mode="before")
+    @classmethod
+    def _check_logits(cls, value: Any) -> Any:
+        ok = value in ("last", "all") or (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0
+        )
+        if not ok:
+            raise rule(f"expected {_LOGITS_EXPECTED}, got {got(value)}")
+        return value
+
+
+class EncoderIOSpec(StrictModel):
+    """What goes in and comes out of an encoder program: token ids and a key mask in, the
+    task's output out (both fixed by the task); only the dtype is a choice."""
+
+    dtype: DType = "float16"
+
+
+class Gates(StrictModel):
+    """Parity thresholds, fixed before measuring (SPEC section 4)."""
+
+    fp32_layer_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
+    fp32_logits_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
+    fp16_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
+    fp16_max_abs_dprob: float = Field(default=0.02, gt=0, le=1, strict=True)
+    # The emitted program run by the MIL evaluator in fp32 against the BC1L module with the
+    # program's constants, per layer: the same function, so only rounding differs.
+    mil_fp32_layer_rel_error: float = Field(default=1.0e-5, gt=0, lt=1, strict=True)
+    # Plan gates (SPEC 5): static NE residency of the emitted program on every chip of the
+    # target's platform (anec plan-inspect); None = not required. Checked before publishing.
+    plan_min_ne_flop_share: float | None = Field(default=None, ge=0, le=1, strict=True)
+    plan_max_ne_segments: int | None = Field(default=None, ge=1, strict=True)
+
+    def parity_thresholds(self) -> dict[str, float]:
+        """The parity gates alone (the keyword arguments of ``parity.gates.Thresholds``)."""
+        return self.model_dump(exclude={"plan_min_ne_flop_share", "plan_max_ne_segments"})
+
+
+class Fixtures(StrictModel):
+    """Inputs the parity gates run on."""
+
+    prompts: list[str] = []
+    token_ids: list[list[Annotated[int, Field(ge=0, strict=True)]]] = []
+    padded_variants: bool = Field(default=True, strict=True)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Fixtures:
+        problems: list[tuple[Loc, str]] = []
+        if not self.prompts and not self.token_ids:
+            problems.append(((), "expected at least one entry in prompts or token_ids"))
+        for i, prompt in enumerate(self.prompts):
+            if not prompt.strip():
+                problems.append((("prompts", i), "expected a non-empty prompt"))
+        for i, ids in enumerate(self.token_ids):
+            if not ids:
+                problems.append((("token_ids", i), "expected a non-empty list of token ids"))
+        raise_rules("Fixtures", problems)
+        return self
+
+
+class EncoderOptions(StrictModel):
+    """Encoder tasks only (feature-extraction, sentence-similarity, text-classification)."""
+
+    # single: one program (embedding gather inside, on the CPU); host-embedding: embedding rows
+    # and their norm on the host | one NE island with every layer | the tail (pooling, heads)
+    # as a second small package (SPEC section 2).
+    partition: Literal["single", "host-embedding"] = "single"
+    # host-embedding only, and only where the embedding norm reads the token row alone
+    # (ModernBERT): ship the table already normalised (checked at conversion).
+    prenormalize_embeddings: bool = Field(default=False, strict=True)
+    # sentence-similarity: how token states become one vector, and whether it is L2-normalised
+    # (all-MiniLM-L6-v2: mean over real tokens, normalised). Classification heads use the
+    # checkpoint's own pooling.
+    pooling: Literal["mean"] = "mean"
+    normalize: bool = Field(default=True, strict=True)
+    # Gates on sentence embeddings (and, in fp16, on per-token hidden states): fixed here,
+    # before anything is measured.
+    fp32_min_cosine: float = Field(default=0.99999, gt=0, le=1, strict=True)
+    fp16_min_cosine: float = Field(default=0.9995, gt=0, le=1, strict=True)
+
+    @field_validator("normalize")
+    @classmethod
+    def _normalized_only(cls, value: bool) -> bool:
+        if not value:
+            raise rule(
+                "false is not implemented; the implemented sentence embedding is the mean "
+                "over real tokens, L2-normalised (normalize: true)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _prenormalize_needs_host(self) -> EncoderOptions:
+        if self.prenormalize_embeddings and self.partition != "host-embedding":
+            problem = "needs partition: host-embedding (the table is normalised on the host)"
+            raise_rules("EncoderOptions", [(("prenormalize_embeddings",), problem)])
+        return self
