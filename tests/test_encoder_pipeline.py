@@ -119,6 +119,80 @@ def test_partitioned_artifact_lists_pieces_order_and_boundary_bytes(converted: P
     assert table["max_abs_error_host_norm_of_fp16_rows"] < 1e-2
 
 
+REPORT_FILES = {
+    "manifest.json",
+    "parity.json",
+    "parity.txt",
+    "parity.html",
+    "plan.json",
+    "plan.txt",
+}
+
+
+@pytest.mark.parametrize("name", ["mb-single", "mb-host-embedding"])
+def test_encoder_artifacts_carry_every_report_and_the_mil_levels(
+    converted: Path, name: str
+) -> None:
+    """The same report files as a decoder artifact, and the MIL level run on the program: fp32
+    per layer (layer markers) and the fp16 task output, both gated."""
+    art = converted / name
+    assert {p.name for p in art.iterdir()} >= REPORT_FILES
+    parity = json.loads((art / "parity.json").read_text())
+    by_level = {(g["name"], g["implementation"]): g for g in parity["gates"]}
+    layers = by_level[("per-layer relative error", "mil-fp32")]
+    assert layers["passed"] and layers["value"] <= layers["threshold"]
+    assert len(parity["mil_fp32_layer_rel_error"]) == 4  # one figure per layer
+    assert by_level[("argmax agreement", "mil-fp16")]["passed"]
+    plan = json.loads((art / "plan.json").read_text())
+    assert plan["evidence"] == "static"
+    assert "<html" in (art / "parity.html").read_text().lower()
+
+
+def test_island_to_tail_tensors_have_shape_dtype_and_layout(converted: Path) -> None:
+    manifest = json.loads((converted / "mb-host-embedding" / "manifest.json").read_text())
+    crossing = next(b for b in manifest["boundaries"] if b["source"] == "island")
+    hidden = next(t for t in crossing["tensors"] if t["name"] == "hidden")
+    assert hidden["shape"] == [1, 64, 1, BATCH * LENGTH] and hidden["dtype"] == "float16"
+    assert "[1, channel, 1, slot]" in hidden["meaning"]
+
+
+def test_an_encoder_program_the_evaluator_cannot_run_is_a_failed_gate(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a kernel for an op of the program, the MIL level fails: exit 1, nothing
+    published (it used to be recorded as "not run" and published with exit 0)."""
+    from parity.mil.registry import KERNELS
+
+    monkeypatch.delitem(KERNELS, "softmax")
+    path = write_recipe(tmp_path, checkpoints["modernbert"], "no-kernel", "text-classification", {})
+    result = convert(load_recipe(path), tmp_path / "out")
+    assert result.exit_code == 1 and result.failed_gate == "MIL-level"
+    assert not (tmp_path / "out" / "no-kernel").exists()
+    parity = json.loads((tmp_path / "out" / "no-kernel.failed" / "parity.json").read_text())
+    failed = [g for g in parity["gates"] if not g["passed"]]
+    assert failed and "softmax" in failed[0]["detail"]
+
+
+def test_a_float32_recipe_ships_float32_host_tables(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The host tables are what the fp32 gates fed: float32, not rounded to fp16."""
+    path = write_recipe(
+        tmp_path,
+        checkpoints["modernbert"],
+        "mb-fp32",
+        "text-classification",
+        {"partition": "host-embedding", "prenormalize_embeddings": True},
+    )
+    doc = json.loads(path.read_text())
+    doc |= {"precision": "float32", "io": {"dtype": "float32"}}
+    path.write_text(json.dumps(doc))
+    result = convert(load_recipe(path), tmp_path / "out")
+    assert result.passed, [g for g in result.parity.gates if not g.passed]
+    table = np.load(tmp_path / "out" / "mb-fp32" / "embeddings.npy")
+    assert table.dtype == np.float32
+
+
 def test_partitioned_run_matches_the_single_program(
     converted: Path, checkpoints: dict[str, Path]
 ) -> None:
@@ -179,3 +253,21 @@ def test_encoder_section_is_refused_for_text_generation(tmp_path: Path) -> None:
     )
     with pytest.raises(RecipeError, match="encoder"):
         load_recipe(path)
+
+
+def test_anec_parity_rechecks_an_encoder_artifact(converted: Path, tmp_path: Path) -> None:
+    """The re-check runs the encoder's own steps on the published pieces: the same gates as
+    the conversion, every one passing again, the artifact untouched."""
+    from converter.recheck import recheck
+
+    art = converted / "mb-host-embedding"
+    before = (art / "parity.json").read_bytes()
+    result = recheck(art, tmp_path / "again")
+    assert result.exit_code == 0
+    published = json.loads(before)["gates"]
+    again = result.document["gates"]
+    key = ("name", "implementation")
+    assert sorted(tuple(g[k] for k in key) for g in again) == sorted(
+        tuple(g[k] for k in key) for g in published
+    )
+    assert (art / "parity.json").read_bytes() == before
