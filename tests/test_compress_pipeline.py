@@ -134,7 +134,9 @@ def test_lut4_records_rebuild_the_same_decoded_weights(run: tuple[Result, Path])
         if record["method"] != "lut":
             continue
         value = constants[record["const"] + "_palettized"].astype(np.float16)
-        assert len(np.unique(value)) <= 16
+        # Distinct values counted in float32: numpy 2.4.6 sorts float16 arrays wrongly on
+        # this machine (np.unique of 16 distinct fp16 values returned 22), float32 correctly.
+        assert len(np.unique(value.astype(np.float32))) <= 16
         assert hashlib.sha256(value.tobytes()).hexdigest() == record["decoded_sha256"]
 
 
