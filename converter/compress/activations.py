@@ -84,7 +84,7 @@ def insert_activation_quantization(mlmodel: Any, sites: list[ActivationSite]) ->
         insert_prefix_quantize_dequantize_pair,
     )
 
-    from converter.compress.plan import quiet_progress
+    from converter.compress.methods.base import quiet_progress
 
     config = OptimizationConfig(
         op_name_configs={

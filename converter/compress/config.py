@@ -8,22 +8,26 @@ gates are never loosened for it.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
+from converter.compress import methods
+from converter.compress.methods.base import LUT_BITS, SEARCH_BITS
 from converter.targets import Feature, check_feature
 from converter.yaml_errors import Loc, StrictModel, raise_rules
 
-Method = Literal["lut", "int8", "w8a8", "mixed"]
+# The registered methods (converter/compress/methods/, one module each).
+if TYPE_CHECKING:
+    Method = str
+else:
+    Method = Literal[methods.names()]
 Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel"]
 
-# Palette sizes coremltools' k-means palettizer and the constexpr ops accept.
-LUT_BITS = (1, 2, 3, 4, 6, 8)
-# Bit widths the mixed-bit search may give one weight (16: stays fp16).
-SEARCH_BITS = (16, 8, 6, 4, 3, 2)
-# Methods that read compression.calibration (layer sensitivity, activation ranges).
-CALIBRATED_METHODS = ("mixed", "w8a8")
+# Methods that read compression.calibration (layer sensitivity, activation ranges): each
+# method module says so (``needs_calibration``).
+CALIBRATED_METHODS = tuple(n for n, m in methods.METHODS.items() if m.needs_calibration)
+__all__ = ["CALIBRATED_METHODS", "LUT_BITS", "SEARCH_BITS"]  # importable from here
 
 _SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -101,59 +105,32 @@ class Variant(StrictModel):
         if not _SUFFIX_RE.match(self.suffix) or ".." in self.suffix:
             problems.append((("suffix",), f"expected lower-case letters, digits, '.', '_', '-', "
                              f"got {self.suffix!r}"))  # fmt: skip
-        if self.method == "lut":
-            if self.bits not in LUT_BITS:
-                allowed = ", ".join(map(str, LUT_BITS))
-                problems.append((("bits",), f"a lut variant needs bits from {allowed}"))
-            if self.granularity == "per-channel":
-                problems.append(
-                    (("granularity",), "palettes are per-tensor or per-grouped-channel")
-                )
-        elif self.method in ("int8", "w8a8"):
-            if self.bits not in (None, 8):
-                problems.append((("bits",), f"{self.method} is 8 bits; remove bits or set 8"))
-            if self.granularity != "per-channel":
-                problems.append(
-                    (
-                        ("granularity",),
-                        "int8 weights are per-channel (per output channel: the form the NE "
-                        "runs well; per-block int4 is GPU-oriented)",
-                    )
-                )
-        else:  # mixed
-            if self.search is None:
-                problems.append((("search",), "a mixed variant needs a search section"))
-            if self.bits is not None:
-                problems.append((("bits",), "a mixed variant's bits come from search.bits"))
-        if self.search is not None and self.method != "mixed":
-            problems.append((("search",), "only for method: mixed"))
+        problems += methods.get(self.method).check(self)
         if self.granularity == "per-grouped-channel":
             if self.group_size is None:
                 problems.append((("group_size",), "required for per-grouped-channel"))
         elif self.group_size is not None:
             problems.append((("group_size",), "only for per-grouped-channel"))
-        if self.activations_keep_fp16 and self.method != "w8a8":
-            problems.append((("activations_keep_fp16",), "only for method: w8a8"))
-        if self.method not in ("int8", "w8a8") and not self.symmetric:
-            problems.append((("symmetric",), "only int8 and w8a8 weights have a zero point"))
+        for name in methods.optional_fields():
+            owners = methods.owners(name)
+            default = type(self).model_fields[name].get_default(call_default_factory=True)
+            if self.method not in owners and getattr(self, name) != default:
+                why = methods.get(owners[0]).fields[name]
+                reason = (
+                    f"only {' and '.join(owners)} {why}"
+                    if why
+                    else (f"only for method: {' or '.join(owners)}")
+                )
+                problems.append(((name,), reason))
         raise_rules("Variant", problems)
         return self
 
     def features(self) -> list[tuple[Loc, Feature, str]]:
         """Target features this variant needs: the field that asks, the feature, the fix."""
-        fix = "set target: macOS15 (or iOS18)"
         used: list[tuple[Loc, Feature, str]] = [
             (("method",), Feature.COMPRESSED_WEIGHTS, "choose a later target")
         ]
-        if self.method == "lut" and self.granularity == "per-grouped-channel":
-            used.append((("granularity",), Feature.GROUPED_PALETTE, fix + " or use per-tensor"))
-        if self.method == "lut" and self.bits == 3:
-            used.append((("bits",), Feature.PALETTE_3BIT, fix + " or use 2 or 4 bits"))
-        if self.method == "mixed" and self.search is not None and 3 in self.search.bits:
-            used.append((("search", "bits"), Feature.PALETTE_3BIT, fix + " or drop 3"))
-        if self.method == "w8a8":
-            used.append((("method",), Feature.INT8_ACTIVATIONS, "choose a later target"))
-        return used
+        return used + methods.get(self.method).features(self)
 
 
 class Compression(StrictModel):
@@ -237,9 +214,10 @@ def compression_problems(
             problems.append(((*at, "gates"), need))
         if not decoder and g.min_cosine is None:
             problems.append(((*at, "gates"), "an encoder variant needs min_cosine"))
-        if not decoder and v.method in ("mixed", "w8a8"):
+        tasks = methods.get(v.method).tasks
+        if tasks is not None and task not in tasks:
             problems.append(
-                ((*at, "method"), f"{v.method} is implemented for text-generation only")
+                ((*at, "method"), f"{v.method} is implemented for {', '.join(sorted(tasks))} only")
             )
     shared = _keys(compression.held_out) & _keys(list(fixture_prompts))
     if shared:

@@ -1,7 +1,9 @@
-"""Emit every compressed variant of a decoder as its own artifact ``OUT/<name>-<suffix>/``.
+"""Emit every compressed variant of a converted model as its own artifact ``OUT/<name>-<suffix>/``.
 
-Uniform variants (``lut``, ``int8``) give every selected weight one scheme; ``w8a8`` adds int8
-activations (``activations``); ``mixed`` takes its per-weight plan from ``search``.
+What differs between methods (``lut``, ``int8``, ``w8a8``, ``mixed``) lives in their modules
+(``compress/methods/``); what differs between a decoder and an encoder - what a variant is
+compared on, its baselines and gates - in the `Subject` handed in (``compress.decoder``,
+``compress.encoder``). This module only runs the steps in order.
 
 Runs after the fp16 artifact is published. Each variant is built from the fp16 package, saved
 into its own staging directory with the host files it needs (embeddings, tokenizer), measured
@@ -12,32 +14,21 @@ reports stay in ``OUT/<name>-<suffix>.failed/``. A failing variant blocks only i
 from __future__ import annotations
 
 import json
-import logging
 import resource
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from converter.compress.activations import (
-    activation_report,
-    activation_sites,
-    calibrate,
-    fake_quantized_inputs,
-    insert_activation_quantization,
-    program_scales,
-    quantizer_mismatches,
-    ranges_text,
-)
+from converter.compress import methods
 from converter.compress.config import Compression, Variant
-from converter.compress.plan import Scheme, apply_plan, split_sites, variant_scheme
+from converter.compress.methods.base import BuildContext, Subject
+from converter.compress.plan import apply_plan
 from converter.compress.records import WeightRecord, weight_records
-from converter.compress.sites import WeightSite, keep_reason, weight_sites
+from converter.compress.sites import weight_sites
 from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
@@ -46,29 +37,7 @@ from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic
 from converter.runlog import write_log_into
 from graph_passes.decoder import BC1LDecoder
-from parity.compression_gates import (
-    HeldOut,
-    Logits,
-    VariantParity,
-    Wrap,
-    compare_torch,
-    compare_windows,
-    decoder_gates,
-    level_result,
-    mil_fp32_check,
-    mil_logits,
-    parity_json,
-    parity_text,
-    program_feed,
-    torch_logits,
-    with_weights,
-    write_reports,
-)
-from parity.fixtures import make_batches
-
-# Windows the fp32 consistency check runs (the program against torch with the same weights).
-FP32_WINDOWS = 2
-_HOST_FILES = ("embeddings.npy", "tokenizer.json")
+from parity.compression_gates import HeldOut, write_reports
 
 
 @dataclass
@@ -80,7 +49,7 @@ class VariantResult:
     passed: bool
     directory: Path
     size: SizeReport | None = None
-    parity: VariantParity | None = None
+    parity: Any = None  # the subject's parity result: .gates (GateResult), .passed
     seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_mib: float = 0.0
 
@@ -106,79 +75,6 @@ class VariantResult:
         }
 
 
-@dataclass
-class Baselines:
-    """The fp16 artifact's own logits on the held-out slice, computed once for all variants."""
-
-    torch_fp16: Logits
-    mil_fp16: Logits
-
-
-def uniform_plan(
-    compression: Compression, variant: Variant, sites: list[WeightSite]
-) -> tuple[dict[str, Scheme], dict[str, str]]:
-    """One scheme for every weight not kept fp16; returns the plan and the kept reasons."""
-    keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
-    chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
-    scheme = variant_scheme(variant)
-    return {s.name: scheme for s in chosen}, kept
-
-
-def _search(
-    compression: Compression,
-    variant: Variant,
-    sites: list[WeightSite],
-    module: BC1LDecoder,
-    embed_table: torch.Tensor,
-    held_out: HeldOut,
-    steps: Steps,
-) -> tuple[dict[str, Scheme], dict[str, str], dict[str, Any]]:
-    """The mixed-bit plan of ``converter.compress.search``, the kept weights and its report."""
-    from converter.compress.search import search_plan
-
-    assert variant.search is not None  # recipe rule
-    keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
-    chosen, kept = split_sites(sites, keep, compression.min_weight_elements)
-    widths = [b for b in variant.search.bits if b != 16]
-    label = f"{variant.suffix}: search ({len(chosen)} weights x {len(widths)} widths)"
-    with steps.step(label, total=len(chosen) * len(widths)) as advance:
-        plan, found = search_plan(
-            module, chosen, variant.search, held_out.calibration, held_out.texts, embed_table,
-            held_out.pad_id, log=logging.getLogger("anec.compress").info, advance=advance,
-        )  # fmt: skip
-    for site in chosen:
-        if site.name not in plan:
-            kept[site.name] = "the mixed-bit search kept it fp16"
-    return plan, kept, {"search": found}
-
-
-def _calibrate(
-    variant: Variant,
-    package: Path,
-    module: BC1LDecoder,
-    plan: dict[str, Scheme],
-    sites: list[WeightSite],
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-) -> list[Any]:
-    """Input ranges of every planned projection: the fp16 program in the MIL evaluator
-    (profile fp16) on the calibration text."""
-    from parity.compression_gates import program_feed
-    from parity.fixtures import make_batches
-    from parity.mil import Evaluator, load_package
-
-    program = load_package(package)
-    function = program.functions["main"]
-    keep = variant.activations_keep_fp16
-    quantized = [s for s in sites if s.name in plan and keep_reason(s, keep, 0) is None]
-    chosen = activation_sites(function, quantized)
-    evaluator = Evaluator(program, "fp16")
-    io = module.io
-    batches = make_batches(held_out.calibration, io.batch, io.length, held_out.pad_id)
-    feeds = [program_feed(evaluator, module, b, embed_table) for b in batches]
-    return calibrate(evaluator, feeds, chosen)
-
-
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -195,132 +91,110 @@ def emit_variants(
     force: bool = False,
     steps: Steps | None = None,
 ) -> list[VariantResult]:
-    """Build, measure and publish every variant of ``compression`` (in recipe order)."""
+    """Build, measure and publish every variant of a decoder (in recipe order)."""
+    from converter.compress.decoder import DecoderSubject
+
+    subject = DecoderSubject(module, embed_table, held_out, mil_fp32_threshold)
+    return emit(compression, name, fp16_dir, subject, out_dir, force, steps)
+
+
+def emit(
+    compression: Compression,
+    name: str,
+    fp16_dir: Path,
+    subject: Subject,
+    out_dir: Path,
+    force: bool = False,
+    steps: Steps | None = None,
+) -> list[VariantResult]:
+    """Build, measure and publish every variant of ``compression`` (in recipe order) of the
+    single-program artifact ``fp16_dir``; ``subject`` says what the variants are compared on."""
     import coremltools as ct
 
-    from parity.mil import Evaluator, load_package
+    from parity.mil import load_package
 
     steps = steps or Steps(quiet=True)
     package = fp16_dir / f"{name}.mlpackage"
+    if not package.is_dir():
+        raise FileNotFoundError(f"{package}: no single-program artifact to compress")
     mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
-    with steps.step("compression: fp16 baselines", total=len(held_out.windows)) as advance:
+    with steps.step("compression: fp16 baselines", total=subject.baseline_steps) as advance:
         program = load_package(package)
-        sites = weight_sites(program.functions["main"], dict(module.named_parameters()))
-        base = Baselines(
-            torch_fp16=torch_logits(module, held_out, embed_table, torch.float16),
-            mil_fp16=mil_logits(
-                Evaluator(program, "fp16"), module, held_out, embed_table, progress=advance
-            ),
-        )
+        sites = weight_sites(program.functions["main"], dict(subject.module.named_parameters()))
+        subject.baselines(program, advance)
         del program
     results = []
     for variant in compression.variants:
-        results.append(
-            _emit_one(
-                compression,
-                variant,
-                name,
-                fp16_dir,
-                mlmodel,
-                sites,
-                module,
-                embed_table,
-                held_out,
-                base,
-                out_dir,
-                mil_fp32_threshold,
-                force,
-                steps,
-            )  # fmt: skip
-        )
+        keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
+        ctx = BuildContext(subject, sites, keep, compression.min_weight_elements, package, steps)
+        results.append(_emit_one(ctx, variant, name, fp16_dir, mlmodel, out_dir, force))
     return results
 
 
 def _emit_one(
-    compression: Compression,
+    ctx: BuildContext,
     variant: Variant,
     name: str,
     fp16_dir: Path,
     mlmodel: Any,
-    sites: list[WeightSite],
-    module: BC1LDecoder,
-    embed_table: torch.Tensor,
-    held_out: HeldOut,
-    base: Baselines,
     out_dir: Path,
-    mil_fp32_threshold: float,
     force: bool,
-    steps: Steps,
 ) -> VariantResult:
     from parity.mil import load_package
 
+    subject, sites, steps = ctx.subject, ctx.sites, ctx.progress
+    method = methods.get(variant.method)
     vname = f"{name}-{variant.suffix}"
     seconds: dict[str, float] = {}
     with stage_artifact(out_dir, vname, force=force) as stage:
-        search_doc: dict[str, Any] = {}
-        if variant.method == "mixed":
-            start = time.perf_counter()
-            plan, kept, search_doc = _search(compression, variant, sites, module, embed_table,
-                                             held_out, steps)  # fmt: skip
-            seconds["search"] = time.perf_counter() - start
+        selection = method.select(ctx, variant)
+        seconds.update(selection.seconds)
+        plan, kept = selection.plan, selection.kept
         with steps.step(f"{variant.suffix}: compress"):
             start = time.perf_counter()
-            if variant.method != "mixed":
-                plan, kept = uniform_plan(compression, variant, sites)
-            source, act_sites = mlmodel, []
-            if variant.method == "w8a8":
-                act_sites = _calibrate(variant, fp16_dir / f"{name}.mlpackage", module, plan, sites,
-                                       held_out, embed_table)  # fmt: skip
-                source = insert_activation_quantization(mlmodel, act_sites)
+            source, state = method.prepare(ctx, variant, mlmodel, plan)
             compressed = apply_plan(source, plan, sites)
             del source
             path = stage.path / f"{vname}.mlpackage"
             compressed.save(str(path))
             del compressed
-            for host in _HOST_FILES:
+            for host in subject.host_files:
                 if (fp16_dir / host).is_file():
                     shutil.copyfile(fp16_dir / host, stage.path / host)
             seconds["compress"] = time.perf_counter() - start
         with steps.step(f"{variant.suffix}: records and size"):
             program = load_package(path)
-            records, decoded = weight_records(program.functions["main"], sites, plan, kept)
+            function = program.functions["main"]
+            records, decoded = weight_records(function, sites, plan, kept)
             size = size_report(records, fp16_dir / f"{name}.mlpackage", path)
-            errors = weight_errors(
-                decoded, {n: module.get_parameter(n).detach().half().numpy() for n in decoded}
-            )
+            fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
+            errors = weight_errors(decoded, fp16)
             ops = _live_ops(program)
-            wrap, act, act_text = None, None, ""
-            if act_sites:
-                scales = program_scales(program.functions["main"], act_sites)
-                kept_inputs = sorted(set(plan) - {a.weight for a in act_sites})
-                search_doc = {"activations": activation_report(act_sites, scales, kept_inputs)}
-                act_text = ranges_text(act_sites, scales, kept_inputs)
-                act = (act_sites, scales)
+            inspected = method.inspect(function, state, selection)
+            extra = selection.doc | (inspected.doc if inspected is not None else {})
 
-                def wrap(m: torch.nn.Module, sc: dict[str, float] = scales) -> Any:
-                    return fake_quantized_inputs(m, sc)
-
-        total = len(held_out.windows) + FP32_WINDOWS
-        with steps.step(f"{variant.suffix}: parity (torch, MIL)", total=total) as advance:
+        with steps.step(
+            f"{variant.suffix}: parity (torch, MIL)", total=subject.parity_steps
+        ) as advance:
             start = time.perf_counter()
-            parity = _variant_parity(
-                variant, program, module, decoded, embed_table, held_out, base,
-                mil_fp32_threshold, advance, wrap, act,
-            )  # fmt: skip
+            parity = subject.parity(variant, program, decoded, advance, inspected)
             seconds["parity"] = time.perf_counter() - start
         del program, decoded
-        doc = parity_json(parity) | {
+        parity_doc, parity_txt = subject.report(parity)
+        doc = parity_doc | {
             "variant": vname,
             "size": size.to_json(),
             "weight_errors": errors_json(errors),
-            **search_doc,
+            **extra,
         }
-        sections = [parity_text(parity), size.to_text(), errors_text(errors), act_text]
+        act_text = inspected.text if inspected is not None else ""
+        sections = [parity_txt, size.to_text(), errors_text(errors), act_text]
         text = "\n\n".join(s for s in sections if s)
         write_reports(stage.path, doc, text)
         manifest = _manifest(
-            fp16_dir, stage.path, vname, variant, path, ops, records, size, search_doc
-        )
+            fp16_dir, stage.path, vname, variant, path, ops, records, size,
+            method.manifest(variant) | extra, subject.not_compressed,
+        )  # fmt: skip
         write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
         peak = _peak_rss_mib()
         if not parity.passed:
@@ -332,67 +206,6 @@ def _emit_one(
     return VariantResult(vname, variant.suffix, True, final, size, parity, seconds, peak)
 
 
-def _variant_parity(
-    variant: Variant,
-    program: Any,
-    module: BC1LDecoder,
-    decoded: dict[str, np.ndarray],
-    embed_table: torch.Tensor,
-    held_out: HeldOut,
-    base: Baselines,
-    mil_fp32_threshold: float,
-    advance: Callable[[], None],
-    wrap: Wrap | None = None,
-    act: tuple[list[Any], dict[str, float]] | None = None,
-) -> VariantParity:
-    from parity.mil import Evaluator
-
-    with_variant = with_weights(module, decoded)
-    torch16 = torch_logits(with_variant, held_out, embed_table, torch.float16, wrap)
-    torch_level = level_result(
-        "torch-fp16",
-        "the BC1L module with the variant's decoded weights, cast to fp16, torch on the CPU; "
-        "every real position of each held-out text",
-        compare_torch(torch16, held_out.references),
-        compare_torch(torch16, base.torch_fp16),
-    )
-    mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, embed_table, progress=advance)
-    mil_level = level_result(
-        "mil-fp16",
-        "the emitted variant program in anec's MIL evaluator, fp16 storage profile; the last "
-        "position of each held-out prefix window",
-        compare_windows(mil16, held_out, None),
-        compare_windows(mil16, held_out, base.mil_fp16),
-    )
-    fp32_error, mismatches = mil_fp32_check(
-        program, module, decoded, held_out, embed_table, FP32_WINDOWS, wrap
-    )
-    for _ in range(FP32_WINDOWS):
-        advance()
-    g = variant.gates
-    assert g.min_top1_agreement is not None and g.max_mean_kl is not None  # recipe rule
-    levels = [torch_level, mil_level]
-    quantizers = None
-    notes = []
-    if act is not None:
-        sites, scales = act
-        function = program.functions["main"]
-        evaluator = Evaluator(program, "fp32")
-        (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
-        feed = program_feed(evaluator, module, batch, embed_table)
-        quantizers = quantizer_mismatches(evaluator, feed, function, sites, scales)
-        notes.append(
-            "mil-fp32 logits relative error is reported, not gated, for int8 activations: a "
-            "last-bit difference before a quantizer flips a code (one scale step)"
-        )
-        notes.append("int8 x int8 arithmetic pays only on A17 Pro / M4 and later (SPEC 3)")
-    gates = decoder_gates(
-        levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
-        mil_fp32_threshold, mismatches, quantizers,
-    )  # fmt: skip
-    return VariantParity(levels, gates, fp32_error, notes)
-
-
 def _manifest(
     fp16_dir: Path,
     stage: Path,
@@ -402,7 +215,8 @@ def _manifest(
     ops: dict[str, int],
     records: list[WeightRecord],
     size: SizeReport,
-    search_doc: dict[str, Any],
+    extra: dict[str, Any],
+    not_compressed: str,
 ) -> Manifest:
     """The fp16 artifact's manifest with this variant's name, package, report and records."""
     base = Manifest.model_validate(json.loads((fp16_dir / "manifest.json").read_text()))
@@ -418,15 +232,9 @@ def _manifest(
         "size": size.to_json(),
         "kept_fp16": {r.weight: r.kept_reason for r in kept},
         "weights": [r.to_json() for r in records],
-        "not_compressed": "activations, norms' parameters, RoPE tables, masks and the host-side "
-        "embedding table stay as in the fp16 artifact",
+        "not_compressed": not_compressed,
     }
-    if variant.method == "w8a8":
-        compression["int8_activations"] = (
-            "int8 x int8 arithmetic pays only on A17 Pro / M4 and later; older NEs "
-            "dequantize to fp16"
-        )
-    compression.update(search_doc)  # "search" (mixed) or "activations" (w8a8)
+    compression.update(extra)  # the method's entries, "search" (mixed), "activations" (w8a8)
     parity_path = stage / "parity.json"
     return base.model_copy(
         update={

@@ -16,13 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from converter.compress import methods
 from converter.compress.plan import Scheme
 from converter.compress.sites import WeightSite
 
 _COMPRESSED_SUFFIXES = ("_palettized", "_quantized")
-# coremltools clusters with kmeans1d (optimal 1-D k-means, vendored in coremltools._deps) for
-# fp16 weights of at least this many values, else scikit-learn k-means (k-means++, random_state 0).
-_KMEANS1D_MIN = 10_000
 
 
 @dataclass(frozen=True)
@@ -82,20 +80,6 @@ def _stored(op: Any) -> tuple[int, str]:
 def _decode(op: Any) -> np.ndarray:
     infer = getattr(op, "materialized_val_inference", None) or op.value_inference
     return np.asarray(infer()).astype(np.float16)
-
-
-def _algorithm(scheme: Scheme, site: WeightSite) -> str:
-    if scheme.method == "int8":
-        zero = "zero point 0" if scheme.symmetric else "zero point per channel"
-        return f"affine int8 per output channel ({zero}), coremltools linear_quantize_weights"
-    per_table = site.elements
-    if scheme.granularity == "per-grouped-channel" and scheme.group_size:
-        per_table = site.elements * scheme.group_size // site.shape[0]
-    from coremltools._deps import _HAS_KMEANS1D as has_1d  # coremltools vendors kmeans1d
-
-    if has_1d and per_table >= _KMEANS1D_MIN and site.dtype == "float16":
-        return "k-means, kmeans1d (optimal 1-D clustering of the fp16 values), coremltools"
-    return "k-means, scikit-learn KMeans (k-means++, n_init 1, tol 1e-2, random_state 0)"
 
 
 def weight_records(
@@ -171,7 +155,7 @@ def weight_records(
                 scheme.granularity,
                 scheme.group_size,
                 scheme.symmetric if scheme.method == "int8" else None,
-                _algorithm(scheme, site),
+                methods.get(scheme.method).algorithm(scheme, site),
                 op.op_type,
                 fp16_bytes,
                 stored,

@@ -1,0 +1,154 @@
+"""What a decoder's variants are compared on: logits on the held-out slice (``parity/
+compression_gates``), top-1 agreement and mean KL against the original checkpoint.
+
+`DecoderSubject` is the decoder side of `emit.emit`: the BC1L decoder, its host-side
+embedding table and the held-out slice with the original model's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from converter.compress.methods.base import Inspected, Scheme, VariantFields
+from converter.compress.sites import WeightSite
+from graph_passes.decoder import BC1LDecoder
+from parity.compression_gates import (
+    HeldOut,
+    Logits,
+    VariantParity,
+    compare_torch,
+    compare_windows,
+    decoder_gates,
+    level_result,
+    mil_fp32_check,
+    mil_logits,
+    parity_json,
+    parity_text,
+    program_feed,
+    torch_logits,
+    with_weights,
+)
+from parity.fixtures import make_batches
+
+# Windows the fp32 consistency check runs (the program against torch with the same weights).
+FP32_WINDOWS = 2
+
+
+@dataclass
+class DecoderSubject:
+    """A decoder and its held-out slice; ``mil_fp32_threshold`` gates the program in fp32
+    against torch with the same decoded weights."""
+
+    module: BC1LDecoder
+    embed_table: torch.Tensor
+    held_out: HeldOut
+    mil_fp32_threshold: float
+    task: str = "text-generation"
+    host_files: tuple[str, ...] = ("embeddings.npy", "tokenizer.json")
+    not_compressed: str = (
+        "activations, norms' parameters, RoPE tables, masks and the host-side embedding table "
+        "stay as in the fp16 artifact"
+    )
+    # The fp16 artifact's own logits, computed once for all variants by `baselines`.
+    torch_fp16: Logits = field(default_factory=dict)
+    mil_fp16: Logits = field(default_factory=dict)
+
+    @property
+    def baseline_steps(self) -> int:
+        """Progress steps of `baselines`."""
+        return len(self.held_out.windows)
+
+    @property
+    def parity_steps(self) -> int:
+        """Progress steps of `parity`."""
+        return len(self.held_out.windows) + FP32_WINDOWS
+
+    def baselines(self, program: Any, advance: Callable[[], None]) -> None:
+        """The fp16 artifact's logits: the torch module in fp16 and the program (MIL fp16)."""
+        from parity.mil import Evaluator
+
+        self.torch_fp16 = torch_logits(self.module, self.held_out, self.embed_table, torch.float16)
+        self.mil_fp16 = mil_logits(
+            Evaluator(program, "fp16"), self.module, self.held_out, self.embed_table,
+            progress=advance,
+        )  # fmt: skip
+
+    def calibration_feeds(self, evaluator: Any) -> list[dict[str, Any]]:
+        """The program's inputs for the calibration text, in (B, L) batches."""
+        io, held_out = self.module.io, self.held_out
+        batches = make_batches(held_out.calibration, io.batch, io.length, held_out.pad_id)
+        return [program_feed(evaluator, self.module, b, self.embed_table) for b in batches]
+
+    def search(
+        self, variant: VariantFields, chosen: list[WeightSite], advance: Callable[[], None]
+    ) -> tuple[dict[str, Scheme], dict[str, Any]]:
+        """The mixed-bit plan of ``converter.compress.search`` and its report."""
+        from converter.compress.search import search_plan
+
+        return search_plan(
+            self.module, chosen, variant.search, self.held_out.calibration, self.held_out.texts,
+            self.embed_table, self.held_out.pad_id, log=logging.getLogger("anec.compress").info,
+            advance=advance,
+        )  # fmt: skip
+
+    def parity(
+        self,
+        variant: Any,
+        program: Any,
+        decoded: dict[str, np.ndarray],
+        advance: Callable[[], None],
+        inspected: Inspected | None,
+    ) -> VariantParity:
+        """Torch fp16 and MIL fp16 logits of the variant against the original checkpoint (gated)
+        and the fp16 artifact (reported), and the program in fp32 against torch."""
+        from parity.mil import Evaluator
+
+        module, held_out, table = self.module, self.held_out, self.embed_table
+        wrap = inspected.wrap if inspected is not None else None
+        with_variant = with_weights(module, decoded)
+        torch16 = torch_logits(with_variant, held_out, table, torch.float16, wrap)
+        torch_level = level_result(
+            "torch-fp16",
+            "the BC1L module with the variant's decoded weights, cast to fp16, torch on the "
+            "CPU; every real position of each held-out text",
+            compare_torch(torch16, held_out.references),
+            compare_torch(torch16, self.torch_fp16),
+        )
+        mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, table, progress=advance)
+        mil_level = level_result(
+            "mil-fp16",
+            "the emitted variant program in anec's MIL evaluator, fp16 storage profile; the "
+            "last position of each held-out prefix window",
+            compare_windows(mil16, held_out, None),
+            compare_windows(mil16, held_out, self.mil_fp16),
+        )
+        fp32_error, mismatches = mil_fp32_check(
+            program, module, decoded, held_out, table, FP32_WINDOWS, wrap
+        )
+        for _ in range(FP32_WINDOWS):
+            advance()
+        g = variant.gates
+        assert g.min_top1_agreement is not None and g.max_mean_kl is not None  # recipe rule
+        levels = [torch_level, mil_level]
+        quantizers = None
+        notes: list[str] = []
+        if inspected is not None:
+            evaluator = Evaluator(program, "fp32")
+            (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
+            quantizers = inspected.check(evaluator, program_feed(evaluator, module, batch, table))
+            notes += inspected.notes
+        gates = decoder_gates(
+            levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
+            self.mil_fp32_threshold, mismatches, quantizers,
+        )  # fmt: skip
+        return VariantParity(levels, gates, fp32_error, notes)
+
+    def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
+        """The variant's parity.json content and its parity.txt section."""
+        return parity_json(parity), parity_text(parity)

@@ -1,0 +1,61 @@
+"""Compression methods, one module each, registered by the name a recipe's ``method:`` uses.
+
+Every module here but ``base`` defines ``METHOD``, an instance of
+`base.CompressionMethod`; it is found by name at import, so adding a method is adding one
+file. ``names()`` is the order recipes list them in (storing methods first, as they apply).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from converter.compress.methods.base import CompressionMethod
+
+# The order the methods are listed in messages and applied in (palettes, then int8); a new
+# method without a place here comes after them, by name.
+_ORDER = ("lut", "int8", "w8a8", "mixed")
+
+
+def _discover() -> dict[str, CompressionMethod]:
+    found: dict[str, CompressionMethod] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name == "base":
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        method = getattr(module, "METHOD", None)
+        if not isinstance(method, CompressionMethod):
+            raise TypeError(f"{module.__name__}: expected METHOD, a CompressionMethod")
+        if method.name in found:
+            raise TypeError(f"{module.__name__}: method {method.name!r} registered twice")
+        found[method.name] = method
+    rank = {n: i for i, n in enumerate(_ORDER)}
+    return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+
+
+METHODS = _discover()
+
+
+def names() -> tuple[str, ...]:
+    """Every registered method name."""
+    return tuple(METHODS)
+
+
+def get(name: str) -> CompressionMethod:
+    """The method registered as ``name``."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KeyError(
+            f"no compression method {name!r}; registered: {', '.join(METHODS)}"
+        ) from None
+
+
+def owners(field: str) -> list[str]:
+    """The methods that accept the optional variant field ``field``."""
+    return [n for n, m in METHODS.items() if field in m.fields]
+
+
+def optional_fields() -> list[str]:
+    """Variant fields only some methods accept."""
+    return sorted({f for m in METHODS.values() for f in m.fields})

@@ -1,0 +1,107 @@
+"""``method: w8a8``: int8 weights (as ``int8``) and int8 activations in front of every
+compressed projection, calibrated on Linux by anec's MIL evaluator (``compress.activations``).
+
+The projections listed in ``activations_keep_fp16`` keep an fp16 input. int8 x int8
+arithmetic pays only on A17 Pro / M4 and later (SPEC 3); older NEs dequantize to fp16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from converter.compress.methods.base import (
+    BuildContext,
+    CompressionMethod,
+    FeatureUse,
+    Inspected,
+    Problem,
+    Scheme,
+    Selection,
+    VariantFields,
+)
+from converter.compress.methods.int8 import int8_problems
+from converter.compress.sites import keep_reason
+from converter.targets import Feature
+
+
+class W8A8(CompressionMethod):
+    """int8 weights and int8 projection inputs."""
+
+    name = "w8a8"
+    summary = "int8 weights and int8 inputs of the compressed projections (calibrated)"
+    tasks = frozenset({"text-generation"})
+    needs_calibration = True
+    fields = {"symmetric": "weights have a zero point", "activations_keep_fp16": None}
+
+    def check(self, variant: VariantFields) -> list[Problem]:
+        return int8_problems(variant)
+
+    def features(self, variant: VariantFields) -> list[FeatureUse]:
+        return [(("method",), Feature.INT8_ACTIVATIONS, "choose a later target")]
+
+    def scheme(self, variant: VariantFields) -> Scheme:
+        return Scheme("int8", 8, "per-channel", None, variant.symmetric)
+
+    def prepare(
+        self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
+    ) -> tuple[Any, Any]:
+        """Input ranges of every planned projection (the fp16 program in the MIL evaluator,
+        profile fp16, on the calibration text), then a quantize/dequantize pair before each."""
+        from converter.compress.activations import (
+            activation_sites,
+            calibrate,
+            insert_activation_quantization,
+        )
+        from parity.mil import Evaluator, load_package
+
+        program = load_package(Path(ctx.fp16_package))
+        keep = variant.activations_keep_fp16
+        quantized = [s for s in ctx.sites if s.name in plan and keep_reason(s, keep, 0) is None]
+        chosen = activation_sites(program.functions["main"], quantized)
+        evaluator = Evaluator(program, "fp16")
+        sites = calibrate(evaluator, ctx.subject.calibration_feeds(evaluator), chosen)
+        return insert_activation_quantization(mlmodel, sites), sites
+
+    def inspect(self, function: Any, state: Any, selection: Selection) -> Inspected | None:
+        from converter.compress.activations import (
+            activation_report,
+            fake_quantized_inputs,
+            program_scales,
+            quantizer_mismatches,
+            ranges_text,
+        )
+
+        sites = state
+        if not sites:
+            return None
+        scales = program_scales(function, sites)
+        kept_inputs = sorted(set(selection.plan) - {a.weight for a in sites})
+
+        def wrap(module: Any) -> contextlib.AbstractContextManager[Any]:
+            return fake_quantized_inputs(module, scales)
+
+        def check(evaluator: Any, feed: dict[str, Any]) -> int:
+            return quantizer_mismatches(evaluator, feed, function, sites, scales)
+
+        return Inspected(
+            wrap=wrap,
+            check=check,
+            doc={"activations": activation_report(sites, scales, kept_inputs)},
+            text=ranges_text(sites, scales, kept_inputs),
+            notes=[
+                "mil-fp32 logits relative error is reported, not gated, for int8 activations: "
+                "a last-bit difference before a quantizer flips a code (one scale step)",
+                "int8 x int8 arithmetic pays only on A17 Pro / M4 and later (SPEC 3)",
+            ],
+        )
+
+    def manifest(self, variant: VariantFields) -> dict[str, Any]:
+        return {
+            "int8_activations": "int8 x int8 arithmetic pays only on A17 Pro / M4 and later; "
+            "older NEs dequantize to fp16"
+        }
+
+
+METHOD = W8A8()
