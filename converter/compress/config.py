@@ -49,8 +49,9 @@ class VariantGates(StrictModel):
     """A variant's gates against the original checkpoint on the held-out slice and fixtures.
 
     Decoders: top-1 agreement and mean KL(p_original || p_variant) at every level (torch, MIL);
-    ``max_abs_dprob`` is optional (reported always). Encoders: ``min_cosine`` of the sentence
-    embedding against the original.
+    ``max_abs_dprob`` is optional (reported always). Encoders: ``min_cosine`` of the task
+    output (sentence embedding, hidden states per token, logits) against the original; a
+    classifier also ``min_top1_agreement`` (its predicted label).
     """
 
     min_top1_agreement: float | None = Field(default=None, gt=0, le=1, strict=True)
@@ -214,6 +215,9 @@ def compression_problems(
             problems.append(((*at, "gates"), need))
         if not decoder and g.min_cosine is None:
             problems.append(((*at, "gates"), "an encoder variant needs min_cosine"))
+        if task == "text-classification" and g.min_top1_agreement is None:
+            need = "a text-classification variant needs min_top1_agreement (its argmax gate)"
+            problems.append(((*at, "gates"), need))
         tasks = methods.get(v.method).tasks
         if tasks is not None and task not in tasks:
             problems.append(

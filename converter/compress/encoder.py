@@ -1,0 +1,190 @@
+"""Compressed variants of an encoder artifact (BERT, ModernBERT): what they are compared on.
+
+`EncoderSubject` is the encoder side of `emit.emit`: the BC1L encoder and the held-out
+sentences with the original model's task outputs (``parity.encoder_compression_gates``); a
+variant is gated on the cosine of its task output (sentence embedding, hidden states or
+logits) against the original checkpoint, and on argmax agreement for a classifier, at torch
+and MIL level. `emit_encoder_variants` is what an encoder conversion with a ``compression:``
+section calls once its fp16 artifact is published; `prepare_encoder_held_out` runs the
+original model on the held-out sentences and must be called while the model is loaded.
+
+Methods that need a decoder (``w8a8`` calibration feeds, the ``mixed`` search) are refused
+for encoder tasks by the recipe schema (each method's ``tasks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converter.compress.config import Compression
+from converter.compress.emit import VariantResult, emit
+from converter.compress.methods.base import Inspected, Scheme, VariantFields
+from converter.compress.sites import WeightSite
+from converter.errors import InputError
+from converter.progress import Steps
+from graph_passes.encoder import BC1LEncoder
+from parity.encoder_compression_gates import (
+    EncoderHeldOut,
+    EncoderLevel,
+    EncoderVariantParity,
+    Outputs,
+    compare,
+    encoder_gates,
+    mil_fp32_check,
+    outputs,
+    parity_json,
+    parity_text,
+    prepare_encoder_held_out,
+    program_runner,
+    torch_runner,
+)
+
+__all__ = ["EncoderSubject", "emit_encoder_variants", "prepare_encoder_held_out"]
+
+# Batches the fp32 consistency check runs (the program against torch with the same weights).
+FP32_BATCHES = 1
+_PER = {
+    "sentence-embedding": "sentence embedding",
+    "last-hidden-state": "real token (min over each sentence's tokens)",
+    "logits": "sentence's logits",
+}
+
+
+@dataclass
+class EncoderSubject:
+    """An encoder and its held-out sentences; ``mil_fp32_threshold`` gates the program in
+    fp32 against torch with the same decoded weights."""
+
+    module: BC1LEncoder
+    held_out: EncoderHeldOut
+    mil_fp32_threshold: float
+    task: str = "sentence-similarity"
+    host_files: tuple[str, ...] = ("tokenizer.json",)
+    not_compressed: str = (
+        "activations, embedding tables, norms' parameters, biases and masks stay as in the "
+        "fp16 artifact"
+    )
+    # The fp16 artifact's own outputs, computed once for all variants by `baselines`.
+    torch_fp16: Outputs = field(default_factory=dict)
+    mil_fp16: Outputs = field(default_factory=dict)
+    fp16_program: Any = None  # kept for the mil-fp32 level
+
+    @property
+    def baseline_steps(self) -> int:
+        """Progress steps of `baselines`."""
+        return len(self.held_out.batches)
+
+    @property
+    def parity_steps(self) -> int:
+        """Progress steps of `parity`."""
+        return len(self.held_out.batches) + FP32_BATCHES
+
+    def baselines(self, program: Any, advance: Callable[[], None]) -> None:
+        """The fp16 artifact's outputs: the torch module in fp16 and the program (MIL fp16)."""
+        from parity.mil import Evaluator
+
+        self.torch_fp16 = outputs(torch_runner(self.module), self.module, self.held_out)
+        run = program_runner(Evaluator(program, "fp16"), self.module)
+        self.mil_fp16 = outputs(_advancing(run, advance), self.module, self.held_out)
+        self.fp16_program = program
+
+    def parity(
+        self,
+        variant: Any,
+        program: Any,
+        decoded: dict[str, np.ndarray],
+        advance: Callable[[], None],
+        inspected: Inspected | None,
+    ) -> EncoderVariantParity:
+        """Torch fp16 and MIL fp16 outputs of the variant against the original checkpoint
+        (gated) and the fp16 artifact (reported), and the program in fp32 against torch."""
+        from parity.mil import Evaluator
+
+        if inspected is not None:
+            raise InputError(f"{variant.method}: changes beyond weights are not implemented for "
+                             "encoders")  # fmt: skip
+        module, held_out = self.module, self.held_out
+        logits = module.io.output == "logits"
+        refs = held_out.references
+        torch16 = outputs(torch_runner(module, decoded), module, held_out)
+        run = _advancing(program_runner(Evaluator(program, "fp16"), module), advance)
+        mil16 = outputs(run, module, held_out)
+        levels = [
+            EncoderLevel(
+                "torch-fp16",
+                "the BC1L encoder with the variant's decoded weights and the fp16 epsilon "
+                "floors, cast to fp16, torch on the CPU; right-padded (B, L) batches",
+                compare(torch16, refs, logits),
+                compare(torch16, self.torch_fp16, logits),
+            ),
+            EncoderLevel(
+                "mil-fp16",
+                "the emitted variant program in anec's MIL evaluator, fp16 storage profile",
+                compare(mil16, refs, logits),
+                compare(mil16, self.mil_fp16, logits),
+            ),
+        ]
+        fp32_error, mismatches = mil_fp32_check(
+            program, self.fp16_program, module, decoded, held_out.batches[:FP32_BATCHES]
+        )
+        for _ in range(FP32_BATCHES):
+            advance()
+        g = variant.gates
+        assert g.min_cosine is not None  # recipe rule for encoder variants
+        gates = encoder_gates(
+            levels, g.min_cosine, g.min_top1_agreement, fp32_error, self.mil_fp32_threshold,
+            mismatches, _PER[module.io.output],
+        )  # fmt: skip
+        return EncoderVariantParity(levels, gates, fp32_error)
+
+    def report(self, parity: EncoderVariantParity) -> tuple[dict[str, Any], str]:
+        """The variant's parity.json content and its parity.txt section."""
+        return parity_json(parity), parity_text(parity)
+
+    def calibration_feeds(self, evaluator: Any) -> list[dict[str, Any]]:
+        """Not implemented for encoders (the recipe schema refuses w8a8 for them)."""
+        raise InputError("int8 activations (w8a8) are implemented for text-generation only")
+
+    def search(
+        self, variant: VariantFields, chosen: list[WeightSite], advance: Callable[[], None]
+    ) -> tuple[dict[str, Scheme], dict[str, Any]]:
+        """Not implemented for encoders (the recipe schema refuses mixed for them)."""
+        raise InputError("the mixed-bit search is implemented for text-generation only")
+
+
+def _advancing(run: Any, advance: Callable[[], None]) -> Any:
+    def wrapped(batch: Any) -> Any:
+        out = run(batch)
+        advance()
+        return out
+
+    return wrapped
+
+
+def emit_encoder_variants(
+    compression: Compression,
+    name: str,
+    fp16_dir: Path,
+    module: BC1LEncoder,
+    held_out: EncoderHeldOut,
+    out_dir: Path,
+    mil_fp32_threshold: float,
+    task: str,
+    force: bool = False,
+    steps: Steps | None = None,
+) -> list[VariantResult]:
+    """Build, measure and publish every variant of an encoder's single-program artifact
+    ``fp16_dir`` (``<name>.mlpackage``), in recipe order; a failing variant blocks only
+    itself (its reports stay in ``OUT/<name>-<suffix>.failed/``)."""
+    if not (fp16_dir / f"{name}.mlpackage").is_dir():
+        raise InputError(
+            "compression: variants of a partitioned encoder (encoder.partition: "
+            "host-embedding) are not implemented; use partition: single"
+        )
+    subject = EncoderSubject(module, held_out, mil_fp32_threshold, task=task)
+    return emit(compression, name, fp16_dir, subject, out_dir, force, steps)

@@ -1,0 +1,390 @@
+"""Quality of a compressed encoder variant, at torch and MIL level, and its own gates.
+
+The encoder counterpart of ``parity.compression_gates``. Every figure is measured on the
+recipe's held-out sentences (``compression.held_out``, not the conversion fixtures), right-
+padded in the artifact's (B, L) batches, against two baselines:
+
+* the original checkpoint (transformers, fp32, each sentence alone): the function the
+  artifact promises - gated: min cosine of the task output (per sentence for a sentence
+  embedding or logits, per real token for hidden states) and, for a classifier, argmax
+  agreement;
+* the fp16 artifact (the uncompressed module in fp16 at torch level, the fp16 program at MIL
+  level): what compression alone costs - reported.
+
+Levels: ``torch-fp16`` - the BC1L encoder holding the variant's decoded weights (coremltools'
+own decompression) with the fp16 epsilon floors, cast to fp16; ``mil-fp16`` - the emitted
+variant program in anec's MIL evaluator (fp16 storage profile); ``mil-fp32`` - the program in
+fp32 against the uncompressed program holding the same decoded weights: compression lives in
+the weights alone, so nothing else may differ. (Against torch the fp16 conversion's own gates
+already hold the program; this level isolates what compression changed.)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from graph_passes.encoder import BC1LEncoder
+from graph_passes.masks import key_mask_from_padding
+from parity.encoder_gates import (
+    EncoderReference,
+    Runner,
+    fp16_module,
+    make_encoder_batches,
+    module_runner,
+    real_part,
+    run_encoder_reference,
+)
+from parity.fixtures import Batch, Fixture, build_fixtures
+from parity.gates import GateResult, rel_error
+
+Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
+_OUTPUT_NAMES = {
+    "last-hidden-state": "last_hidden_state",
+    "sentence-embedding": "sentence_embedding",
+    "logits": "logits",
+}
+
+
+@dataclass
+class EncoderHeldOut:
+    """The held-out sentences, their (B, L) batches and the original model's outputs."""
+
+    fixtures: list[Fixture]
+    batches: list[Batch]
+    references: dict[str, EncoderReference]
+
+
+def prepare_encoder_held_out(
+    texts: list[str | list[int]], tokenizer: Any, model: torch.nn.Module, module: BC1LEncoder,
+    pad_id: int,
+) -> EncoderHeldOut:  # fmt: skip
+    """Tokenize the held-out texts and run the original model on each, alone and unpadded."""
+    io = module.io
+    prompts = [t for t in texts if isinstance(t, str)]
+    ids = [t for t in texts if not isinstance(t, str)]
+    vocab = module.spec.embedding.vocab_size
+    built = build_fixtures(prompts, ids, tokenizer, io.length, vocab, padded_variants=False)
+    fixtures = [Fixture(f"held_out[{i}]", f.token_ids, f.slice) for i, f in enumerate(built)]
+    references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
+    batches = make_encoder_batches(fixtures, io.batch, io.length, pad_id)
+    return EncoderHeldOut(fixtures, batches, references)
+
+
+def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Outputs:
+    """Each held-out sentence's task output (its real positions) from ``runner``."""
+    out: Outputs = {}
+    for batch in held_out.batches:
+        _, result = runner(batch)
+        for r, fixture in enumerate(batch.fixtures):
+            n = len(fixture.token_ids)
+            out[fixture.name] = real_part(result, module.io.output, r, n).float()
+    return out
+
+
+def torch_runner(module: BC1LEncoder, weights: dict[str, np.ndarray] | None = None) -> Runner:
+    """The torch fp16 level: ``module`` (with ``weights`` when given) as the fp16 program
+    stores it - epsilon floors, every value fp16."""
+    return module_runner(fp16_module(with_weights(module, weights or {})), torch.float16)
+
+
+def program_feed(evaluator: Any, module: BC1LEncoder, batch: Batch) -> dict[str, np.ndarray]:
+    """The single program's inputs for a batch (the evaluator rounds them to its dtypes)."""
+    feed: dict[str, np.ndarray] = {"input_ids": batch.input_ids.numpy().astype(np.int32)}
+    if module.embedding.types is not None:
+        feed["token_type_ids"] = np.zeros_like(feed["input_ids"])
+    feed["key_mask"] = key_mask_from_padding(batch.attention_mask).numpy().astype(np.float32)
+    missing = set(evaluator.inputs) - set(feed)
+    if missing:
+        raise ValueError(f"the program has inputs {sorted(missing)} a single encoder lacks")
+    return feed
+
+
+def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
+    """The emitted single program run by the MIL evaluator, as a `Runner`."""
+    name = _OUTPUT_NAMES[module.io.output]
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        out = evaluator.run(program_feed(evaluator, module, batch)).outputs[name]
+        return None, torch.from_numpy(np.asarray(out, np.float32))
+
+    return run
+
+
+def with_weights(module: BC1LEncoder, weights: dict[str, np.ndarray]) -> BC1LEncoder:
+    """A copy of ``module`` whose named parameters hold ``weights`` (fp32 copies)."""
+    out = copy.deepcopy(module).eval()
+    params = dict(out.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            tensor = torch.from_numpy(np.asarray(value, np.float32))
+            params[name].copy_(tensor.reshape(params[name].shape))
+    return out
+
+
+# ---- comparisons ------------------------------------------------------------------------------
+
+
+@dataclass
+class Compared:
+    """One implementation against one baseline, per sentence and summarized."""
+
+    cosine: dict[str, float]  # per sentence (min over real tokens for hidden states)
+    argmax_kept: dict[str, bool]  # logits only
+    finite: bool
+
+    @property
+    def min_cosine(self) -> float:
+        """The worst sentence's cosine."""
+        return min(self.cosine.values()) if self.cosine else float("nan")
+
+    @property
+    def mean_cosine(self) -> float:
+        """The mean over sentences."""
+        return float(np.mean(list(self.cosine.values()))) if self.cosine else float("nan")
+
+    @property
+    def argmax_agreement(self) -> float | None:
+        """Share of sentences whose predicted label is kept (logits only)."""
+        if not self.argmax_kept:
+            return None
+        return sum(self.argmax_kept.values()) / len(self.argmax_kept)
+
+
+def compare(candidate: Outputs, baseline: dict[str, Any], logits: bool) -> Compared:
+    """Cosines (and argmax agreement for logits) of ``candidate`` against ``baseline`` outputs
+    (tensors or `EncoderReference`)."""
+    cos, kept, finite = {}, {}, True
+    for name, got in candidate.items():
+        ref = baseline[name]
+        want = (ref.output if isinstance(ref, EncoderReference) else ref).double()
+        ok = bool(torch.isfinite(got).all())
+        finite &= ok
+        g = got.double()
+        if g.dim() == 1:
+            g, w = g[None], want[None]
+        else:
+            w = want
+        value = float(torch.nn.functional.cosine_similarity(g, w, dim=-1).min())
+        cos[name] = value if ok else float("-inf")
+        if logits:
+            kept[name] = ok and int(got.argmax()) == int(want.argmax())
+    return Compared(cos, kept, finite)
+
+
+@dataclass
+class EncoderLevel:
+    """One implementation of a variant against both baselines."""
+
+    implementation: str
+    description: str
+    vs_original: Compared
+    vs_fp16: Compared
+
+
+@dataclass
+class EncoderVariantParity:
+    """Every level of one encoder variant, its gates and the verdict."""
+
+    levels: list[EncoderLevel]
+    gates: list[GateResult]
+    mil_fp32_rel_error: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every gate passed."""
+        return all(g.passed for g in self.gates)
+
+
+def encoder_gates(
+    levels: list[EncoderLevel],
+    min_cosine: float,
+    min_top1: float | None,
+    mil_fp32_error: float,
+    mil_fp32_threshold: float,
+    decode_mismatches: int,
+    what: str,
+) -> list[GateResult]:
+    """The variant's own gates: each level against the original checkpoint, then the program
+    in fp32 against torch with the same weights, and the two decoders of its weights."""
+    gates = []
+    for level in levels:
+        s, impl = level.vs_original, level.implementation
+        gates.append(
+            GateResult(
+                "min cosine", impl, s.min_cosine, min_cosine, ">=",
+                bool(s.cosine) and s.min_cosine >= min_cosine,
+                f"per {what}, {len(s.cosine)} held-out sentences, against the original "
+                f"checkpoint; mean {s.mean_cosine:.6f}",
+            )
+        )  # fmt: skip
+        agreement = s.argmax_agreement
+        if agreement is not None and min_top1 is not None:
+            gates.append(
+                GateResult(
+                    "argmax agreement", impl, agreement, min_top1, ">=", agreement >= min_top1,
+                    "predicted label of each held-out sentence, against the original checkpoint",
+                )
+            )  # fmt: skip
+        gates.append(GateResult("finite outputs", impl, float(s.finite), 1.0, "==", s.finite))
+    gates.append(
+        GateResult(
+            "output relative error", "mil-fp32", mil_fp32_error, mil_fp32_threshold, "<=",
+            mil_fp32_error <= mil_fp32_threshold,
+            "the variant program against the uncompressed program holding the same decoded "
+            "weights, both MIL fp32: compression is in the weights only",
+        )
+    )  # fmt: skip
+    gates.append(
+        GateResult(
+            "weights decoded alike", "mil-fp32", float(decode_mismatches), 0.0, "==",
+            decode_mismatches == 0,
+            "compressed weights whose MIL-evaluator decoding, rounded to fp16, differs from "
+            "coremltools' own decoding",
+        )
+    )  # fmt: skip
+    return gates
+
+
+# ---- the program in fp32 ----------------------------------------------------------------------
+
+
+def evaluator_weights(
+    evaluator: Any, decoded: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], int]:
+    """The evaluator's own decoding of every compressed weight (by torch name), and how many
+    of them differ from ``decoded`` (coremltools' decoding) once rounded to fp16, or are
+    missing (0 expected)."""
+    from parity.mil.numerics import round_fp16
+
+    constants: dict[str, np.ndarray] = evaluator._constants  # decoded once, when prepared
+    # the constexpr output is named "<mangled torch name>_to_fp16_<palettized|quantized>"
+    mangled = {name.replace(".", "_"): name for name in decoded}
+    weights, mismatched = {}, 0
+    for out_name, value in constants.items():
+        if not out_name.endswith(("_palettized", "_quantized")):
+            continue
+        for prefix, name in mangled.items():
+            if out_name.startswith(prefix + "_"):
+                weights[name] = np.asarray(value, np.float32)
+                same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
+                mismatched += 0 if same else 1
+    return weights, mismatched + len(decoded) - len(weights)
+
+
+def with_constants(evaluator: Any, weights: dict[str, np.ndarray]) -> Any:
+    """``evaluator`` (of an uncompressed program) with the weight constant of each torch name
+    in ``weights`` replaced by the given values (fp32): the constant named after the traced
+    parameter, ``<mangled>_to_fp16`` or ``<mangled>``."""
+    constants: dict[str, Any] = evaluator._constants  # the values every run starts from
+    for name, value in weights.items():
+        mangled = name.replace(".", "_")
+        const = next((c for c in (mangled + "_to_fp16", mangled) if c in constants), None)
+        if const is None:
+            raise KeyError(f"{name}: no constant {mangled}_to_fp16 in the uncompressed program")
+        held = np.asarray(constants[const])
+        if held.shape != value.shape:
+            raise ValueError(f"{name}: the program holds {held.shape}, the variant {value.shape}")
+        constants[const] = np.asarray(value, np.float32)
+    return evaluator
+
+
+def mil_fp32_check(
+    program: Any,
+    fp16_program: Any,
+    module: BC1LEncoder,
+    decoded: dict[str, np.ndarray],
+    batches: list[Batch],
+) -> tuple[float, int]:
+    """The variant program against the uncompressed program holding the same decoded weights,
+    both in the MIL evaluator's fp32 profile: the worst relative error of the task output over
+    ``batches`` (compression is in the weights only, so 0 up to rounding); and the weights the
+    evaluator and coremltools decode differently."""
+    from parity.mil import Evaluator
+
+    evaluator = Evaluator(program, "fp32")
+    weights, mismatched = evaluator_weights(evaluator, decoded)
+    base = with_constants(Evaluator(fp16_program, "fp32"), weights)
+    got, want = program_runner(evaluator, module), program_runner(base, module)
+    worst = 0.0
+    for batch in batches:
+        worst = max(worst, rel_error(got(batch)[1].double(), want(batch)[1].double()))
+    return worst, mismatched
+
+
+# ---- reports ----------------------------------------------------------------------------------
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+def _compared_json(c: Compared) -> dict[str, Any]:
+    return _clean(
+        {
+            "min_cosine": c.min_cosine,
+            "mean_cosine": c.mean_cosine,
+            "argmax_agreement": c.argmax_agreement,
+            "finite": c.finite,
+            "cosine": c.cosine,
+        }
+    )
+
+
+def parity_json(result: EncoderVariantParity) -> dict[str, Any]:
+    """The variant's parity report as JSON-ready data."""
+    return {
+        "passed": result.passed,
+        "gates": [_clean(dataclasses.asdict(g)) for g in result.gates],
+        "levels": [
+            {
+                "implementation": level.implementation,
+                "description": level.description,
+                "finite": level.vs_original.finite,
+                "against_original": _compared_json(level.vs_original),
+                "against_fp16_artifact": _compared_json(level.vs_fp16),
+            }
+            for level in result.levels
+        ],
+        "mil_fp32_output_rel_error": _clean(result.mil_fp32_rel_error),
+        "notes": result.notes,
+    }
+
+
+def parity_text(result: EncoderVariantParity) -> str:
+    """A readable summary: gates, each level against both baselines, then per sentence."""
+    lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
+    for g in result.gates:
+        mark = "PASS" if g.passed else "FAIL"
+        lines.append(
+            f"  {mark}  {g.name:<22} [{g.implementation}] {g.value:.6g} {g.comparison} "
+            f"{g.threshold:.6g}  {g.detail}"
+        )
+    lines.append("")
+    lines.append("level       against         sentences  min cos     mean cos   argmax")
+    for level in result.levels:
+        for label, c in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
+            agree = "" if c.argmax_agreement is None else f"{c.argmax_agreement:.1%}"
+            lines.append(
+                f"{level.implementation:<11} {label:<15} {len(c.cosine):>9}  "
+                f"{c.min_cosine:>9.6f}  {c.mean_cosine:>9.6f}  {agree:>6}"
+            )
+    lines.append(f"mil-fp32 output relative error: {result.mil_fp32_rel_error:.3g}")
+    lines.append("")
+    names = [level.implementation for level in result.levels]
+    lines.append("sentence        " + "".join(f"{n + ' cos':>18}" for n in names))
+    for sentence in result.levels[0].vs_original.cosine if result.levels else []:
+        cells = "".join(f"{lv.vs_original.cosine[sentence]:>18.6f}" for lv in result.levels)
+        lines.append(f"{sentence:<16}{cells}")
+    lines += result.notes
+    return "\n".join(lines)
