@@ -17,12 +17,13 @@ from converter.compress.methods.base import CompressionMethod
 _ORDER = ("lut", "int8", "w8a8", "mixed")
 
 
-def _discover() -> dict[str, CompressionMethod]:
+def discover(path: list[str], package: str) -> dict[str, CompressionMethod]:
+    """Every ``METHOD`` of the modules in ``path`` (the package ``package``) but ``base``."""
     found: dict[str, CompressionMethod] = {}
-    for info in pkgutil.iter_modules(__path__):
+    for info in pkgutil.iter_modules(path):
         if info.name == "base":
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        module = importlib.import_module(f"{package}.{info.name}")
         method = getattr(module, "METHOD", None)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"{module.__name__}: expected METHOD, a CompressionMethod")
@@ -33,7 +34,7 @@ def _discover() -> dict[str, CompressionMethod]:
     return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
 
 
-METHODS = _discover()
+METHODS = discover(__path__, __name__)
 
 
 def names() -> tuple[str, ...]:
