@@ -215,3 +215,29 @@ def test_encoder_variant_rules_name_the_field(tmp_path: Path) -> None:
             _recipe(tmp_path, "sentence-similarity", [w8a8], name="b", calibration=[[1, 9, 8]])
         )
     assert "w8a8 is implemented for text-generation only" in str(e.value)
+
+
+def test_emit_refuses_a_method_the_task_lacks(tmp_path: Path) -> None:
+    """Programmatic callers get the schema's rule too, before anything is built."""
+    from converter.compress.config import Compression
+    from converter.compress.emit import emit
+    from converter.compress.encoder import EncoderSubject
+    from converter.errors import InputError
+
+    compression = Compression.model_validate(
+        {
+            "held_out": [[1, 2, 3]],
+            "calibration": [[1, 4, 5]],
+            "variants": [
+                {
+                    "suffix": "w",
+                    "method": "w8a8",
+                    "granularity": "per-channel",
+                    "gates": {"min_cosine": 0.99},
+                }  # fmt: skip
+            ],
+        }
+    )
+    subject = EncoderSubject(None, None, 1e-5)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"variants\[0\]\.method: w8a8 is implemented for"):
+        emit(compression, "tb", tmp_path, subject, tmp_path)

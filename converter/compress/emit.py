@@ -31,6 +31,7 @@ from converter.compress.records import WeightRecord, weight_records
 from converter.compress.sites import weight_sites
 from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors
+from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import FileEntry, Manifest, PackageEntry
 from converter.progress import Steps
@@ -114,6 +115,13 @@ def emit(
     from parity.mil import load_package
 
     steps = steps or Steps(quiet=True)
+    for i, variant in enumerate(compression.variants):
+        tasks = methods.get(variant.method).tasks
+        if tasks is not None and subject.task not in tasks:
+            raise InputError(
+                f"compression.variants[{i}].method: {variant.method} is implemented for "
+                f"{', '.join(sorted(tasks))} only, not {subject.task}"
+            )
     package = fp16_dir / f"{name}.mlpackage"
     if not package.is_dir():
         raise FileNotFoundError(f"{package}: no single-program artifact to compress")
