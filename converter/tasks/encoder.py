@@ -98,6 +98,7 @@ class EncoderRun(TaskRun):
     references: dict[str, EncoderReference] = field(default_factory=dict)
     rows: list[EncoderFixtureRow] = field(default_factory=list)
     extra_json: dict[str, Any] = field(default_factory=dict)
+    held_out: Any = None  # compress EncoderHeldOut when the recipe has a compression section
 
     def num_layers(self) -> int:
         """Transformer layers of the converted model."""
@@ -233,8 +234,11 @@ def write_parity(run: EncoderRun) -> None:
 
 def rewrite(run: EncoderRun, advance: Advance) -> None:
     """Adapt the checkpoint into the BC1L encoder, its fixtures and host step."""
-    if run.recipe.compression is not None:
-        raise InputError("compression: encoder variants are not wired yet")
+    if run.recipe.compression is not None and run.options.partition != "single":
+        raise InputError(
+            "compression: variants of a partitioned encoder (encoder.partition: "
+            "host-embedding) are not implemented; use partition: single"
+        )
     run.rewrite = rewrite_encoder(run.recipe, need(run.ckpt, "the checkpoint"), run.options)
 
 
@@ -246,6 +250,13 @@ def references(run: EncoderRun, advance: Advance) -> None:
             ckpt.model, fixture.token_ids, rw.module.io.output
         )
         advance()
+    if run.recipe.compression is not None:  # the held-out sentences, while the model is here
+        from converter.compress.encoder import prepare_encoder_held_out
+
+        run.held_out = prepare_encoder_held_out(
+            run.recipe.compression.held_out, ckpt.tokenizer, ckpt.model, rw.module,
+            pad_id(ckpt.tokenizer, ckpt.config),
+        )  # fmt: skip
     del ckpt.model
 
 
@@ -393,5 +404,14 @@ RECHECK_STEPS = tuple(s for s in CONVERT_STEPS if s.run not in (convert, manifes
 def compress(
     run: EncoderRun, published: Path, out_dir: Path, force: bool, progress: Steps
 ) -> list[Any]:
-    """Compressed variants of an encoder artifact."""
-    return []
+    """Build, gate and publish every compressed variant the recipe asks for (after the fp16
+    artifact is published; each variant is its own artifact, gated on cosine / argmax)."""
+    if run.recipe.compression is None or run.held_out is None:
+        return []
+    from converter.compress.encoder import emit_encoder_variants
+
+    rw = need(run.rewrite, "the rewrite")
+    return emit_encoder_variants(
+        run.recipe.compression, run.recipe.name, published, rw.module, run.held_out, out_dir,
+        run.recipe.gates.mil_fp32_layer_rel_error, run.recipe.task, force, progress,
+    )  # fmt: skip
