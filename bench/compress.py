@@ -155,133 +155,72 @@ def cmd_weights(args: argparse.Namespace) -> None:
 
 # ---- MiniLM: a full-precision checkpoint ---------------------------------------------------
 
-MINILM_HELD_OUT = [
-    "A woman is slicing an onion.",
-    "A man is playing a flute.",
-    "The kids are running on the beach.",
-    "Stock markets fell sharply on Monday.",
-    "How can I change the language of the app?",
-    "The weather will be sunny tomorrow afternoon.",
-    "A dog is chasing a ball across the park.",
-    "Ich habe meinen Schlüssel verloren.",
-    "The recipe needs two eggs and a cup of flour.",
-]
-MINILM_VARIANTS = ["int8", "lut8", "lut6", "lut4"]
+# Each variant is held to the recipe's cosine gate (0.999): the ones below it are kept in
+# .failed with the same reports, so every row is printed.
+MINILM_VARIANTS = {
+    "int8": {"method": "int8", "granularity": "per-channel"},
+    "lut8": {"method": "lut", "bits": 8},
+    "lut6": {"method": "lut", "bits": 6},
+    "lut4": {"method": "lut", "bits": 4},
+}
 
 
 def cmd_minilm(args: argparse.Namespace) -> None:
-    import coremltools as ct
-    import torch
-
-    from converter.checkpoint import load_checkpoint
-    from converter.compress.plan import Scheme, apply_plan
-    from converter.compress.records import weight_records
-    from converter.compress.sites import weight_sites
-    from converter.compress.size import size_report
+    """``recipes/minilm-l6-embed-compressed.yaml`` through the conversion pipeline with the
+    int8, lut8, lut6 and lut4 variants; figures from each variant's parity.json."""
+    from converter.compress.config import Variant
     from converter.pipeline import convert
-    from converter.recipe import EncoderOptions, load_recipe, locate_recipe
-    from converter.tasks.encoder import rewrite_encoder
-    from parity.compression_gates import with_weights
-    from parity.encoder_gates import (
-        fp16_module,
-        make_encoder_batches,
-        module_runner,
-        real_part,
-        run_encoder_reference,
-    )
-    from parity.encoder_mil import output_runner
-    from parity.fixtures import build_fixtures, pad_id
-    from parity.mil import load_package
+    from converter.recipe import load_recipe, locate_recipe
 
-    recipe = load_recipe(locate_recipe("minilm-l6-embed"))
+    recipe = load_recipe(locate_recipe("minilm-l6-embed-compressed"))
+    assert recipe.compression is not None
+    variants = [
+        Variant.model_validate({"suffix": k, **v, "gates": {"min_cosine": 0.999}})
+        for k, v in MINILM_VARIANTS.items()
+    ]
+    compression = recipe.compression.model_copy(update={"variants": variants})
     out = Path(args.out or tempfile.mkdtemp(prefix="minilm-compress-"))
     start = time.perf_counter()
-    result = convert(recipe, out, force=True)
-    print(f"fp16 artifact: {result.artifact_dir} ({time.perf_counter() - start:.0f} s)")
-    assert result.artifact_dir is not None
-    package = result.artifact_dir / f"{recipe.name}.mlpackage"
-    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
-    rw = rewrite_encoder(recipe, ckpt, recipe.encoder or EncoderOptions())
-    module = rw.module
-    length, batch = module.io.length, module.io.batch
-    fixtures = build_fixtures(
-        MINILM_HELD_OUT, [], ckpt.tokenizer, length, 10**9, padded_variants=False
-    )
-    refs = {
-        f.name: run_encoder_reference(ckpt.model, f.token_ids, module.io.output) for f in fixtures
-    }
-    batches = make_encoder_batches(fixtures, batch, length, pad_id(ckpt.tokenizer, ckpt.config))
-    kind = module.io.output
-
-    def embeddings(run: Any) -> dict[str, torch.Tensor]:
-        got = {}
-        for b in batches:
-            _, output = run(b)
-            for r, f in enumerate(b.fixtures):
-                got[f.name] = real_part(output, kind, r, len(f.token_ids)).float().reshape(-1)
-        return got
-
-    def cosines(a: dict[str, torch.Tensor], b: dict[str, Any]) -> list[float]:
-        out_ = []
-        for name, v in a.items():
-            w = b[name].output if hasattr(b[name], "output") else b[name]
-            w = w.float().reshape(-1)
-            out_.append(float(torch.nn.functional.cosine_similarity(v, w, dim=0)))
-        return out_
-
-    base_torch = embeddings(module_runner(fp16_module(module), torch.float16))
-    base_mil_run = output_runner({"main": package}, module, None, recipe.io.dtype)
-    base_mil = embeddings(base_mil_run)
-    mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
-    program = load_package(package)
-    sites = [
-        s
-        for s in weight_sites(program.functions["main"], dict(module.named_parameters()))
-        if s.elements >= 2048
+    result = convert(recipe.model_copy(update={"compression": compression}), out, force=True)
+    print(f"{out}: exit {result.exit_code} in {time.perf_counter() - start:.0f} s")
+    base = json.loads((out / recipe.name / "parity.json").read_text())
+    (fp16,) = [
+        g for g in base["gates"] if g["name"] == "min cosine" and "mil" in g["implementation"]
     ]
-    rows = []
-    for method in MINILM_VARIANTS:
-        kind_, bits, granularity = METHODS[method]
-        plan = {s.name: Scheme(kind_, bits, granularity) for s in sites}  # type: ignore[arg-type]
-        start = time.perf_counter()
-        compressed = apply_plan(mlmodel, plan, sites)
-        path = out / f"{recipe.name}-{method}.mlpackage"
-        compressed.save(str(path))
-        seconds = time.perf_counter() - start
-        prog = load_package(path)
-        records, decoded = weight_records(prog.functions["main"], sites, plan, {})
-        size = size_report(records, package, path)
-        variant = with_weights(module, decoded)  # type: ignore[arg-type]
-        t16 = embeddings(module_runner(fp16_module(variant), torch.float16))  # type: ignore[arg-type]
-        run = output_runner({"main": path}, variant, None, recipe.io.dtype)  # type: ignore[arg-type]
-        m16 = embeddings(run)
-        row = {
-            "variant": method,
-            "weights": len(sites),
-            "compressed_ratio": round(size.compressed_ratio, 4),
-            "bits_per_weight": round(size.compressed_bits_per_weight, 2),
-            "package_ratio": round(size.package_ratio, 4),
-            "torch_min_cos_original": min(cosines(t16, refs)),
-            "torch_min_cos_fp16": min(cosines(t16, base_torch)),
-            "mil_min_cos_original": min(cosines(m16, refs)),
-            "mil_min_cos_fp16": min(cosines(m16, base_mil)),
-            "mil_mean_cos_original": sum(cosines(m16, refs)) / len(m16),
-            "compress_s": round(seconds, 1),
-        }
-        rows.append(row)
-    print(f"fp16 MIL min cosine vs original: {min(cosines(base_mil, refs)):.6f}")
+    print(f"fp16 MIL min cosine vs original: {fp16['value']:.6f}")
     print(
         f"{'variant':<7} {'ratio':>6} {'bits/w':>6} {'pkg':>6}  {'torch cos orig':>14} "
-        f"{'torch cos fp16':>14} {'MIL cos orig':>12} {'MIL cos fp16':>12} {'MIL mean':>9}"
+        f"{'torch cos fp16':>14} {'MIL cos orig':>12} {'MIL cos fp16':>12} {'MIL mean':>9}  gate"
     )
-    for r in rows:
+    rows = []
+    for v in result.variants:
+        doc = json.loads((v.directory / "parity.json").read_text())
+        size = doc["size"]
+        levels = {lv["implementation"]: lv for lv in doc["levels"]}
+        t, m = levels["torch-fp16"], levels["mil-fp16"]
+        row = {
+            "variant": v.suffix,
+            "compressed_ratio": size["compressed_ratio"],
+            "bits_per_weight": size["compressed_bits_per_weight"],
+            "package_ratio": size["package_ratio"],
+            "torch_min_cos_original": t["against_original"]["min_cosine"],
+            "torch_min_cos_fp16": t["against_fp16_artifact"]["min_cosine"],
+            "mil_min_cos_original": m["against_original"]["min_cosine"],
+            "mil_min_cos_fp16": m["against_fp16_artifact"]["min_cosine"],
+            "mil_mean_cos_original": m["against_original"]["mean_cosine"],
+            "passed": v.passed,
+            "seconds": v.seconds,
+        }
+        rows.append(row)
         print(
-            f"{r['variant']:<7} {r['compressed_ratio']:>6.3f} {r['bits_per_weight']:>6.2f} "
-            f"{r['package_ratio']:>6.3f}  {r['torch_min_cos_original']:>14.6f} "
-            f"{r['torch_min_cos_fp16']:>14.6f} {r['mil_min_cos_original']:>12.6f} "
-            f"{r['mil_min_cos_fp16']:>12.6f} {r['mil_mean_cos_original']:>9.6f}"
+            f"{v.suffix:<7} {row['compressed_ratio']:>6.3f} {row['bits_per_weight']:>6.2f} "
+            f"{row['package_ratio']:>6.3f}  {row['torch_min_cos_original']:>14.6f} "
+            f"{row['torch_min_cos_fp16']:>14.6f} {row['mil_min_cos_original']:>12.6f} "
+            f"{row['mil_min_cos_fp16']:>12.6f} {row['mil_mean_cos_original']:>9.6f}  "
+            f"{'pass' if v.passed else 'fail'}"
         )
-    print(f"{len(fixtures)} held-out sentences (not the recipe's fixtures); min over sentences")
+    held_out = len(recipe.compression.held_out)
+    print(f"{held_out} held-out sentences (not the recipe's fixtures); min over sentences")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
