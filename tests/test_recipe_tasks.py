@@ -59,7 +59,7 @@ MISPLACED = [
      "compression.variants[0].gates.min_cosine"),
     ("feature-extraction", ENCODER_VARIANT.format(extra="", gate=", max_mean_kl: 0.1"), 11,
      "compression.variants[0].gates.max_mean_kl"),
-    ("text-classification", ENCODER_VARIANT.format(extra="", gate=", min_top1_agreement: 0.9"),
+    ("sentence-similarity", ENCODER_VARIANT.format(extra="", gate=", min_top1_agreement: 0.9"),
      11, "compression.variants[0].gates.min_top1_agreement"),
 ]  # fmt: skip
 
@@ -107,7 +107,8 @@ def test_the_same_keys_validate_for_the_tasks_that_read_them(write_file: WriteFi
         ("feature-extraction", "encoder: {fp16_min_cosine: 0.999}\n"),
         ("feature-extraction", "gates: {fp32_logits_rel_error: 1.0e-4}\n"),
         ("sentence-similarity", ENCODER_VARIANT.format(extra="", gate="")),
-        ("text-classification", ENCODER_VARIANT.format(extra="", gate="")),
+        ("text-classification",
+         ENCODER_VARIANT.format(extra="", gate=", min_top1_agreement: 1.0")),
     ]  # fmt: skip
     for i, (task, text) in enumerate(cases):
         recipe = load_recipe(write_file(f"ok{i}.yaml", HEAD.format(task=task) + text))

@@ -90,8 +90,8 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "min_top1_agreement"),
-        DECODER_TASKS,
-        "a variant's top-1 agreement of next-token logits",
+        _LOGIT_TASKS,
+        "a variant's top-1 agreement of next-token logits or of a classifier's label",
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "max_mean_kl"),
