@@ -9,6 +9,7 @@ re-check step list is its conversion step list without converting, the manifest 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,18 @@ from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest
 from converter.progress import Steps
+from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
 from converter.steps import run_steps
 from converter.tasks import task_for
 from converter.tasks.base import Job, Program
 from converter.tasks.text_generation import DecoderRun
 from parity.conversion import DEFAULT_PROFILES
-from parity.gates import ParityReport
+from parity.gates import GateResult, ParityReport
+from parity.html_report import report_to_html
+from parity.mil.profiles import PROFILES
+
+GateKey = tuple[str, str]  # (gate name, implementation), as parity.json lists them
 
 
 @dataclass
@@ -73,6 +79,63 @@ def checkpoint_source(manifest: Manifest) -> ResolvedSource:
     return ResolvedSource(src["kind"], Path(src["directory"]), src["gguf_file"])
 
 
+def published_gates(artifact: Path) -> set[GateKey]:
+    """The (name, implementation) of every gate in the artifact's published parity.json."""
+    path = artifact / "parity.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return {(str(g["name"]), str(g["implementation"])) for g in doc["gates"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: cannot read the published gates: {e}") from None
+
+
+def gate_set_gate(
+    published: set[GateKey], rerun: set[GateKey], profiles: tuple[str, ...]
+) -> GateResult:
+    """A gate that passes only when the re-run ran exactly the published gates.
+
+    A re-check that silently ran fewer gates would vouch for less than the artifact claims;
+    one that ran gates the artifact was never published with would compare against nothing.
+    MIL profiles left out on purpose (``--profile``) drop their gates from the expectation.
+    """
+    skipped = {f"mil-{name}" for name in PROFILES if name not in profiles}
+    expected = {key for key in published if key[1] not in skipped}
+    missing, extra = sorted(expected - rerun), sorted(rerun - expected)
+    parts = [f"published, not re-run: {', '.join(map(' / '.join, missing))}"] if missing else []
+    parts += [f"re-run, not published: {', '.join(map(' / '.join, extra))}"] if extra else []
+    return GateResult(
+        name="same gate set as published",
+        implementation="recheck",
+        value=float(len(missing) + len(extra)),
+        threshold=0.0,
+        comparison="==",
+        passed=not missing and not extra,
+        detail="; ".join(parts) or f"{len(expected)} gates, as published",
+    )
+
+
+def _add_gate_to_reports(
+    report_dir: Path, report: ParityReport, gate: GateResult, title: str
+) -> None:
+    """Add ``gate`` to the report and to the re-run's parity.json, .txt and .html."""
+    report.gates.append(gate)
+    path = report_dir / "parity.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc["gates"].append(dataclasses.asdict(gate))
+    doc["passed"] = bool(doc.get("passed", True)) and gate.passed
+    write_json_atomic(path, doc)
+    mark = "PASS" if gate.passed else "FAIL"
+    line = (
+        f"  {mark}  {gate.name:<26} [{gate.implementation}] {gate.value:.3g} "
+        f"{gate.comparison} {gate.threshold:.3g}  {gate.detail}"
+    )
+    text = (report_dir / "parity.txt").read_text(encoding="utf-8")
+    write_text_atomic(
+        report_dir / "parity.txt", text.replace("Parity gates:\n", f"Parity gates:\n{line}\n", 1)
+    )
+    write_text_atomic(report_dir / "parity.html", report_to_html(doc, title))
+
+
 def _packages(artifact: Path, manifest: Manifest) -> list[Program]:
     """The artifact's packages in call order, each checked against its manifest hash."""
     entries = [manifest.package, *(manifest.extra_packages or [])]
@@ -105,6 +168,7 @@ def recheck(
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
     recipe = recipe_from_manifest(manifest)
+    published = published_gates(artifact)
     if recipe.task != manifest.task:
         raise InputError(
             f"{artifact}: manifest recipe: task {recipe.task} disagrees with the manifest's "
@@ -127,6 +191,12 @@ def recheck(
         run.profiles = profiles
     run_steps(task.recheck_steps, run, progress)
     report = run.report or ParityReport([], [], [], None, {})
+    # Decoders run the chosen MIL profiles; encoders always run fp32 and fp16.
+    ran = run.profiles if isinstance(run, DecoderRun) else tuple(PROFILES)
+    rerun = {(g.name, g.implementation) for g in report.gates}
+    if (report_dir / "parity.json").is_file():
+        gate = gate_set_gate(published, rerun, ran)
+        _add_gate_to_reports(report_dir, report, gate, f"anec parity report: {recipe.name}")
     document = json.loads((report_dir / "parity.json").read_text(encoding="utf-8"))
     document["artifact"] = str(artifact)
     return RecheckResult(report, report_dir, document)

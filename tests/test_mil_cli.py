@@ -35,6 +35,9 @@ def artifact(root: Path) -> Path:
     return root / "out" / "tiny"
 
 
+SAME_SET = ("same gate set as published", "recheck")
+
+
 def _gates(doc: dict) -> dict[tuple[str, str], dict]:
     return {(g["name"], g["implementation"]): g for g in doc["gates"]}
 
@@ -83,10 +86,36 @@ def test_anec_parity_reruns_the_gates_on_the_artifact(artifact: Path, root: Path
     assert "Conversion level" in result.output and "not run on this platform" in result.output
     published = _gates(json.loads((artifact / "parity.json").read_text()))
     again = _gates(json.loads((out / "parity.json").read_text()))
-    assert set(again) <= set(published)
+    same_set = again.pop(SAME_SET)
+    assert same_set["passed"] and same_set["value"] == 0
+    assert set(again) == set(published)  # every published gate re-run, none dropped
     for key, gate in again.items():  # deterministic: the same numbers again
         assert gate["value"] == pytest.approx(published[key]["value"], rel=1e-6), key
     assert (out / "parity.html").is_file()
+
+
+def test_anec_parity_fails_a_rerun_that_dropped_a_gate(
+    artifact: Path, root: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    # The artifact was published with one more gate than the re-run runs (as if a change to
+    # anec had dropped it): the re-check must fail and name it, not pass on the rest.
+    copy = tmp_path / "tiny"
+    shutil.copytree(artifact, copy)
+    doc = json.loads((copy / "parity.json").read_text())
+    dropped = dict(doc["gates"][0], name="a gate the re-run dropped")
+    doc["gates"].append(dropped)
+    (copy / "parity.json").write_text(json.dumps(doc))
+    out = root / "recheck-dropped"
+    result = run_anec("parity", copy, "--out", out, "--profile", "fp32", "--profile", "fp16")
+    assert result.exit_code == 1, result.output
+    same_set = _gates(json.loads((out / "parity.json").read_text()))[SAME_SET]
+    assert not same_set["passed"]
+    assert (
+        f"published, not re-run: a gate the re-run dropped / {dropped['implementation']}"
+        in (same_set["detail"])
+    )
 
 
 def test_anec_parity_refuses_a_package_that_differs_from_its_manifest(
