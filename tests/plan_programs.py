@@ -1,6 +1,6 @@
 """Small MIL programs for the plan tests, built with coremltools' MIL builder.
 
-Several mirror published MLComputePlan dumps (ane_rules.md section 3: D1, D2, D4, D5, the
+Several mirror published MLComputePlan dumps (docs/placement-rules.md section 3: D1, D2, D4, D5, the
 stablehlo-coreml tiny-graph report), so the predictor is judged on programs anec does not
 emit. Import as ``import plan_programs`` (tests is not a package).
 """

@@ -1,4 +1,4 @@
-"""The static predictor against published compute-plan dumps (ane_rules.md section 3), its
+"""The static predictor against published compute-plan dumps (docs/placement-rules.md s. 3), its
 global-before-op order, the neighbour rule, per-chip differences and the rule table itself."""
 
 from __future__ import annotations

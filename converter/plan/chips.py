@@ -2,7 +2,7 @@
 placement rules read.
 
 Every figure carries a central value, a range (low, high) and its source; most are public
-estimates, not Apple specifications (/work/shared/research/ane_rules.md sections 2.3 and 4).
+estimates, not Apple specifications (docs/placement-rules.md sections 2.3 and 4).
 Apple does not publish NE bandwidth; the weight-stream figures are community measurements.
 """
 
@@ -47,7 +47,7 @@ class Chip:
     dispatch_ms: Figure  # per NE segment (one program launch)
     cpu_gflops: Figure  # for ops predicted on the CPU
     cpu_gbps: Figure
-    max_spatial: int  # largest non-channel axis (ane_rules R-DIM)
+    max_spatial: int  # largest non-channel axis (docs/placement-rules.md R-DIM)
     max_channels: int
     model_budget_bytes: int  # above it the whole model leaves the NE (R-SIZE)
     native_trig: bool  # sin/cos on the NE (O-TRIG)

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-ALIGN_BYTES = 64  # the NE pads the last axis of every tensor to 64 bytes (ane_rules R-ALIGN)
+# The NE pads the last axis of every tensor to 64 bytes (docs/placement-rules.md R-ALIGN).
+ALIGN_BYTES = 64
 
 _DTYPE_BYTES = {
     "fp16": 2,

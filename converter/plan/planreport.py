@@ -2,7 +2,7 @@
 
 A compute-plan op is matched to a row of the op table by its first output name (names
 survive compilation); FLOPs and weight bytes come from the op table, the device from
-MLComputePlan's *preferred* device (not from "supported": ane_rules.md 1.3).
+MLComputePlan's *preferred* device (not from "supported": docs/placement-rules.md 1.3).
 """
 
 from __future__ import annotations

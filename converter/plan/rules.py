@@ -1,13 +1,15 @@
 """The placement rules as data: the single table to change when new evidence arrives.
 
-Each rule has an id (as in /work/shared/research/ane_rules.md where one exists), the stage it
+Each rule has an id (as in docs/placement-rules.md where one exists), the stage it
 belongs to, its condition in words, the device it predicts, its confidence, its sources, what
 to change in the model or recipe, the chips it applies to, and a test on one op. The static
 predictor (``predict.py``) tries the stages in order — program, global, op — and the first
 rule whose test returns a reason decides; then the neighbour rule runs on the result.
 
-Confidence follows ane_rules.md: high = Apple documentation or several real dumps agree;
-medium = one dump or consistent community reports; low = inference or direct-path evidence.
+Confidence follows docs/placement-rules.md: high = Apple documentation or several real
+dumps agree; medium = one dump or consistent community reports; low = inference or
+direct-path evidence. The published dumps the sources cite as D1-D5 are described, with
+where each comes from, in that file's section 3.
 
 ``CALIBRATIONS`` lists the real compute-plan dumps of anec artifacts this table has been
 compared with. It is empty: no dump of an anec artifact exists yet, so every static report
