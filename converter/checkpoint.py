@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
+from converter.runlog import warnings_to_log
 from converter.weightfiles import check_loading_info, read_gguf_metadata
 
 _CAUSAL_LM_TASKS = {"text-generation"}
@@ -84,8 +84,7 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     kwargs: dict[str, Any] = {"trust_remote_code": False}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings_to_log("loading the checkpoint"):  # recorded in convert.log
         try:
             config = AutoConfig.from_pretrained(source.directory, **kwargs)
         except Exception as e:  # transformers raises many types for a bad file

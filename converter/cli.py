@@ -36,13 +36,28 @@ class AnecGroup(click.Group):
 
 @click.group(cls=AnecGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="anec", prog_name="anec")
-def main() -> None:
+@click.option(
+    "--log",
+    "log_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the libraries' log records and warnings (kept off the terminal; "
+    "convert records them in each artifact's convert.log) to this file.",
+)
+@click.pass_context
+def main(ctx: click.Context, log_file: Path | None) -> None:
     """Convert transformer checkpoints to Core ML packages for the Apple Neural Engine.
 
     Every conversion is described by a YAML recipe and proven by parity gates.
     Exit codes: 0 success, 1 a gate failed, 2 bad input; convert also 3 internal
     error and 130 / 143 when interrupted by SIGINT / SIGTERM.
     """
+    from converter.runlog import route_library_output, write_session_log
+
+    # Before any command imports coremltools or torch: their notes go to the log, not here.
+    route_library_output()
+    if log_file is not None:
+        ctx.call_on_close(lambda: write_session_log(log_file))
 
 
 @main.group(cls=AnecGroup)
@@ -194,9 +209,6 @@ def convert_command(
     """
     import signal
 
-    from converter.progress import quiet_third_party_output
-
-    quiet_third_party_output()  # before torch is imported
     from converter.batch import convert_recipes
     from converter.publish import signals_as_interrupts
 

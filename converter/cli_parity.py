@@ -53,9 +53,7 @@ def parity_command(
 
     Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input.
     """
-    from converter.progress import Steps, quiet_third_party_output
-
-    quiet_third_party_output()  # before torch is imported
+    from converter.progress import Steps
     from converter.recheck import recheck
     from parity.conversion import DEFAULT_PROFILES
 

@@ -7,7 +7,6 @@ from trying to compile the model, which only macOS can do.
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
+from converter.runlog import warnings_to_log
 
 DType = Literal["float16", "float32", "int32"]
 _NP = {"float16": np.float16, "float32": np.float32, "int32": np.int32}
@@ -40,8 +41,9 @@ def trace(module: torch.nn.Module, inputs: Sequence[TensorIO]) -> torch.jit.Scri
     """``torch.jit.trace`` the module in eval mode on zero inputs of the declared shapes."""
     module = module.eval()
     examples = tuple(spec.example() for spec in inputs)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+    # TracerWarnings (a tensor read as a Python value) are expected here: the shapes are
+    # static. They and anything else go to convert.log, not the terminal.
+    with torch.no_grad(), warnings_to_log("torch.jit.trace"):
         return torch.jit.trace(module, examples, check_trace=False)
 
 
@@ -56,8 +58,7 @@ def to_mlprogram(
     import coremltools as ct
 
     compute_precision = ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings_to_log("ct.convert"):
         return ct.convert(
             traced,
             inputs=[ct.TensorType(name=i.name, shape=i.shape, dtype=_NP[i.dtype]) for i in inputs],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,15 +16,15 @@ log = logging.getLogger(__name__)
 
 
 def quiet_third_party_output() -> None:
-    """Silence other libraries' progress bars and expected warnings; anec shows its own steps.
+    """Keep other libraries' progress bars, log records and warnings off the terminal.
 
-    Must run before torch is imported: tqdm reads ``TQDM_DISABLE`` when it is imported.
-    coremltools warns on Linux that its macOS runtime library is missing (expected: anec never
-    runs models here) and that torch 2.13 is newer than it was tested with (the parity gates
-    vouch for the result).
+    They are recorded instead (``converter.runlog.route_library_output``, which the ``anec``
+    command calls before any subcommand); kept for scripts such as ``bench/mil.py``. Must run
+    before torch is imported: tqdm reads ``TQDM_DISABLE`` when it is imported.
     """
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    logging.getLogger("coremltools").setLevel(logging.ERROR)
+    from converter.runlog import route_library_output
+
+    route_library_output()
 
 
 class Steps:

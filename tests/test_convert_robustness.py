@@ -282,6 +282,30 @@ def test_sigint_and_sigterm_mid_conversion_leave_the_previous_artifact(
         assert snapshot(out / "tiny") == before
 
 
+def test_a_warning_raised_inside_conversion_is_in_convert_log(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Library warnings are recorded in convert.log (docs/ci.md), not discarded, and are
+    kept off the terminal."""
+    import warnings
+
+    import coremltools as ct
+
+    real_convert = ct.convert
+
+    def convert_with_a_warning(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn("anec-test: a library warning inside ct.convert", UserWarning, stacklevel=1)
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(ct, "convert", convert_with_a_warning)
+    result = convert(ws.recipe("tiny-warn"), "--out", tmp_path, "--json")
+    assert result.exit_code == 0, result.output
+    log = (tmp_path / "tiny-warn" / LOG_NAME).read_text()
+    line = next(x for x in log.splitlines() if "anec-test: a library warning" in x)
+    assert "WARNING py.warnings: (during ct.convert)" in line and "UserWarning" in line
+    assert "anec-test" not in result.stderr
+
+
 # --------------------------------------------------------------------------- batch mode
 
 

@@ -203,3 +203,33 @@ def test_dump_needs_macos(packages: dict[str, Path], tmp_path: Path) -> None:
     result = run(str(packages["block"]), "--dump", str(tmp_path / "d.json"))
     assert result.exit_code == 2 and "macOS" in result.output
     assert not (tmp_path / "d.json").exists()
+
+
+def test_plan_inspect_output_starts_with_the_report(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """coremltools' import notes (unsupported scikit-learn, untested torch, eight missing
+    macOS proxies) go to the log (here --log), not before the report on the terminal."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    log = tmp_path / "anec.log"
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    package = packages["block"]
+    command = [sys.executable, "-m", "converter.cli", "--log", str(log)]
+    done = subprocess.run(
+        [*command, "plan-inspect", str(package), "--no-ops"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # what a terminal shows, in order
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert lines[0] == str(package), done.stdout[:2000]
+    assert "coremltools" not in done.stdout and "Failed to load" not in done.stdout
+    assert "WARNING coremltools: Failed to load _MLModelProxy" in log.read_text()

@@ -272,10 +272,8 @@ def plan_baseline(recipe_ref: str, out_dir: Path | None, force: bool) -> None:
     own module. No parity gate runs on it: it is a baseline, not an artifact.
     """
     from converter.plan.baseline import build_baseline
-    from converter.progress import quiet_third_party_output
     from converter.recipe import load_recipe, locate_recipe
 
-    quiet_third_party_output()
     recipe = load_recipe(locate_recipe(recipe_ref))
     path = build_baseline(recipe, out_dir or recipe.output_dir, force)
     click.echo(f"baseline: {path}")
