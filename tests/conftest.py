@@ -21,6 +21,15 @@ def write_file(tmp_path: Path) -> Callable[[str, str], Path]:
     return write
 
 
+@pytest.fixture
+def stand_in_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accept compute-plan dumps and measurements that say ``origin: stand-in`` (test-only:
+    no Mac records them here); every report then prints STAND-IN."""
+    from converter.plan.provenance import STAND_IN_ENV
+
+    monkeypatch.setenv(STAND_IN_ENV, "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Convert the shipped SmolLM2 recipe once, through the CLI, for every test that needs it."""

@@ -4,6 +4,9 @@ coremltools' own ``MLModelStructure*``, ``MLComputePlanDeviceUsage`` and ``MLCom
 dataclasses, and real device-class instances created without their native proxy; only
 ``MLComputePlan`` itself (which needs the native library) is a small fake with the same three
 members the adapter calls. Import as ``import plan_standins`` (tests is not a package).
+
+Plans and measurements built from these say ``origin: stand-in``: reading them needs the
+``stand_in_evidence`` fixture (conftest.py), the test-only switch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 from converter.hashing import mlpackage_content_hash
 from converter.plan.computeplan import walk_plan
 from converter.plan.dump import RecordedPlan
+from converter.plan.provenance import ORIGIN_STAND_IN
 
 
 def device(kind: str) -> Any:
@@ -113,6 +117,8 @@ def recorded(package: Path, policy: Callable[[str, str], str | None]) -> Recorde
     return RecordedPlan(
         content_sha256=mlpackage_content_hash(package),
         package=package.name,
-        recorded={"macos": "stand-in", "machine": "test", "chip": "stand-in"},
+        # Never recorded on a Mac: accepted only behind the test-only switch, and every
+        # report prints STAND-IN (converter.plan.provenance).
+        recorded={"origin": ORIGIN_STAND_IN, "machine": "test"},
         plans={"CPU_AND_NE": {"main": walk_plan(plan, "main")}},
     )

@@ -30,6 +30,10 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+# The dumps and measurements here are stand-ins (no Mac records them): the test-only switch.
+pytestmark = pytest.mark.usefixtures("stand_in_evidence")
+
+
 def run(*args: str) -> Result:
     return CliRunner().invoke(main, ["plan-inspect", *args])
 
@@ -54,7 +58,7 @@ def _bench_file(package: Path, path: Path) -> Path:
                 "evidence": "observed",
                 "package": package.name,
                 "content_sha256": mlpackage_content_hash(package),
-                "recorded": {"chip": "stand-in"},
+                "recorded": {"origin": "stand-in"},
                 "results": {"CPU_ONLY": unit([4.0, 5.0, 6.0]), "CPU_AND_NE": unit([1.0, 1.5])},
             }
         )

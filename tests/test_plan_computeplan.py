@@ -31,6 +31,10 @@ from converter.plan.inspect import inspect_package
 # ---------------------------------------------------------------------------- walking
 
 
+# Recorded plans and measurements here are stand-ins: the test-only switch (conftest.py).
+pytestmark = pytest.mark.usefixtures("stand_in_evidence")
+
+
 def test_walk_maps_devices_costs_and_recurses_into_blocks() -> None:
     from coremltools.models import compute_plan as cp
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from converter.errors import InputError
 from converter.evidence import MEANING, Evidence
+from converter.plan.provenance import check_recorded, provenance_json
 
 BENCH_FORMAT = "anec-bench-device/1"
 DEFAULT_UNITS = ("CPU_ONLY", "CPU_AND_NE")
@@ -230,6 +231,7 @@ class Observed:
             "package": self.package,
             "content_sha256": self.content_sha256,
             "recorded": self.recorded,
+            **provenance_json(self.recorded),
             "latency": {u: asdict(s) for u, s in self.latency.items()},
             "power": self.power,
             "energy_mj_per_call": energy,
@@ -248,6 +250,7 @@ def read_bench(path: Path, content_sha256: str | None = None) -> Observed:
     if doc.get("evidence") != Evidence.OBSERVED.value:
         raise InputError(f"{path}: evidence is {doc.get('evidence')!r}, expected 'observed'")
     sha = str(doc.get("content_sha256", ""))
+    recorded = check_recorded(doc.get("recorded"), str(path))
     if content_sha256 is not None and sha != content_sha256:
         raise InputError(
             f"{path}: measured package {sha[:12]}, not this package ({content_sha256[:12]})"
@@ -268,7 +271,7 @@ def read_bench(path: Path, content_sha256: str | None = None) -> Observed:
     return Observed(
         package=str(doc.get("package", "")),
         content_sha256=sha,
-        recorded=dict(doc.get("recorded") or {}),
+        recorded=recorded,
         latency=latency,
         power=power,
     )

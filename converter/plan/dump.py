@@ -9,12 +9,15 @@ Format (``anec-compute-plan/1``)::
 
     {"format": "anec-compute-plan/1", "evidence": "compute-plan",
      "packages": {"<content sha256>": {
-         "package": "<file name>", "recorded": {"macos": ..., "machine": ..., "chip": ...,
-         "coremltools": ..., "date": ...},
+         "package": "<file name>", "recorded": {"origin": "macos", "macos": ...,
+         "machine": ..., "chip": ..., "coremltools": ..., "date": ...},
          "plans": {"CPU_AND_NE": {"main": [<op>, ...]}, ...}}}}
 
 where each op is ``{"index", "operator", "outputs", "preferred", "supported",
 "cost_weight"}`` and ``preferred`` is "NE", "CPU", "GPU" or null (usage not determined).
+``recorded`` must say where the plan was recorded (``converter.plan.provenance``): a dump
+without the macOS version, chip and coremltools version, or a test stand-in outside anec's
+tests, is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 from converter.errors import InputError
 from converter.evidence import Evidence
 from converter.plan.computeplan import PlanOp, plan_op_from_json, plan_op_to_json
+from converter.plan.provenance import ORIGIN_MACOS, check_recorded
 from converter.plan.rules import COMPUTE_UNITS
 
 DUMP_FORMAT = "anec-compute-plan/1"
@@ -46,7 +50,8 @@ class RecordedPlan:
 
 
 def recording_metadata() -> dict[str, Any]:  # pragma: no cover - values differ per machine
-    """Where and when a plan is recorded: macOS version, machine, chip, coremltools version."""
+    """Where and when a plan or measurement is recorded (on macOS): origin, macOS version,
+    machine, chip, coremltools version and date."""
     from importlib.metadata import version
 
     chip = None
@@ -61,6 +66,7 @@ def recording_metadata() -> dict[str, Any]:  # pragma: no cover - values differ 
         except OSError:
             chip = None
     return {
+        "origin": ORIGIN_MACOS,
         "macos": platform.mac_ver()[0] or None,
         "machine": platform.machine(),
         "chip": chip,
@@ -136,6 +142,6 @@ def read_dump(path: Path, content_sha256: str) -> RecordedPlan:
     return RecordedPlan(
         content_sha256=content_sha256,
         package=str(entry.get("package", "")),
-        recorded=dict(entry.get("recorded") or {}),
+        recorded=check_recorded(entry.get("recorded"), f"{path}: entry {content_sha256[:12]}"),
         plans=plans,
     )

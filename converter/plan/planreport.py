@@ -14,6 +14,7 @@ from converter.evidence import Evidence
 from converter.plan.computeplan import PlanOp
 from converter.plan.dump import RecordedPlan
 from converter.plan.ops import OpTable
+from converter.plan.provenance import provenance_json
 from converter.plan.report import FunctionReport, PlacementReport, Row, row_of, summarize
 
 NO_USAGE = "unknown"  # Core ML returned no device usage for the op
@@ -101,7 +102,11 @@ def compute_plan_report(
         content_sha256=recorded.content_sha256,
         compute_units=compute_units,
         functions=functions,
-        source={"recorded": recorded.recorded, "package": recorded.package},
+        source={
+            "recorded": recorded.recorded,
+            "package": recorded.package,
+            **provenance_json(recorded.recorded),
+        },
         notes=notes,
     )
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from converter.evidence import MEANING, Evidence
 from converter.plan.inspect import Inspected
+from converter.plan.provenance import is_stand_in, provenance_text
 from converter.plan.render_text import fmt_bytes, fmt_flops, fmt_share, summary_lines
 from converter.plan.report import PlacementReport
 
@@ -27,6 +28,7 @@ table{border-collapse:collapse;font-size:12px;margin:8px 0}
 td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}.mono{font-family:Menlo,Consolas,monospace}.meaning{color:#555;font-size:13px}
 pre{background:#f7f7f7;padding:8px;font-size:12px;white-space:pre-wrap}
+.standin{color:#b00;border:2px solid #b00;padding:4px 8px}.provenance{color:#333}
 """
 
 
@@ -128,6 +130,8 @@ def _placement(report: PlacementReport) -> str:
         f"</p><p>{'chip ' + escape(report.chip) + ', ' if report.chip else ''}compute units "
         f"{escape(report.compute_units)}</p>"
     ]
+    if report.source:
+        out.append(_provenance(report.source.get("recorded") or {}))
     for note in report.notes:
         out.append(f"<p>note: {escape(note)}</p>")
     out.append(segment_strip(report))
@@ -199,6 +203,14 @@ def _predicted(section: dict[str, Any]) -> str:
     )
 
 
+def _provenance(recorded: dict[str, Any]) -> str:
+    """Where the evidence was recorded, or a STAND-IN warning for a test fixture."""
+    text = escape(provenance_text(recorded))
+    if is_stand_in(recorded):
+        return f'<p class="standin"><strong>{text}</strong></p>'
+    return f'<p class="provenance">{text}</p>'
+
+
 def _observed(doc: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td>{escape(u)}</td><td>{s['median_ms']:.2f}</td><td>{s['p10_ms']:.2f} – "
@@ -206,7 +218,8 @@ def _observed(doc: dict[str, Any]) -> str:
         for u, s in doc["latency"].items()
     )
     return (
-        f"<h2>Measured</h2><p>{_badge(Evidence.OBSERVED)}</p><table><tr><th>compute units</th>"
+        f"<h2>Measured</h2><p>{_badge(Evidence.OBSERVED)}</p>{_provenance(doc['recorded'])}"
+        "<table><tr><th>compute units</th>"
         f"<th>median ms</th><th>p10 – p90 ms</th><th>runs</th></tr>{rows}</table>"
     )
 

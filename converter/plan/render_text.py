@@ -13,6 +13,7 @@ from rich.text import Text
 
 from converter.evidence import MEANING, Evidence
 from converter.plan.inspect import Inspected
+from converter.plan.provenance import is_stand_in, provenance_text
 from converter.plan.report import PlacementReport, Summary, package_totals
 
 _DEVICE_STYLE = {"NE": "green", "CPU": "red", "GPU": "yellow", "none": "dim", "unknown": "magenta"}
@@ -105,6 +106,12 @@ def summary_lines(s: Summary) -> list[str]:
     ]
 
 
+def print_provenance(recorded: dict[str, Any], console: Console) -> None:
+    """Where the evidence was recorded, or STAND-IN (in bold red) for a test fixture."""
+    style = "bold red" if is_stand_in(recorded) else None
+    console.print(Text(provenance_text(recorded), style=style or ""))
+
+
 def print_placement(report: PlacementReport, console: Console, show_ops: bool) -> None:
     """One placement report: header, per-op table, summary, breakers."""
     extra = report.calibration if report.evidence is Evidence.STATIC else None
@@ -112,7 +119,7 @@ def print_placement(report: PlacementReport, console: Console, show_ops: bool) -
     where = f"chip {report.chip}, " if report.chip else ""
     console.print(Text(f"{where}compute units {report.compute_units}"))
     if report.source:
-        console.print(Text(f"recorded: {report.source.get('recorded')}"))
+        print_provenance(report.source.get("recorded") or {}, console)
     for note in report.notes:
         console.print(Text(f"note: {note}"))
     if show_ops:
@@ -193,7 +200,7 @@ def print_predicted(section: dict[str, Any], console: Console) -> None:
 def print_observed(doc: dict[str, Any], console: Console) -> None:
     """A bench-device measurement."""
     console.print(Text(label(Evidence.OBSERVED), style="bold"))
-    console.print(Text(f"recorded: {doc['recorded']}"))
+    print_provenance(doc["recorded"], console)
     for unit, s in doc["latency"].items():
         console.print(
             Text(
