@@ -18,36 +18,37 @@ ABSENT, but it never names a partial artifact; if the process dies in that windo
 
 Leftovers of a killed process (``.anec-staging-*``, ``.anec-old-*``, ``.anec-tmp-*``) carry
 the owner's pid and are removed by ``clean_leftovers`` once that process is gone.
+
+The filesystem primitives (renameat2, fsync, atomic single-file writes) are in
+``converter.fsops``; this module is the staging protocol, signal handling and clean-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import functools
-import json
 import logging
 import os
-import platform
 import re
-import secrets
-import shutil
 import signal
-import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
 
+from converter import fsops
 from converter.errors import InputError
+
+# Re-exported: the single-file writers have always been imported from here.
+from converter.fsops import TMP_PREFIX as TMP_PREFIX
+from converter.fsops import write_bytes_atomic as write_bytes_atomic
+from converter.fsops import write_json_atomic as write_json_atomic
+from converter.fsops import write_text_atomic as write_text_atomic
 
 log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".anec-staging-"
 OLD_PREFIX = ".anec-old-"
-TMP_PREFIX = ".anec-tmp-"
 FAILED_SUFFIX = ".failed"
 
 _LEFTOVER_RE = re.compile(r"^\.anec-(staging|old|tmp)-(.+)-(\d+)-([0-9a-f]+)$")
@@ -58,13 +59,6 @@ _MAX_NAME_BYTES = 200
 _ENV_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 )
-# renameat2 errors meaning "not supported here", as opposed to a real failure.
-_UNSUPPORTED_ERRNOS = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
-
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
 
 
 # --------------------------------------------------------------------------- signals
@@ -135,136 +129,6 @@ def _critical() -> Iterator[None]:
             raise Interrupted(signum)
 
 
-# --------------------------------------------------------------------------- renameat2
-
-
-@functools.cache
-def _renameat2_func() -> Callable[[bytes, bytes, int], int] | None:
-    """Return a ``renameat2(old, new, flags)`` caller, or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    func = getattr(libc, "renameat2", None)  # glibc >= 2.28; musl >= 1.2.2
-    if func is not None:
-        func.argtypes = [
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_uint,
-        ]
-        func.restype = ctypes.c_int
-        return lambda old, new, flags: int(func(_AT_FDCWD, old, _AT_FDCWD, new, flags))
-    return _syscall_renameat2(libc, platform.machine())
-
-
-def _syscall_renameat2(
-    libc: ctypes.CDLL, machine: str
-) -> Callable[[bytes, bytes, int], int] | None:
-    """renameat2 through ``syscall(2)``, for a libc (glibc < 2.28) without the wrapper."""
-    number = _SYS_RENAMEAT2.get(machine.lower())
-    syscall = getattr(libc, "syscall", None)
-    if number is None or syscall is None:
-        return None
-    syscall.restype = ctypes.c_long
-    # syscall() is variadic: pass full-width longs so every register is well defined.
-    return lambda old, new, flags: int(
-        syscall(
-            ctypes.c_long(number),
-            ctypes.c_long(_AT_FDCWD),
-            ctypes.c_char_p(old),
-            ctypes.c_long(_AT_FDCWD),
-            ctypes.c_char_p(new),
-            ctypes.c_long(flags),
-        )
-    )
-
-
-def _renameat2(old: Path, new: Path, flags: int) -> None:
-    func = _renameat2_func()
-    if func is None:
-        raise OSError(errno.ENOSYS, "renameat2 is not available", str(old), None, str(new))
-    if func(os.fsencode(old), os.fsencode(new), flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(old), None, str(new))
-
-
-def _rename_exchange(a: Path, b: Path) -> None:
-    """Atomically swap ``a`` and ``b`` (both must exist)."""
-    _renameat2(a, b, _RENAME_EXCHANGE)
-
-
-def _rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``, raising FileExistsError if ``dst`` exists."""
-    try:
-        _renameat2(src, dst, _RENAME_NOREPLACE)
-        return
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED_ERRNOS:
-            raise
-    # Fallback: check-then-rename has a tiny race, and os.rename would replace an empty dir.
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-    os.rename(src, dst)
-
-
-# --------------------------------------------------------------------------- fs helpers
-
-
-def _unique_sibling(directory: Path, prefix: str, name: str) -> Path:
-    """A fresh leftover-style name ``<prefix><name>-<pid>-<hex>`` in ``directory``."""
-    return directory / f"{prefix}{name}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        # Some filesystems refuse fsync on directories; the data is then as safe as it gets.
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under ``root`` so a rename never exposes lost data."""
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path):
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _remove_path(path: Path) -> bool:
-    """Best-effort removal of a file, symlink or directory tree; True if it is gone."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        return True
-    except OSError as e:
-        log.warning("could not remove %s: %s", path, e.strerror or e)
-        return False
-    return True
-
-
-def _reason(e: OSError) -> str:
-    return e.strerror or str(e)
-
-
 def validate_artifact_name(name: str) -> None:
     """Raise InputError unless ``name`` is a plain, single path component.
 
@@ -282,52 +146,6 @@ def validate_artifact_name(name: str) -> None:
         raise InputError(f"artifact name {name!r} must not start with '.anec-' (reserved)")
     if len(os.fsencode(name)) > _MAX_NAME_BYTES:
         raise InputError(f"artifact name {name!r} is longer than {_MAX_NAME_BYTES} bytes")
-
-
-# --------------------------------------------------------------------------- single files
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, replace.
-
-    Readers see either the old file or the complete new one. Any OSError (ENOSPC, EACCES,
-    ...) becomes an InputError naming the path, and the temp file is removed.
-    """
-    target = Path(path)
-    # Truncated so long report names still give a valid temp filename.
-    tmp = _unique_sibling(target.parent, TMP_PREFIX, target.name[:100])
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise InputError(f"cannot write {target}: {_reason(e)}") from e
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return target
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
-    """Write ``text`` to ``path`` atomically (see ``write_bytes_atomic``)."""
-    return write_bytes_atomic(path, text.encode(encoding))
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int = 2) -> Path:
-    """Write ``obj`` as JSON (sorted keys, trailing newline) to ``path`` atomically."""
-    text = json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False) + "\n"
-    return write_text_atomic(path, text)
 
 
 # --------------------------------------------------------------------------- staging
@@ -373,18 +191,18 @@ class ArtifactStage:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InputError(
-                f"output directory {self.out_dir} cannot be created: {_reason(e)}"
+                f"output directory {self.out_dir} cannot be created: {fsops.os_reason(e)}"
             ) from e
         # Checked up front so no conversion work is wasted; checked again at commit.
         self._check_not_exists()
-        stage = _unique_sibling(self.out_dir, STAGING_PREFIX, self.name)
+        stage = fsops.unique_sibling(self.out_dir, STAGING_PREFIX, self.name)
         # Critical: a signal between mkdir and recording the stage would orphan it.
         with _critical():
             try:
                 os.mkdir(stage, 0o777)  # honours the umask, unlike mkdtemp's 0o700
             except OSError as e:
                 raise InputError(
-                    f"output directory {self.out_dir} is not writable: {_reason(e)}"
+                    f"output directory {self.out_dir} is not writable: {fsops.os_reason(e)}"
                 ) from e
             self._stage = stage
             self._state = "open"
@@ -404,11 +222,11 @@ class ArtifactStage:
             self._restore_aside()
             # After commit/keep this holds nothing, or the old content displaced by a swap.
             if self._stage is not None and os.path.lexists(self._stage):
-                _remove_path(self._stage)
+                fsops.remove_path(self._stage)
         if isinstance(exc, OSError) and exc.errno in _ENV_ERRNOS:
             where = exc.filename if exc.filename is not None else self._stage
             raise InputError(
-                f"could not build artifact {self.final_path}: {where}: {_reason(exc)}"
+                f"could not build artifact {self.final_path}: {where}: {fsops.os_reason(exc)}"
             ) from exc
 
     def _check_not_exists(self) -> None:
@@ -429,12 +247,12 @@ class ArtifactStage:
             try:
                 os.rename(aside, target)
             except OSError as e:
-                log.warning("could not restore %s to %s: %s", aside, target, _reason(e))
+                log.warning("could not restore %s to %s: %s", aside, target, fsops.os_reason(e))
 
     def _install(self, src: Path, dst: Path, replace: bool) -> Path | None:
         """Move ``src`` to ``dst`` atomically; return where displaced old content now is."""
         try:
-            _rename_noreplace(src, dst)
+            fsops.rename_noreplace(src, dst)
             return None
         except OSError as e:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
@@ -442,14 +260,14 @@ class ArtifactStage:
             if not replace:
                 raise InputError(f"{dst} already exists; pass --force to replace it") from e
         try:
-            _rename_exchange(src, dst)
+            fsops.rename_exchange(src, dst)
             return src
         except OSError as e:
-            if e.errno not in _UNSUPPORTED_ERRNOS:
+            if e.errno not in fsops.UNSUPPORTED_ERRNOS:
                 raise
-            log.debug("RENAME_EXCHANGE unavailable (%s); using rename-aside", _reason(e))
+            log.debug("RENAME_EXCHANGE unavailable (%s); using rename-aside", fsops.os_reason(e))
         # Fallback: `dst` is absent between these two renames; see the module docstring.
-        aside = _unique_sibling(self.out_dir, OLD_PREFIX, dst.name)
+        aside = fsops.unique_sibling(self.out_dir, OLD_PREFIX, dst.name)
         os.rename(dst, aside)
         self._aside = (aside, dst)
         os.rename(src, dst)
@@ -464,20 +282,20 @@ class ArtifactStage:
         """
         stage = self._require_open("commit")
         try:
-            _fsync_tree(stage)
+            fsops.fsync_tree(stage)
             with _critical():
                 displaced = self._install(stage, self.final_path, replace=self.force)
                 self._state = "committed"
         except OSError as e:
-            raise InputError(f"cannot publish {self.final_path}: {_reason(e)}") from e
+            raise InputError(f"cannot publish {self.final_path}: {fsops.os_reason(e)}") from e
         try:
-            _fsync_dir(self.out_dir)  # makes the rename itself durable
+            fsops.fsync_dir(self.out_dir)  # makes the rename itself durable
         except OSError as e:
             # Already published; the rename stays atomic, only its durability is unconfirmed.
-            log.warning("could not fsync %s: %s", self.out_dir, _reason(e))
+            log.warning("could not fsync %s: %s", self.out_dir, fsops.os_reason(e))
         # Deleting the old artifact may take a while; a crash here leaves only a leftover.
         if displaced is not None:
-            _remove_path(displaced)
+            fsops.remove_path(displaced)
         return self.final_path
 
     def keep_as_failed(self) -> Path:
@@ -494,9 +312,11 @@ class ArtifactStage:
                 displaced = self._install(stage, failed, replace=True)
                 self._state = "kept"
         except OSError as e:
-            raise InputError(f"cannot move failed artifact to {failed}: {_reason(e)}") from e
+            raise InputError(
+                f"cannot move failed artifact to {failed}: {fsops.os_reason(e)}"
+            ) from e
         if displaced is not None:
-            _remove_path(displaced)
+            fsops.remove_path(displaced)
         return failed
 
 
@@ -546,7 +366,7 @@ def clean_leftovers(out_dir: str | os.PathLike[str]) -> list[Path]:
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise InputError(f"cannot list output directory {root}: {_reason(e)}") from e
+        raise InputError(f"cannot list output directory {root}: {fsops.os_reason(e)}") from e
     removed: list[Path] = []
     for entry in names:
         match = _LEFTOVER_RE.match(entry)
@@ -563,8 +383,8 @@ def clean_leftovers(out_dir: str | os.PathLike[str]) -> list[Path]:
                     continue
                 except OSError as e:
                     # Never delete what may be the only copy of the previous artifact.
-                    log.warning("could not restore %s: %s", path, _reason(e))
+                    log.warning("could not restore %s: %s", path, fsops.os_reason(e))
                     continue
-        if _remove_path(path):
+        if fsops.remove_path(path):
             removed.append(path)
     return removed

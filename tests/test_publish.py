@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from converter import publish
+from converter import fsops
 from converter.errors import InputError
 from converter.publish import (
     Interrupted,
@@ -156,9 +156,9 @@ def test_force_uses_exchange_when_available(tmp_path: Path) -> None:
     (a / "fa").write_text("a")
     (b / "fb").write_text("b")
     try:
-        publish._rename_exchange(a, b)
+        fsops.rename_exchange(a, b)
     except OSError as e:
-        if e.errno in publish._UNSUPPORTED_ERRNOS:
+        if e.errno in fsops.UNSUPPORTED_ERRNOS:
             pytest.skip(f"RENAME_EXCHANGE unsupported here: {e}")
         raise
     assert (a / "fb").exists() and (b / "fa").exists()
@@ -169,20 +169,20 @@ def test_exchange_via_raw_syscall(tmp_path: Path) -> None:
     import ctypes
     import platform
 
-    func = publish._syscall_renameat2(ctypes.CDLL(None, use_errno=True), platform.machine())
+    func = fsops.syscall_renameat2(ctypes.CDLL(None, use_errno=True), platform.machine())
     if func is None or not sys.platform.startswith("linux"):
         pytest.skip("no known renameat2 syscall number for this platform")
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
     (a / "fa").write_text("a")
-    rc = func(os.fsencode(a), os.fsencode(b), publish._RENAME_EXCHANGE)
-    if rc != 0 and ctypes.get_errno() in publish._UNSUPPORTED_ERRNOS:
+    rc = func(os.fsencode(a), os.fsencode(b), fsops.RENAME_EXCHANGE)
+    if rc != 0 and ctypes.get_errno() in fsops.UNSUPPORTED_ERRNOS:
         pytest.skip("RENAME_EXCHANGE unsupported here")
     assert rc == 0
     assert (b / "fa").exists() and not (a / "fa").exists()
     # NOREPLACE onto an existing directory must fail with EEXIST.
-    assert func(os.fsencode(a), os.fsencode(b), publish._RENAME_NOREPLACE) != 0
+    assert func(os.fsencode(a), os.fsencode(b), fsops.RENAME_NOREPLACE) != 0
     assert ctypes.get_errno() == errno.EEXIST
 
 
@@ -195,7 +195,7 @@ def test_exchange_fallback_when_unsupported(
         calls.append((a, b))
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(publish, "_rename_exchange", refuse)
+    monkeypatch.setattr(fsops, "rename_exchange", refuse)
     old = make_old(tmp_path)
     with stage_artifact(tmp_path, "m", force=True) as stage:
         new = write_new(stage.path)
@@ -218,7 +218,7 @@ def test_fallback_failure_restores_old(tmp_path: Path, monkeypatch: pytest.Monke
             raise OSError(errno.EIO, "Input/output error", str(src))
         real_rename(src, dst)
 
-    monkeypatch.setattr(publish, "_rename_exchange", refuse)
+    monkeypatch.setattr(fsops, "rename_exchange", refuse)
     old = make_old(tmp_path)
     with (
         pytest.raises(InputError, match="Input/output error"),
@@ -235,7 +235,7 @@ def test_fallback_failure_restores_old(tmp_path: Path, monkeypatch: pytest.Monke
 def test_noreplace_fallback_without_renameat2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(publish, "_renameat2_func", lambda: None)
+    monkeypatch.setattr(fsops, "renameat2_func", lambda: None)
     with stage_artifact(tmp_path, "m") as stage:
         new = write_new(stage.path)
         stage.commit()
@@ -359,7 +359,7 @@ def test_commit_rename_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     def refuse(src: Path, dst: Path, flags: int) -> None:
         raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(src), None, str(dst))
 
-    monkeypatch.setattr(publish, "_renameat2", refuse)
+    monkeypatch.setattr(fsops, "renameat2", refuse)
     with (
         pytest.raises(InputError, match="Permission denied") as info,
         stage_artifact(tmp_path, "m") as stage,
@@ -477,13 +477,13 @@ def test_signals_as_interrupts_noop_off_main_thread() -> None:
 
 def test_sigterm_during_commit_is_deferred(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A SIGTERM arriving mid-rename lets the rename finish, then interrupts."""
-    real = publish._rename_noreplace
+    real = fsops.rename_noreplace
 
     def rename_then_signal(src: Path, dst: Path) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         real(src, dst)
 
-    monkeypatch.setattr(publish, "_rename_noreplace", rename_then_signal)
+    monkeypatch.setattr(fsops, "rename_noreplace", rename_then_signal)
     with (
         pytest.raises(Interrupted),
         signals_as_interrupts(),
