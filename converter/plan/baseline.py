@@ -41,7 +41,7 @@ def build_baseline(recipe: Recipe, out_dir: Path, force: bool = False) -> Path:
     from dataclasses import asdict
 
     from converter.checkpoint import load_checkpoint
-    from converter.coreml import TensorIO, to_mlprogram, trace
+    from converter.coreml import TensorIO, save_package, to_mlprogram, trace
     from converter.hashing import mlpackage_content_hash
     from converter.publish import stage_artifact, write_json_atomic
     from converter.targets import TARGETS
@@ -65,7 +65,7 @@ def build_baseline(recipe: Recipe, out_dir: Path, force: bool = False) -> Path:
             traced, inputs, outputs, TARGETS[recipe.target].ct_target(), recipe.precision
         )
         package = stage.path / f"{name}.mlpackage"
-        mlmodel.save(str(package))
+        save_package(mlmodel, package)  # canonical, like anec's own packages
         write_json_atomic(
             stage.path / BASELINE_FILE,
             {
