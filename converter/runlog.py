@@ -73,6 +73,8 @@ class _SessionHandler(logging.Handler):
             self.records.append(record)
         if _active is not None:
             _active.handle(record)
+        if record.levelno >= logging.ERROR and logging.lastResort is not None:
+            logging.lastResort.handle(record)  # a library's error stays visible
 
 
 _session: _SessionHandler | None = None
@@ -84,8 +86,8 @@ def route_library_output() -> None:
     Call before the libraries are imported (coremltools logs ten notes on import: an
     unsupported scikit-learn, an untested torch, its missing macOS runtime library) and
     before torch (tqdm reads ``TQDM_DISABLE`` when it is imported). Idempotent. Records go to
-    the active conversion's ``convert.log`` and to ``write_session_log``; errors still reach
-    the terminal through the command's own error report.
+    the active conversion's ``convert.log`` and to ``write_session_log``; a library's
+    ERROR records still reach stderr too.
     """
     global _session
     os.environ.setdefault("TQDM_DISABLE", "1")  # anec shows its own progress
