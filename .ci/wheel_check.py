@@ -7,8 +7,8 @@ ImportError instead. This step installs the wheel the way a user does and then i
 module of the source tree from the installed copy (each must resolve inside the fresh venv,
 never from the checkout) and runs ``anec --help``.
 
-Kept fast: the wheel is built without build isolation (the CI venv has setuptools), and the
-fresh venv reuses the running venv's site-packages for torch, coremltools and the rest through
+Kept fast: the wheel is built without build isolation where the CI venv has setuptools, and
+the fresh venv reuses the running venv's site-packages for torch, coremltools and the rest through
 a ``.pth`` line written after the wheel is installed, so nothing is downloaded.
 
 Usage: ``python .ci/wheel_check.py`` from the CI venv. ``tests/test_packaging.py`` imports
@@ -17,6 +17,7 @@ Usage: ``python .ci/wheel_check.py`` from the CI venv. ``tests/test_packaging.py
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -65,8 +66,11 @@ def build_wheel(out_dir: Path, repo: Path = REPO) -> Path:
     """Build the wheel from a clean copy of the tree (a stale ``build/`` cannot leak in)."""
     source = out_dir / "src"
     shutil.copytree(repo, source, ignore=_ignore)
+    # Without build isolation when this venv has setuptools (Python 3.11 venvs do): nothing
+    # to download. Python 3.12+ venvs lack it, and pip then fetches it as usual.
+    no_isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *no_isolation]
         + ["-w", str(out_dir / "dist"), str(source)],
         check=True,
     )
