@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
     ``1/sqrt(mean + eps) = sqrt(C) / sqrt(sum + C*eps)``; and for any ``a > 0`` the factor
     ``a`` cancels between numerator and denominator. For ``a = 2^k`` the division only changes
     the exponent, so it adds no rounding. Why this form: the prescale keeps ``x'^2`` inside
-    fp16's range where the residual stream is large (SmolLM2 reaches |h| ~ 25k, whose square
+    fp16's range where the residual stream is large (SmolLM2 reaches |h| ~ 27k, whose square
     overflows fp16), and the *sum* rather than the mean keeps the stored per-position value
     C times further from fp16's subnormals, where a mean of ordinary positions would land once
     ``a`` is large (measured: the mean form flipped an argmax on SmolLM2, the sum form not).

@@ -9,7 +9,7 @@ dequantize_pair`` pass, per op name.
 
 Only the inputs of the projections whose weights are compressed get an int8 scale (one
 symmetric per-tensor scale each). The residual stream and every norm input stay fp16: they
-carry outliers (|h| ~ 25k in SmolLM2) that one per-tensor int8 scale cannot hold next to the
+carry outliers (|h| ~ 27k in SmolLM2) that one per-tensor int8 scale cannot hold next to the
 ordinary values. The report lists every quantized input with its range, and what stays fp16.
 
 Torch level: ``ActivationFakeQuant`` applies the same scales with forward pre-hooks on the
@@ -186,7 +186,7 @@ def activation_report(
         ],  # fmt: skip
         "kept_fp16_inputs": kept_inputs,
         "kept_fp16": "the residual stream, every norm input and output not listed above, "
-        "attention scores and softmax, RoPE, the LM head input: outliers (|h| ~ 25k in the "
+        "attention scores and softmax, RoPE, the LM head input: outliers (|h| ~ 27k in the "
         "residual stream) that one per-tensor int8 scale cannot hold",
         "pays_on": "int8 x int8 arithmetic pays only on A17 Pro / M4 and later (SPEC 3); "
         "older NEs dequantize to fp16",

@@ -32,7 +32,7 @@ __all__ = ["CALIBRATED_METHODS", "LUT_BITS", "SEARCH_BITS"]  # importable from h
 _SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 # Kept fp16 unless a variant says otherwise: norms (their weights scale a residual stream that
-# reaches |h| ~ 25k), the embedding table and the LM head (the draft's output distribution).
+# reaches |h| ~ 27k), the embedding table and the LM head (the draft's output distribution).
 DEFAULT_KEEP_FP16 = ("*norm*", "embed*", "lm_head*")
 
 

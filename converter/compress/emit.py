@@ -31,6 +31,7 @@ from converter.compress.records import WeightRecord, weight_records
 from converter.compress.sites import weight_sites
 from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors
+from converter.coreml import save_package
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import FileEntry, Manifest, PackageEntry
@@ -164,7 +165,7 @@ def _emit_one(
             compressed = apply_plan(source, plan, sites)
             del source
             path = stage.path / f"{vname}.mlpackage"
-            compressed.save(str(path))
+            save_package(compressed, path)  # canonical bytes: a reproducible hash
             del compressed
             for host in subject.host_files:
                 if (fp16_dir / host).is_file():
