@@ -7,12 +7,11 @@ attention, so the reference is transformers' plain softmax path.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+from real_configs import config_dict
 from tiny_models import perturb_
 from torch import nn
 from transformers import (
@@ -39,7 +38,6 @@ from parity.fixtures import Batch, Fixture, build_fixtures
 
 VOCAB = 300
 PAD_ID = 0
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 THRESHOLDS = EncoderThresholds(
     fp32_layer_rel_error=1e-4,
     fp32_output_rel_error=1e-4,
@@ -91,8 +89,8 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
 
 
 def real_shape_config(name: str, **overrides: Any) -> Any:
-    """A config from ``../shared/configs/<name>.json`` (eager attention)."""
-    data = json.loads((SHARED_CONFIGS / f"{name}.json").read_text())
+    """A vendored config ``tests/data/configs/<name>.json`` (eager attention)."""
+    data = config_dict(name)
     data.pop("architectures", None)
     data.update({"attn_implementation": "eager", **overrides})
     return ModernBertConfig(**data)

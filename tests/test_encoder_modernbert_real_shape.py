@@ -1,4 +1,4 @@
-"""ModernBERT-base at its real shape (shared/configs/modernbert-base.json: 22 layers, local
+"""ModernBERT-base at its real shape (tests/data/configs/modernbert-base.json: 22 layers, local
 window 64 every layer but each third, theta 160000 global / 10000 local), transformers' own
 class with perturbed random weights, B=1, L=96. Slow tier.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from encoder_models import SHARED_CONFIGS, THRESHOLDS, TinyEncoder, build_encoder, real_shape_config
+from encoder_models import THRESHOLDS, TinyEncoder, build_encoder, real_shape_config
 from tiny_models import perturb_
 
 from converter.coreml import to_mlprogram, trace
@@ -27,13 +27,7 @@ from graph_passes.partition import Island, host_embedding
 from parity.encoder_gates import MIL_LEVEL, check_encoder, module_inputs, state_rows
 from parity.encoder_mil import output_runner
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (SHARED_CONFIGS / "modernbert-base.json").is_file(),
-        reason="../shared/configs beside the checkout",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 LENGTH = 96
 
@@ -129,8 +123,6 @@ def test_mmbert_shape_folded_batch_is_exact_in_fp32() -> None:
     """mmBERT-base shape (306.9 M parameters, theta 160000 for local layers too) at B=3, L=64:
     every layer of every real token within the fp32 gate, three samples folded into one
     sequence with a block-diagonal mask."""
-    if not (SHARED_CONFIGS / "mmbert-base-shape.json").is_file():
-        pytest.skip("mmbert-base-shape.json not found")
     model = random_real_shape("mmbert-base-shape")
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(306.9e6, rel=0.01)
     t = build_encoder(

@@ -1,18 +1,18 @@
 """Qwen2.5-0.5B at its real shape through `anec convert`, from a local Hugging Face directory.
 
 Slow tier. No Qwen2 weights ship on PyPI, so transformers' own Qwen2ForCausalLM is built from
-the real config (shared/configs/qwen2.5-0.5b.json), every parameter perturbed after random
+the real config (tests/data/configs/qwen2.5-0.5b.json), every parameter perturbed after random
 initialisation (zero biases and unit norm weights would hide a dropped bias or a wrong norm),
 saved as safetensors, and converted with token-id fixtures.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from real_configs import config_dict
 from tiny_models import perturb_
 
 from converter.checkpoint import load_checkpoint
@@ -25,7 +25,6 @@ from parity.gates import Thresholds, check_decoder
 
 pytestmark = pytest.mark.slow
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "qwen2.5-0.5b.json"
 
 RECIPE = """\
 name: qwen-real-shape
@@ -48,11 +47,9 @@ fixtures:
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not CONFIG.is_file():
-        pytest.skip(f"{CONFIG} not found (../shared beside the checkout)")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**json.loads(CONFIG.read_text()))
+    config = Qwen2Config(**config_dict("qwen2.5-0.5b"))
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
