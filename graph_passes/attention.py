@@ -7,11 +7,12 @@ channel axis the NE prefers.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from graph_passes.norms import HeadRMSNorm
 from graph_passes.rope import Rope
 from graph_passes.spec import AttentionSpec
 
@@ -28,7 +29,10 @@ def conv1x1(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Conv2d:
 
 
 class Attention(nn.Module):
-    """Per-head attention with GQA: query head h reads kv head ``h // (H / KV)``."""
+    """Per-head attention with GQA: query head h reads kv head ``h // (H / KV)``.
+
+    With per-head q/k norms (Qwen3, Gemma 3): ``q = rope(q_norm(Wq x))``, likewise ``k``.
+    """
 
     def __init__(
         self,
@@ -40,35 +44,67 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         d = spec.head_dim
-        # 1/sqrt(d) folded into the query rows (and bias): scaling commutes with the linear
-        # RoPE and the dot product, so the function is unchanged; for d = 64 the factor 1/8 is
-        # a power of two and the fold is exact in floating point too.
-        scale = 1.0 / math.sqrt(d)
+        length = int(positions.shape[0])
+        # The score scale (1/sqrt(d), or the checkpoint's) is folded into the query: into its
+        # rows (and bias) without a q norm, into the q norm's gain with one (a norm would undo
+        # a scale on its input). Scaling commutes with the linear RoPE and the dot product, so
+        # the function is unchanged; a power-of-two scale (1/8 for d = 64, Gemma's 1/16) is
+        # exact in floating point too.
+        scale = spec.score_scale
+        row_scale = 1.0 if spec.qk_norm is not None else scale
         wq, wk, wv = (weights[f"{prefix}.{n}.weight"] for n in "qkv")
         bias = None
         if spec.qkv_bias:
             bq, bk, bv = (weights[f"{prefix}.{n}.bias"] for n in "qkv")
-            bias = torch.cat([bq * scale, bk, bv])
+            bias = torch.cat([bq * row_scale, bk, bv])
         # One conv for q, k and v: one weight read, one op; the output channels are split.
-        self.qkv = conv1x1(torch.cat([wq * scale, wk, wv]), bias)
+        self.qkv = conv1x1(torch.cat([wq * row_scale, wk, wv]), bias)
         self.o = conv1x1(weights[f"{prefix}.o.weight"], weights.get(f"{prefix}.o.bias"))
+        self.q_norm: HeadRMSNorm | None = None
+        self.k_norm: HeadRMSNorm | None = None
+        if spec.qk_norm is not None:
+            n = spec.qk_norm
+            if n.kind != "rms":
+                raise ValueError(f"{prefix}: q/k norms are RMSNorms, got {n.kind!r}")
+            self.q_norm = HeadRMSNorm(
+                weights[f"{prefix}.q_norm.weight"], n.eps, spec.num_heads, length,
+                n.weight_offset, gain=scale,
+            )  # fmt: skip
+            self.k_norm = HeadRMSNorm(
+                weights[f"{prefix}.k_norm.weight"], n.eps, spec.num_kv_heads, length,
+                n.weight_offset,
+            )  # fmt: skip
         # Absolute-position models (BERT) have no rotation: spec.rope is False.
-        self.rope = Rope(d, spec.rope_theta, positions) if spec.rope else None
+        self.rope = Rope(d, spec.rope_theta, positions, spec.rotary_dim) if spec.rope else None
+
+    def project(
+        self, x: torch.Tensor
+    ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """Per-head queries (already scaled) and keys, both normed and rotated, and values,
+        each (B, d, 1, L)."""
+        s = self.spec
+        d = s.head_dim
+        widths = [(s.num_heads + s.num_kv_heads) * d, s.num_kv_heads * d]
+        qk, v = self.qkv(x).split(widths, dim=1)
+        if self.q_norm is None or self.k_norm is None:
+            # One RoPE op and one split for q and k together.
+            if self.rope is not None:
+                qk = self.rope(qk, s.num_heads + s.num_kv_heads)
+            heads = qk.split(d, dim=1)
+            return heads[: s.num_heads], heads[s.num_heads :], v.split(d, dim=1)
+        q, k = qk.split([s.num_heads * d, s.num_kv_heads * d], dim=1)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q, k = self.rope(q, s.num_heads), self.rope(k, s.num_kv_heads)
+        return q.split(d, dim=1), k.split(d, dim=1), v.split(d, dim=1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``x`` (B, D, 1, L) normalised input; ``mask`` (B, L, 1, L) additive, key on axis 1."""
-        s = self.spec
-        d = s.head_dim
-        qk, v = self.qkv(x).split([(s.num_heads + s.num_kv_heads) * d, s.num_kv_heads * d], dim=1)
-        if self.rope is not None:
-            qk = self.rope(qk, s.num_heads + s.num_kv_heads)
-        heads = qk.split(d, dim=1)
-        queries, keys = heads[: s.num_heads], heads[s.num_heads :]
+        queries, keys, values = self.project(x)
         keys_t = [k.transpose(1, 3) for k in keys]  # (B, L, 1, d)
-        values = v.split(d, dim=1)
         outputs = []
         for h, q in enumerate(queries):
-            g = h // s.group_size
+            g = h // self.spec.group_size
             score = torch.einsum("bkhc,bchq->bkhq", keys_t[g], q)
             weight = torch.softmax(score + mask, dim=1)
             outputs.append(torch.einsum("bchk,bkhq->bchq", values[g], weight))

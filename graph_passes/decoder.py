@@ -24,11 +24,11 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from graph_passes.attention import Attention, conv1x1
-from graph_passes.masks import causal_mask
-from graph_passes.mlp import SwiGLU
+from graph_passes.attention import conv1x1
+from graph_passes.masks import causal_mask, causal_window_mask
+from graph_passes.model import Block, build_norm
 from graph_passes.norms import RMSNorm
-from graph_passes.spec import CanonicalModel, LayerSpec, NormSpec
+from graph_passes.spec import CanonicalModel
 
 InputKind = Literal["token-ids", "embeddings"]
 
@@ -44,29 +44,17 @@ class DecoderIO:
     lm_head_chunk: int
 
 
-def build_norm(spec: NormSpec, weight: torch.Tensor) -> RMSNorm:
-    """The norm module for a spec (only RMSNorm for decoders so far)."""
-    return RMSNorm(weight, spec.eps, spec.weight_offset)
+# A decoder layer is the shared block (pre-norm for Llama / Qwen, "both" for Gemma).
+DecoderLayer = Block
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm layer: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``."""
-
-    def __init__(
-        self, spec: LayerSpec, weights: dict[str, torch.Tensor], index: int, positions: torch.Tensor
-    ) -> None:
-        super().__init__()
-        p = f"layers.{index}"
-        self.input_norm = build_norm(spec.input_norm, weights[f"{p}.input_norm.weight"])
-        self.attention = Attention(spec.attention, weights, f"{p}.attn", positions)
-        self.post_attention_norm = build_norm(
-            spec.post_attention_norm, weights[f"{p}.post_attn_norm.weight"]
-        )
-        self.mlp = SwiGLU(spec.mlp, weights, f"{p}.mlp")
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.input_norm(x), mask)
-        return h + self.mlp(self.post_attention_norm(h))
+def scaled_embeddings(table: torch.Tensor, scale: float) -> torch.Tensor:
+    """``table * scale`` as transformers computes a scaled embedding row in fp32 (Gemma's
+    ``embed_tokens(ids) * embed_scale`` with an fp32 ``embed_scale``); the table itself when
+    the scale is 1."""
+    if scale == 1.0:
+        return table
+    return table * torch.tensor(scale, dtype=torch.float32)
 
 
 def chunk_sizes(vocab: int, chunk: int) -> list[int]:
@@ -89,13 +77,17 @@ class BC1LDecoder(nn.Module):
         self.io = io
         w = model.weights
         positions = torch.arange(io.length)
+        self._host_table = scaled_embeddings(w["embed.weight"], spec.embed_scale)
         self.embed: nn.Embedding | None = None
         if io.inputs == "token-ids":
-            self.embed = nn.Embedding.from_pretrained(w["embed.weight"].clone(), freeze=True)
+            self.embed = nn.Embedding.from_pretrained(self._host_table.clone(), freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(layer, w, i, positions) for i, layer in enumerate(spec.layers)
+            Block(layer, w, i, positions) for i, layer in enumerate(spec.layers)
         )
-        self.final_norm = build_norm(spec.final_norm, w["final_norm.weight"])
+        final_norm = build_norm(spec.final_norm, w, "final_norm")
+        if not isinstance(final_norm, RMSNorm):
+            raise ValueError("decoder final norms are RMSNorms")
+        self.final_norm = final_norm
         head = model.lm_head_weight()
         self.chunk_sizes = chunk_sizes(spec.vocab_size, io.lm_head_chunk)
         # Separate convs and separate outputs: concatenating them would rebuild the
@@ -104,19 +96,31 @@ class BC1LDecoder(nn.Module):
             conv1x1(part, None) for part in head.split(self.chunk_sizes, dim=0)
         )
         self.register_buffer("causal", causal_mask(io.length))
+        # One causal window mask per window size of the local layers (None: global layers).
+        self.windows = sorted({ls.attention.window for ls in spec.layers if ls.attention.window})
+        for layer_spec in spec.layers:
+            rule = layer_spec.attention.window_rule
+            if layer_spec.attention.window is not None and rule != "causal-exclusive":
+                raise ValueError(f"a decoder's sliding window is causal, got {rule!r}")
+        for window in self.windows:
+            self.register_buffer(f"causal_{window}", causal_window_mask(io.length, window))
+
+    def host_embedding_table(self) -> torch.Tensor:
+        """The exact table (vocab, D) a host gathers ``inputs_embeds`` rows from: the
+        checkpoint's embeddings times the embedding scale (Gemma: sqrt(D)), in fp32."""
+        return self._host_table
 
     def norms(self) -> list[tuple[str, RMSNorm]]:
         """Every norm with its stable name, in execution order."""
         named: list[tuple[str, RMSNorm]] = []
         for i, layer in enumerate(self.decoder_layers()):
-            named.append((f"layers.{i}.input_norm", layer.input_norm))
-            named.append((f"layers.{i}.post_attention_norm", layer.post_attention_norm))
+            named += [(name, cast(RMSNorm, n)) for name, n in layer.norms(f"layers.{i}")]
         named.append(("final_norm", self.final_norm))
         return named
 
-    def decoder_layers(self) -> list[DecoderLayer]:
+    def decoder_layers(self) -> list[Block]:
         """The transformer layers, typed."""
-        return [cast(DecoderLayer, layer) for layer in self.layers]
+        return [cast(Block, layer) for layer in self.layers]
 
     def embed_bc1l(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, L) or embedding rows (B, L, D) -> (B, D, 1, L)."""
@@ -125,17 +129,25 @@ class BC1LDecoder(nn.Module):
         return x.transpose(1, 2).unsqueeze(2)
 
     def attention_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """One combined mask (B, L, 1, L) for all layers and heads, keys on axis 1 like the
-        scores: the causal mask plus the key mask (B, L)."""
+        """One combined mask (B, L, 1, L) for all global layers and heads, keys on axis 1 like
+        the scores: the causal mask plus the key mask (B, L)."""
         return self.causal + key_mask.reshape(-1, self.io.length, 1, 1)
+
+    def masks(self, key_mask: torch.Tensor) -> dict[int | None, torch.Tensor]:
+        """The combined mask of each window size (None: global), key mask included."""
+        keys = key_mask.reshape(-1, self.io.length, 1, 1)
+        out: dict[int | None, torch.Tensor] = {None: self.causal + keys}
+        for window in self.windows:
+            out[window] = getattr(self, f"causal_{window}") + keys
+        return out
 
     def run_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> list[torch.Tensor]:
         """The residual stream after each layer, each (B, D, 1, L)."""
         h = self.embed_bc1l(x)
-        mask = self.attention_mask(key_mask)
+        masks = self.masks(key_mask)
         states = []
         for layer in self.decoder_layers():
-            h = layer(h, mask)
+            h = layer(h, masks[layer.window])
             states.append(h)
         return states
 

@@ -30,17 +30,11 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from graph_passes.attention import Attention, conv1x1
+from graph_passes.attention import conv1x1
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.masks import MASKED, folded_band_mask
-from graph_passes.mlp import GeGLU, GeluMLP
-from graph_passes.spec import (
-    ClassifierSpec,
-    EncoderLayerSpec,
-    EncoderModel,
-    EncoderSpec,
-    NormSpec,
-)
+from graph_passes.model import Block
+from graph_passes.spec import ClassifierSpec, EncoderModel, EncoderSpec, NormSpec
 
 EncoderInputs = Literal["token-ids", "embeddings"]
 # last-hidden-state: (B, L, D) after the final norm; sentence-embedding: masked mean over real
@@ -127,40 +121,8 @@ class EncoderEmbedding(nn.Module):
         return self.norm(fold(self.rows(input_ids, token_type_ids)))
 
 
-class EncoderLayer(nn.Module):
-    """One layer, pre-norm (ModernBERT) or post-norm (BERT); see `EncoderLayerSpec`."""
-
-    def __init__(
-        self,
-        spec: EncoderLayerSpec,
-        weights: dict[str, torch.Tensor],
-        index: int,
-        positions: torch.Tensor,
-    ) -> None:
-        super().__init__()
-        p = f"layers.{index}"
-        self.placement = spec.placement
-        self.window = spec.attention.window
-        self.attention = Attention(spec.attention, weights, f"{p}.attn", positions)
-        self.attention_norm: LayerNorm | None = None
-        if spec.attention_norm is not None:
-            self.attention_norm = build_layer_norm(spec.attention_norm, weights, f"{p}.attn_norm")
-        self.mlp: nn.Module = (
-            GeGLU(spec.mlp, weights, f"{p}.mlp")
-            if spec.mlp.kind == "geglu"
-            else GeluMLP(spec.mlp, weights, f"{p}.mlp")
-        )
-        self.mlp_norm = build_layer_norm(spec.mlp_norm, weights, f"{p}.mlp_norm")
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.placement == "pre":
-            normed = x if self.attention_norm is None else self.attention_norm(x)
-            h = x + self.attention(normed, mask)
-            return h + self.mlp(self.mlp_norm(h))
-        h = self.attention(x, mask) + x
-        if self.attention_norm is not None:
-            h = self.attention_norm(h)
-        return self.mlp_norm(self.mlp(h) + h)
+# An encoder layer is the shared block (post-norm for BERT, pre-norm for ModernBERT).
+EncoderLayer = Block
 
 
 class L2Normalize(nn.Module):
@@ -287,8 +249,12 @@ class BC1LEncoder(nn.Module):
         w = model.weights
         self.embedding = EncoderEmbedding(model, io)
         positions = torch.arange(io.length).repeat(io.batch)  # slot b*L + l has position l
+        for layer_spec in spec.layers:
+            rule = layer_spec.attention.window_rule
+            if layer_spec.attention.window is not None and rule != "symmetric-inclusive":
+                raise ValueError(f"an encoder's local window is a symmetric band, got {rule!r}")
         self.layers = nn.ModuleList(
-            EncoderLayer(layer, w, i, positions) for i, layer in enumerate(spec.layers)
+            Block(layer, w, i, positions) for i, layer in enumerate(spec.layers)
         )
         self.final_norm: LayerNorm | None = None
         if spec.final_norm is not None:
@@ -313,17 +279,18 @@ class BC1LEncoder(nn.Module):
             raise ValueError("output 'logits' needs a checkpoint with a classifier head")
         return ClassifierTail(model.spec.classifier, model.weights, self.io)
 
-    def encoder_layers(self) -> list[EncoderLayer]:
+    def encoder_layers(self) -> list[Block]:
         """The transformer layers, typed."""
-        return [cast(EncoderLayer, layer) for layer in self.layers]
+        return [cast(Block, layer) for layer in self.layers]
 
     def norms(self) -> list[tuple[str, LayerNorm]]:
         """Every LayerNorm with its stable name, in execution order."""
         named = [("embed.norm", self.embedding.norm)]
         for i, layer in enumerate(self.encoder_layers()):
-            if layer.attention_norm is not None:
-                named.append((f"layers.{i}.attn_norm", layer.attention_norm))
-            named.append((f"layers.{i}.mlp_norm", layer.mlp_norm))
+            for name, norm in layer.norms(f"layers.{i}"):
+                if not isinstance(norm, LayerNorm):
+                    raise ValueError(f"{name}: encoder norms are LayerNorms")
+                named.append((name, norm))
         if self.final_norm is not None:
             named.append(("final_norm", self.final_norm))
         if isinstance(self.tail, ClassifierTail) and self.tail.norm is not None:

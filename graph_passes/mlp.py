@@ -1,20 +1,42 @@
-"""SwiGLU feed-forward in BC1L layout: down(silu(gate(x)) * up(x))."""
+"""Feed-forward blocks in BC1L layout: gated (SwiGLU, GeGLU) and plain (BERT's GELU MLP).
+
+Activations are the checkpoint's exactly: exact (erf) GELU and tanh GELU are different
+functions and never substitute for each other.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from graph_passes.attention import conv1x1
-from graph_passes.spec import MlpSpec
+from graph_passes.spec import Activation, MlpSpec
 
 
-class SwiGLU(nn.Module):
-    """Gate and up projections fused into one D -> 2I conv, split on channels."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,  # exact (erf)
+    "gelu_tanh": _gelu_tanh,  # transformers' gelu_pytorch_tanh
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU (silu), GeGLU (exact or tanh GELU).
+
+    Gate and up projections are fused into one D -> 2I conv (one weight read, one op), split on
+    channels; the activation reads the first half.
+    """
 
     def __init__(self, spec: MlpSpec, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         self.intermediate = spec.intermediate_size
+        self.activation = ACTIVATIONS[spec.act]
         bias = None
         if spec.bias:
             bias = torch.cat([weights[f"{prefix}.gate.bias"], weights[f"{prefix}.up.bias"]])
@@ -25,36 +47,28 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=1)
-        return self.down(nn.functional.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
 
 
-class GeluMLP(nn.Module):
-    """BERT's feed-forward: ``down(gelu(up(x)))`` with exact (erf) GELU, never the tanh form."""
+# The decoder's historical name for the silu form.
+SwiGLU = GatedMLP
+
+
+class PlainMLP(nn.Module):
+    """BERT's feed-forward: ``down(act(up(x)))`` (exact GELU for BERT)."""
 
     def __init__(self, spec: MlpSpec, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
+        self.activation = ACTIVATIONS[spec.act]
         self.up = conv1x1(weights[f"{prefix}.up.weight"], weights.get(f"{prefix}.up.bias"))
         self.down = conv1x1(weights[f"{prefix}.down.weight"], weights.get(f"{prefix}.down.bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+        return self.down(self.activation(self.up(x)))
 
 
-class GeGLU(nn.Module):
-    """ModernBERT's feed-forward: one fused D -> 2I conv split into value and gate,
-    ``down(gelu(value) * gate)`` with exact (erf) GELU on the value (the first half)."""
-
-    def __init__(self, spec: MlpSpec, weights: dict[str, torch.Tensor], prefix: str) -> None:
-        super().__init__()
-        self.intermediate = spec.intermediate_size
-        bias = None
-        if spec.bias:
-            bias = torch.cat([weights[f"{prefix}.value.bias"], weights[f"{prefix}.gate.bias"]])
-        self.value_gate = conv1x1(
-            torch.cat([weights[f"{prefix}.value.weight"], weights[f"{prefix}.gate.weight"]]), bias
-        )
-        self.down = conv1x1(weights[f"{prefix}.down.weight"], weights.get(f"{prefix}.down.bias"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.value_gate(x).split(self.intermediate, dim=1)
-        return self.down(nn.functional.gelu(value) * gate)
+def build_mlp(spec: MlpSpec, weights: dict[str, torch.Tensor], prefix: str) -> nn.Module:
+    """The MLP module a spec describes."""
+    if spec.gated:
+        return GatedMLP(spec, weights, prefix)
+    return PlainMLP(spec, weights, prefix)

@@ -26,19 +26,25 @@ class RMSNorm(nn.Module):
     inv_scale: torch.Tensor
     scaled_eps: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> None:
+    def __init__(
+        self, weight: torch.Tensor, eps: float, weight_offset: float = 0.0, gain: float = 1.0
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight_offset = weight_offset
         channels = weight.shape[0]
         self.channels = channels
-        # sqrt(C) * (offset + w) stored as one constant: one op fewer, same real value.
-        gamma = (weight + weight_offset) * channels**0.5
-        self.register_buffer("gamma", gamma.reshape(1, -1, 1, 1).clone())
+        # sqrt(C) * (offset + w) stored as one constant: one op fewer, same real value. ``gain``
+        # folds a constant factor on the output in too (an attention scale after a q norm).
+        gamma = (weight + weight_offset) * (channels**0.5 * gain)
+        self.register_buffer("gamma", self._shape_gamma(gamma))
         # Kept as buffers so a half() module rounds them exactly as the fp16 program stores them.
         self.register_buffer("inv_scale", torch.tensor(1.0))
         self.register_buffer("scaled_eps", torch.tensor(float(eps) * channels))
         self.prescale = 1.0
+
+    def _shape_gamma(self, gamma: torch.Tensor) -> torch.Tensor:
+        return gamma.reshape(1, -1, 1, 1).clone()
 
     def set_prescale(self, scale: float) -> None:
         """Use ``x / scale`` inside the norm; ``scale`` must be a power of two."""
@@ -54,3 +60,36 @@ class RMSNorm(nn.Module):
             x = x * self.inv_scale
         sum_square = (x * x).sum(dim=1, keepdim=True)
         return x * torch.rsqrt(sum_square + self.scaled_eps) * self.gamma
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each head separately: ``x[b, n*d, 0, l]`` holds ``heads`` heads of ``d``
+    channels and each is normalised over its own ``d`` channels with the same ``(offset + w)``
+    (Qwen3's and Gemma 3's ``q_norm`` / ``k_norm``). Viewing ``(B, n*d, 1, L)`` as
+    ``(B, n, d, L)`` is free (the same memory); the prescale works as in `RMSNorm`."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        eps: float,
+        heads: int,
+        length: int,
+        weight_offset: float = 0.0,
+        gain: float = 1.0,
+    ) -> None:
+        self.heads = heads
+        self.length = length
+        super().__init__(weight, eps, weight_offset, gain)
+
+    def _shape_gamma(self, gamma: torch.Tensor) -> torch.Tensor:
+        return gamma.reshape(1, 1, -1, 1).clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Python ints, not x.shape: traced shape reads become int casts coremltools rejects.
+        length = self.length
+        heads = x.reshape(-1, self.heads, self.channels, length)
+        if self.prescale != 1.0:
+            heads = heads * self.inv_scale
+        sum_square = (heads * heads).sum(dim=2, keepdim=True)
+        y = heads * torch.rsqrt(sum_square + self.scaled_eps) * self.gamma
+        return y.reshape(-1, self.heads * self.channels, 1, length)

@@ -3,6 +3,8 @@
 Each head rotates its own channels: the first half of *that head* with its second half
 (`rotate_half`). All heads are rotated in one go by viewing ``(B, n*d, 1, L)`` as
 ``(B, n, d, L)`` - the same memory, so the view is free - instead of slicing every head.
+With partial rotary (``rotary_dim < d``) only each head's first ``rotary_dim`` channels are
+rotated, split-half among themselves, and the rest pass through, as transformers does it.
 """
 
 from __future__ import annotations
@@ -11,16 +13,24 @@ import torch
 from torch import nn
 
 
+def inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
+    """``1 / theta^(2j / rotary_dim)`` for j < rotary_dim / 2, in fp64."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+
+
 def rope_tables(
-    head_dim: int, theta: float, positions: torch.Tensor
+    head_dim: int, theta: float, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin tables of shape (1, 1, head_dim, L) for the given positions.
 
-    ``rotate_half(x) = concat(-x2, x1)``; the minus sign is folded into the first half of the
-    sin table (negation is exact), so the module only swaps halves.
+    ``head_dim`` is the number of rotated channels; ``inv_freq`` (head_dim / 2,) overrides the
+    default frequencies (RoPE scaling). ``rotate_half(x) = concat(-x2, x1)``; the minus sign
+    is folded into the first half of the sin table (negation is exact), so the module only
+    swaps halves.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = inv_freq[:, None] * positions.to(torch.float64)[None, :]  # (d/2, L)
+    if inv_freq is None:
+        inv_freq = inverse_frequencies(head_dim, theta)
+    angles = inv_freq.double()[:, None] * positions.to(torch.float64)[None, :]  # (d/2, L)
     cos = torch.cat([angles.cos(), angles.cos()], dim=0)
     sin = torch.cat([-angles.sin(), angles.sin()], dim=0)
     return (
@@ -35,19 +45,34 @@ class Rope(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, theta: float, positions: torch.Tensor) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        positions: torch.Tensor,
+        rotary_dim: int | None = None,
+        inv_freq: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim}: must be even and <= {head_dim}")
         self.length = int(positions.shape[0])
-        cos, sin = rope_tables(head_dim, theta, positions)
+        cos, sin = rope_tables(self.rotary_dim, theta, positions, inv_freq)
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
 
     def forward(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         # Python ints, not x.shape: traced shape reads become int casts coremltools rejects.
-        d, length = self.head_dim, self.length
+        d, r, length = self.head_dim, self.rotary_dim, self.length
         heads = x.reshape(-1, num_heads, d, length)
-        first, second = heads.split(d // 2, dim=2)
+        passed = None
+        if r < d:
+            heads, passed = heads.split([r, d - r], dim=2)
+        first, second = heads.split(r // 2, dim=2)
         swapped = torch.cat([second, first], dim=2)
         rotated = heads * self.cos + swapped * self.sin
+        if passed is not None:
+            rotated = torch.cat([rotated, passed], dim=2)
         return rotated.reshape(-1, num_heads * d, 1, length)

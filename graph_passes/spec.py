@@ -1,33 +1,58 @@
-"""The canonical transformer description that every adapter produces and the BC1L module runs.
+"""The one model description that every architecture file produces and the BC1L block runs.
 
-An adapter reads a Hugging Face config object and state dict and returns a `CanonicalModel`:
-plain dataclasses for the structure plus a dict of weights under canonical names. Nothing in
-here depends on the source architecture; one BC1L implementation runs any such description.
+An architecture file (`graph_passes.archs`) reads a Hugging Face config object and state dict
+and returns a `CanonicalModel` (decoders) or an `EncoderModel` (encoders): plain dataclasses for
+the structure plus a dict of weights under canonical names. Decoders and encoders share the
+layer description (`LayerSpec`: norms with their kind, scaling and placement; attention with its
+heads, RoPE, q/k norms, window and scale; the MLP with its activation and gating), and one
+BC1L block (`graph_passes.model.Block`) runs it. Nothing in here depends on the source
+architecture.
 
-Canonical weight names (per layer ``i``)::
+Canonical weight names (per layer ``i``), shared by decoders and encoders::
 
-    embed.weight                      (vocab, D)
-    layers.i.input_norm.weight        (D,)
+    layers.i.attn_norm.weight         (D,)          absent for an identity norm
     layers.i.attn.{q,k,v}.weight      (out, D)      .bias when the spec says so
+    layers.i.attn.{q,k}_norm.weight   (head_dim,)   per-head q/k norms (Qwen3, Gemma 3)
     layers.i.attn.o.weight            (D, H*d)      .bias when the spec says so
-    layers.i.post_attn_norm.weight    (D,)
-    layers.i.mlp.{gate,up}.weight     (I, D)
+    layers.i.attn_out_norm.weight     (D,)          placement "both": norm of the attention output
+    layers.i.mlp_norm.weight          (D,)
+    layers.i.mlp.{gate,up}.weight     (I, D)        gated MLPs: ``down(act(gate) * up)``
+    layers.i.mlp.up.weight            (I, D)        plain MLP (BERT): ``down(act(up))``
     layers.i.mlp.down.weight          (D, I)
+    layers.i.mlp_out_norm.weight      (D,)          placement "both": norm of the MLP output
+
+Decoders add::
+
+    embed.weight                      (vocab, D)    unscaled; `TransformerSpec.embed_scale`
     final_norm.weight                 (D,)
     lm_head.weight                    (vocab, D)    absent when embeddings are tied
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 NormKind = Literal["rms", "layer"]
-# swiglu: down(silu(gate) * up); gelu: down(gelu(up)) (BERT); geglu: down(gelu(value) * gate)
-# from one fused D -> 2I projection whose first half is the value (ModernBERT).
+# swiglu: down(silu(gate) * up); geglu: down(gelu(gate) * up) (ModernBERT: exact GELU on the
+# first half of its fused D -> 2I projection; Gemma: tanh GELU); gelu: down(gelu(up)) (BERT).
 MlpKind = Literal["swiglu", "gelu", "geglu"]
+# The activation exactly: "gelu" is the erf GELU, "gelu_tanh" transformers' gelu_pytorch_tanh.
+Activation = Literal["silu", "gelu", "gelu_tanh"]
+# pre:  h = x + attn(attn_norm(x)), out = h + mlp(mlp_norm(h))  (Llama, Qwen, ModernBERT)
+# post: h = attn_norm(x + attn(x)), out = mlp_norm(h + mlp(h))  (BERT)
+# both: h = x + attn_out_norm(attn(attn_norm(x))), out = h + mlp_out_norm(mlp(mlp_norm(h)))
+#       (Gemma 2/3: four norms per layer; the out-norms read the branch output, not the stream)
+NormPlacement = Literal["pre", "post", "both"]
+# Which keys a local (sliding-window) layer sees from query q; both conventions exist:
+# "symmetric-inclusive": abs(q - k) <= window (transformers' bidirectional ModernBERT mask);
+# "causal-exclusive":   q - window < k <= q   (transformers' causal sliding window, Gemma 3).
+WindowRule = Literal["symmetric-inclusive", "causal-exclusive"]
+
+_DEFAULT_ACTIVATION: dict[str, Activation] = {"swiglu": "silu", "gelu": "gelu", "geglu": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -55,8 +80,25 @@ class AttentionSpec:
     causal: bool = True
     # False for absolute-position models (BERT): no rotation, rope_theta is unused.
     rope: bool = True
-    # Local attention: a key is visible iff abs(q - k) <= window (inclusive band); None = global.
+    # Local attention: which keys are visible is `window_rule`'s; None = global.
     window: int | None = None
+    window_rule: WindowRule = "symmetric-inclusive"
+    # Scores are (q . k) * scale; None = 1 / sqrt(head_dim). Gemma: query_pre_attn_scalar^-0.5.
+    scale: float | None = None
+    # Per-head norm of q and of k (over head_dim channels), before RoPE (Qwen3, Gemma 3).
+    qk_norm: NormSpec | None = None
+    # Channels of each head that RoPE rotates (partial rotary); None = all of head_dim.
+    rotary_dim: int | None = None
+
+    @property
+    def score_scale(self) -> float:
+        """The factor on q . k: `scale`, or 1 / sqrt(head_dim)."""
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def rotary_channels(self) -> int:
+        """Channels per head that RoPE rotates (even; the rest pass through)."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -71,16 +113,56 @@ class MlpSpec:
     kind: MlpKind
     intermediate_size: int
     bias: bool = False
+    # None: the kind's own (silu for swiglu, exact GELU for gelu and geglu).
+    activation: Activation | None = None
+
+    @property
+    def act(self) -> Activation:
+        """The activation function, exactly."""
+        return self.activation or _DEFAULT_ACTIVATION[self.kind]
+
+    @property
+    def gated(self) -> bool:
+        """True for ``down(act(gate) * up)``, False for ``down(act(up))``."""
+        return self.kind != "gelu"
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One pre-norm transformer layer: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """One transformer layer, decoder or encoder, in one of the `NormPlacement` forms.
+
+    ``attention_norm`` of None is the identity (ModernBERT's first layer). The out-norms are
+    set exactly when the placement is ``both``.
+    """
 
     attention: AttentionSpec
     mlp: MlpSpec
-    input_norm: NormSpec
-    post_attention_norm: NormSpec
+    attention_norm: NormSpec | None
+    mlp_norm: NormSpec
+    placement: NormPlacement = "pre"
+    attention_out_norm: NormSpec | None = None
+    mlp_out_norm: NormSpec | None = None
+
+    def __post_init__(self) -> None:
+        has_out = (self.attention_out_norm is not None, self.mlp_out_norm is not None)
+        if has_out != ((self.placement == "both"),) * 2:
+            raise ValueError(f"placement {self.placement!r}: out-norms {has_out} do not fit")
+
+    @property
+    def input_norm(self) -> NormSpec:
+        """The norm before attention (a decoder's ``input_layernorm``)."""
+        if self.attention_norm is None:
+            raise ValueError("this layer has an identity attention norm")
+        return self.attention_norm
+
+    @property
+    def post_attention_norm(self) -> NormSpec:
+        """The norm before the MLP (a Llama decoder's ``post_attention_layernorm``)."""
+        return self.mlp_norm
+
+
+# Encoders share the layer description.
+EncoderLayerSpec = LayerSpec
 
 
 @dataclass(frozen=True)
@@ -93,6 +175,8 @@ class TransformerSpec:
     layers: tuple[LayerSpec, ...]
     final_norm: NormSpec
     tied_embeddings: bool
+    # Embedding rows are multiplied by this (Gemma: sqrt(D)); the LM head reads the raw table.
+    embed_scale: float = 1.0
 
     @property
     def num_layers(self) -> int:
@@ -122,18 +206,13 @@ class CanonicalModel:
 #     embed.position.weight             (positions, D)  absolute positions only (BERT)
 #     embed.type.weight                 (types, D)      token types only (BERT)
 #     embed.norm.weight / .bias         (D,)            .bias when the norm has one
-#     layers.i.attn.{q,k,v,o}.weight    .bias when the spec says so
-#     layers.i.attn_norm.weight / .bias absent for an identity norm (ModernBERT layer 0)
-#     layers.i.mlp.up.weight / .bias    (I, D)          gelu MLP
-#     layers.i.mlp.{value,gate}.weight  (I, D)          geglu MLP: the fused D->2I rows, split
-#     layers.i.mlp.down.weight / .bias  (D, I)
-#     layers.i.mlp_norm.weight / .bias  (D,)
+#     layers.i.*                        the shared layer names above, with .bias where the
+#                                       spec has biases (LayerNorm biases included)
 #     final_norm.weight / .bias         (D,)            pre-norm models only
 #     head.dense.weight / .bias         (D, D)          BERT pooler / ModernBERT head dense
 #     head.norm.weight / .bias          (D,)            ModernBERT head norm
 #     head.classifier.weight / .bias    (labels, D)
 
-NormPlacement = Literal["pre", "post"]
 Pooling = Literal["cls", "mean"]
 HeadActivation = Literal["tanh", "gelu"]
 
@@ -154,22 +233,6 @@ class EmbeddingSpec:
         """True when the embedding norm sees only the token row, so it may be pre-applied to the
         table offline (SPEC section 2); False when it reads word + position + type rows."""
         return self.max_positions == 0 and self.type_vocab_size == 0
-
-
-@dataclass(frozen=True)
-class EncoderLayerSpec:
-    """One bidirectional layer, in one of two norm placements.
-
-    ``pre``:  ``h = x + attn(attn_norm(x))``, ``out = h + mlp(mlp_norm(h))`` (ModernBERT; an
-    ``attention_norm`` of None is the identity of its first layer);
-    ``post``: ``h = attn_norm(x + attn(x))``, ``out = mlp_norm(h + mlp(h))`` (BERT).
-    """
-
-    attention: AttentionSpec
-    mlp: MlpSpec
-    placement: NormPlacement
-    attention_norm: NormSpec | None
-    mlp_norm: NormSpec
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ def expected_mapping(state_dict: dict[str, torch.Tensor], tied: bool) -> dict[st
             continue
         i, middle, kind = m.groups()
         if middle == "input_layernorm":
-            mapping[f"layers.{i}.input_norm.{kind}"] = key
+            mapping[f"layers.{i}.attn_norm.{kind}"] = key
         elif middle == "post_attention_layernorm":
-            mapping[f"layers.{i}.post_attn_norm.{kind}"] = key
+            mapping[f"layers.{i}.mlp_norm.{kind}"] = key
         else:
             canon = {v: k for k, v in PROJECTIONS.items()}[middle]
             mapping[f"layers.{i}.{canon}.{kind}"] = key

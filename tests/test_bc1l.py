@@ -352,12 +352,12 @@ def test_norms_lists_every_norm_in_order() -> None:
     t = tiny("llama")
     names = [name for name, _ in t.module.norms()]
     assert names == [
-        "layers.0.input_norm",
-        "layers.0.post_attention_norm",
-        "layers.1.input_norm",
-        "layers.1.post_attention_norm",
-        "layers.2.input_norm",
-        "layers.2.post_attention_norm",
+        "layers.0.attn_norm",
+        "layers.0.mlp_norm",
+        "layers.1.attn_norm",
+        "layers.1.mlp_norm",
+        "layers.2.attn_norm",
+        "layers.2.mlp_norm",
         "final_norm",
     ]
 

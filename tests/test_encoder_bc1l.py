@@ -166,17 +166,17 @@ def test_modernbert_fused_projections_split_in_order() -> None:
     wqkv = sd["layers.1.attn.Wqkv.weight"]
     assert torch.equal(torch.cat([w[f"layers.1.attn.{n}.weight"] for n in "qkv"]), wqkv)
     wi = sd["layers.1.mlp.Wi.weight"]
-    assert torch.equal(w["layers.1.mlp.value.weight"], wi[:96])  # GELU reads the first half
-    assert torch.equal(w["layers.1.mlp.gate.weight"], wi[96:])
+    assert torch.equal(w["layers.1.mlp.gate.weight"], wi[:96])  # GELU reads the first half
+    assert torch.equal(w["layers.1.mlp.up.weight"], wi[96:])
 
 
-def test_swapped_value_and_gate_is_caught() -> None:
+def test_swapped_gate_and_up_is_caught() -> None:
     t = tiny("modernbert")
     w = dict(t.canonical.weights)
     for i in range(4):
-        w[f"layers.{i}.mlp.value.weight"], w[f"layers.{i}.mlp.gate.weight"] = (
+        w[f"layers.{i}.mlp.gate.weight"], w[f"layers.{i}.mlp.up.weight"] = (
+            w[f"layers.{i}.mlp.up.weight"],
             w[f"layers.{i}.mlp.gate.weight"],
-            w[f"layers.{i}.mlp.value.weight"],
         )
     from graph_passes.spec import EncoderModel
 

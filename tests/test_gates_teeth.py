@@ -63,7 +63,7 @@ def with_norm_eps(
         if layers is not None and i not in layers:
             return ls
         return dataclasses.replace(
-            ls, input_norm=scale(ls.input_norm), post_attention_norm=scale(ls.post_attention_norm)
+            ls, attention_norm=scale(ls.input_norm), mlp_norm=scale(ls.post_attention_norm)
         )
 
     return dataclasses.replace(

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from click.testing import CliRunner, Result
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from converter.tasks.text_generation import choose_scales
 from graph_passes.adapters import adapt
@@ -54,12 +54,28 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-_CONFIGS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+@dataclass(frozen=True)
+class DecoderCase:
+    """One row of the decoder test table: transformers' classes and what the tiny config sets
+    beyond the shared shape (an architecture's own features, sized to show at L = 16)."""
+
+    config: str  # transformers config class name
+    model: str  # transformers *ForCausalLM class name
+    overrides: Mapping[str, Any]
+
+
+# The decoder architectures under test, by anec architecture name. Adding an architecture to
+# the generic checks (tests/test_archs.py) is one row here.
+DECODERS: dict[str, DecoderCase] = {
+    "llama": DecoderCase("LlamaConfig", "LlamaForCausalLM", {"rms_norm_eps": 1e-5}),
+    "qwen2": DecoderCase("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+}
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
     """A tiny config: D=64, 4 heads of 16, 2 kv heads, I=128, 3 layers, vocab 300."""
-    config_cls, _ = _CONFIGS[arch]
+    case = DECODERS[arch]
+    config_cls = getattr(transformers, case.config)
     kwargs: dict[str, Any] = {
         "vocab_size": VOCAB,
         "hidden_size": 64,
@@ -68,11 +84,12 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "head_dim": 16,
         "intermediate_size": 128,
         "num_hidden_layers": 3,
-        "rms_norm_eps": 1e-5 if arch == "llama" else 1e-6,
+        "rms_norm_eps": 1e-6,
         "max_position_embeddings": 64,
-        "tie_word_embeddings": arch == "llama",
+        "tie_word_embeddings": True,
         "attn_implementation": "eager",
     }
+    kwargs.update(case.overrides)
     kwargs.update(overrides)
     return config_cls(**kwargs)
 
@@ -94,7 +111,7 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """A perturbed tiny ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` in fp32, eval mode."""
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    _, model_cls = _CONFIGS[arch]
+    model_cls = getattr(transformers, DECODERS[arch].model)
     model = model_cls(config).float().eval()
     perturb_(model)
     return model
@@ -254,7 +271,7 @@ def build_tiny(
         [], random_sequences(seed + 1000), None, length, VOCAB, padded_variants
     )
     batches = make_batches(fixtures, batch, length, PAD_ID)
-    embed_table = canonical.weights["embed.weight"]
+    embed_table = module.host_embedding_table()
     set_prescales(module, batches, embed_table)
     references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
     return Tiny(arch, model, canonical, module, fixtures, batches, references, embed_table)

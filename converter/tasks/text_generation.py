@@ -97,7 +97,7 @@ def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
     canonical = adapt(ckpt.config, ckpt.model.state_dict())
     io = decoder_io(recipe, canonical)
     module = BC1LDecoder(canonical, io).eval()
-    embed_table = canonical.weights["embed.weight"]
+    embed_table = module.host_embedding_table()
     fixtures = build_fixtures(
         recipe.fixtures.prompts,
         recipe.fixtures.token_ids,

@@ -1,4 +1,4 @@
-"""Shared pieces of the encoder adapters (BERT, ModernBERT): prefixes, activations, labels."""
+"""Shared pieces of the encoder architectures (BERT, ModernBERT): prefixes, activations, labels."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from converter.errors import InputError
-from graph_passes.adapters.llama_family import config_value
+from graph_passes.archs.config import config_value
 
 # transformers' ACT2FN names of the exact (erf) GELU; tanh forms ("gelu_new",
 # "gelu_pytorch_tanh", ...) are other functions and are refused, never substituted.

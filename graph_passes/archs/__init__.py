@@ -1,0 +1,79 @@
+"""The architecture registry: one file per architecture, registered by Hugging Face
+``model_type`` and architecture class names.
+
+Each file holds its config reading, its weight-mapping table (`graph_passes.archs.table`) and
+its refusals, and exports ``ARCH`` (`Architecture`). Adding an architecture is one file plus
+its line in `_ARCHS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import cast
+
+import torch
+
+from converter.errors import InputError
+from graph_passes.archs import bert, llama, modernbert, qwen2
+from graph_passes.archs.registry import Architecture
+from graph_passes.spec import CanonicalModel, EncoderModel
+
+_ARCHS: tuple[Architecture, ...] = (llama.ARCH, qwen2.ARCH, bert.ARCH, modernbert.ARCH)
+
+# model_type -> architecture
+REGISTRY: dict[str, Architecture] = {t: a for a in _ARCHS for t in a.model_types}
+
+Adapter = Callable[[object, Mapping[str, torch.Tensor]], CanonicalModel]
+EncoderAdapter = Callable[[object, Mapping[str, torch.Tensor]], EncoderModel]
+
+# model_type -> adapt function, per family (what the pipelines and preflight look up).
+ADAPTERS: dict[str, Adapter] = {
+    t: cast(Adapter, a.adapt) for t, a in REGISTRY.items() if a.family == "decoder"
+}
+ENCODER_ADAPTERS: dict[str, EncoderAdapter] = {
+    t: cast(EncoderAdapter, a.adapt) for t, a in REGISTRY.items() if a.family == "encoder"
+}
+
+
+def architectures() -> tuple[Architecture, ...]:
+    """Every registered architecture, in registration order."""
+    return _ARCHS
+
+
+def find(config: object) -> Architecture | None:
+    """The architecture for ``config.model_type``, else for one of ``config.architectures``."""
+    arch = REGISTRY.get(str(getattr(config, "model_type", None)))
+    if arch is not None:
+        return arch
+    for cls in getattr(config, "architectures", None) or []:
+        for candidate in _ARCHS:
+            if cls in candidate.classes:
+                return candidate
+    return None
+
+
+def _lookup(config: object, family: str) -> Architecture:
+    arch = find(config)
+    if arch is None or arch.family != family:
+        model_type = getattr(config, "model_type", None)
+        supported = sorted(t for t, a in REGISTRY.items() if a.family == family)
+        kind = "architecture" if family == "decoder" else "encoder architecture"
+        raise InputError(
+            f"config.model_type: {kind} {model_type!r} is not supported; "
+            f"supported: {', '.join(supported)}"
+        )
+    return arch
+
+
+def adapt(config: object, state_dict: Mapping[str, torch.Tensor]) -> CanonicalModel:
+    """Map a decoder checkpoint to its description, by its registered architecture."""
+    model = _lookup(config, "decoder").adapt(config, state_dict)
+    assert isinstance(model, CanonicalModel)
+    return model
+
+
+def adapt_encoder(config: object, state_dict: Mapping[str, torch.Tensor]) -> EncoderModel:
+    """Map an encoder checkpoint to its description, by its registered architecture."""
+    model = _lookup(config, "encoder").adapt(config, state_dict)
+    assert isinstance(model, EncoderModel)
+    return model
