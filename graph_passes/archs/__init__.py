@@ -2,26 +2,52 @@
 ``model_type`` and architecture class names.
 
 Each file holds its config reading, its weight-mapping table (`graph_passes.archs.table`) and
-its refusals, and exports ``ARCH`` (`Architecture`). Adding an architecture is one file plus
-its line in `_ARCHS`.
+its refusals, and exports ``ARCH`` (`Architecture`). Adding an architecture is one file: every
+module of this package that defines ``ARCH`` is registered (the shared helpers define none).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
 
 from converter.errors import InputError
-from graph_passes.archs import bert, llama, modernbert, qwen2
 from graph_passes.archs.registry import Architecture
 from graph_passes.spec import CanonicalModel, EncoderModel
 
-_ARCHS: tuple[Architecture, ...] = (llama.ARCH, qwen2.ARCH, bert.ARCH, modernbert.ARCH)
+
+def _discover() -> tuple[Architecture, ...]:
+    """The ``ARCH`` of every module in this package: decoders first, then by name."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        arch = getattr(module, "ARCH", None)
+        if isinstance(arch, Architecture):
+            found.append(arch)
+    return tuple(sorted(found, key=lambda a: (a.family != "decoder", a.name)))
+
+
+def _by_model_type(archs: tuple[Architecture, ...]) -> dict[str, Architecture]:
+    registry: dict[str, Architecture] = {}
+    for arch in archs:
+        for model_type in arch.model_types:
+            if model_type in registry:
+                raise RuntimeError(
+                    f"model_type {model_type!r} is registered by both "
+                    f"{registry[model_type].name} and {arch.name}"
+                )
+            registry[model_type] = arch
+    return registry
+
+
+_ARCHS: tuple[Architecture, ...] = _discover()
 
 # model_type -> architecture
-REGISTRY: dict[str, Architecture] = {t: a for a in _ARCHS for t in a.model_types}
+REGISTRY: dict[str, Architecture] = _by_model_type(_ARCHS)
 
 Adapter = Callable[[object, Mapping[str, torch.Tensor]], CanonicalModel]
 EncoderAdapter = Callable[[object, Mapping[str, torch.Tensor]], EncoderModel]
