@@ -69,6 +69,8 @@ class DecoderCase:
 DECODERS: dict[str, DecoderCase] = {
     "llama": DecoderCase("LlamaConfig", "LlamaForCausalLM", {"rms_norm_eps": 1e-5}),
     "qwen2": DecoderCase("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+    # Per-head q/k norms; head_dim 32: the q width 128 is twice the hidden width 64.
+    "qwen3": DecoderCase("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
 }
 
 
