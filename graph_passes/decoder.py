@@ -96,8 +96,12 @@ class BC1LDecoder(nn.Module):
             conv1x1(part, None) for part in head.split(self.chunk_sizes, dim=0)
         )
         self.register_buffer("causal", causal_mask(io.length))
-        # One causal window mask per window size of the local layers (None: global layers).
-        self.windows = sorted({ls.attention.window for ls in spec.layers if ls.attention.window})
+        # One causal window mask per window size of the local layers (None: global layers). A
+        # window of at least L hides no key inside the window of L slots (q - window < 0 <= k),
+        # so such layers share the global mask: exact, and no extra constant in the program.
+        self.windows = sorted(
+            {size for ls in spec.layers if (size := ls.attention.window) and size < io.length}
+        )
         for layer_spec in spec.layers:
             rule = layer_spec.attention.window_rule
             if layer_spec.attention.window is not None and rule != "causal-exclusive":
@@ -147,7 +151,7 @@ class BC1LDecoder(nn.Module):
         masks = self.masks(key_mask)
         states = []
         for layer in self.decoder_layers():
-            h = layer(h, masks[layer.window])
+            h = layer(h, masks[layer.window if layer.window in masks else None])
             states.append(h)
         return states
 

@@ -339,6 +339,17 @@ def test_decoder_window_masks_follow_left_padding() -> None:
     assert rel(got, want) <= TOLERANCE
 
 
+def test_a_window_of_at_least_the_length_is_the_global_mask() -> None:
+    rows = torch.randn(1, LENGTH, D, generator=torch.Generator().manual_seed(6))
+    keys = torch.zeros(1, LENGTH)
+    wide, narrow, full = (decoder(1.0, "embeddings", window=w) for w in (LENGTH, 4, None))
+    assert wide.windows == [] and narrow.windows == [4]
+    with torch.no_grad():
+        a, b, c = (m.run_layers(rows, keys)[-1] for m in (wide, full, narrow))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert rel(c, b) > 1e-2
+
+
 def test_decoder_refuses_a_symmetric_window() -> None:
     layer = layer_spec({"window": 4, "window_rule": "symmetric-inclusive"})
     norm = NormSpec(kind="rms", eps=1e-6)
