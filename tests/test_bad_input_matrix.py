@@ -383,7 +383,8 @@ ROWS = [
         _architecture("gpt2"),
         (
             "config.json: model_type: architecture 'gpt2' is not supported",
-            "supported for task text-generation: llama, qwen2",
+            "supported for task text-generation: ",
+            "llama, qwen2",
         ),
     ),
     Row(
@@ -391,7 +392,8 @@ ROWS = [
         _remote_code,
         (
             "architecture 'evil' is not supported",
-            "supported for task text-generation: llama, qwen2",
+            "supported for task text-generation: ",
+            "llama, qwen2",
             "never runs",
         ),
     ),

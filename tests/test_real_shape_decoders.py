@@ -43,6 +43,7 @@ class RealShape:
     model_class: str
     layers: int
     token_ids: tuple[tuple[int, ...], ...]
+    layer_types: tuple[str, ...] = ()  # replaces the config's (cut) list where given
 
 
 VOCAB = 20_000  # two LM-head chunks: 16,384 + 3,616
@@ -52,6 +53,13 @@ CASES = {
     "qwen3": RealShape(
         "qwen3-0.6b", "Qwen3Config", "Qwen3ForCausalLM", 2,
         ((40, 1079, 264, 3460, 4128, 1614, 13, 3555, 646, 358, 1492, 498, 448, 3351, 30),),
+    ),
+    # One local layer (theta 1e4, window 512) and one global layer (theta 1e6); at L = 64 the
+    # window hides nothing: tests/test_archs.py checks it with a window of 4.
+    "gemma3": RealShape(
+        "gemma-3-270m", "Gemma3TextConfig", "Gemma3ForCausalLM", 2,
+        ((2, 818, 5279, 529, 7001, 563, 496, 1584, 3331, 19764, 13, 108, 1018, 7, 3),),
+        ("sliding_attention", "full_attention"),
     ),
 }  # fmt: skip
 
@@ -80,7 +88,7 @@ def build_checkpoint(case: RealShape, path: Path) -> transformers.PretrainedConf
     # Special ids inside the cut vocabulary (the pad id fills left-padded slots).
     data.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if "layer_types" in data:
-        data["layer_types"] = data["layer_types"][: case.layers]
+        data["layer_types"] = list(case.layer_types) or data["layer_types"][: case.layers]
     config = getattr(transformers, case.config_class)(**data)
     torch.manual_seed(0)
     model = getattr(transformers, case.model_class)(config).eval()

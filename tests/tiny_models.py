@@ -71,6 +71,18 @@ DECODERS: dict[str, DecoderCase] = {
     "qwen2": DecoderCase("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     # Per-head q/k norms; head_dim 32: the q width 128 is twice the hidden width 64.
     "qwen3": DecoderCase("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # MQA, a causal window of 4 on two of three layers (exercised: fixtures reach 16 tokens),
+    # query_pre_attn_scalar 64 (scale 1/8, not 1/sqrt(16)), sqrt(64) embedding scale.
+    "gemma3": DecoderCase(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_key_value_heads": 1,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 64,
+        },
+    ),
 }
 
 
