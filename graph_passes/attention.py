@@ -75,7 +75,9 @@ class Attention(nn.Module):
                 n.weight_offset,
             )  # fmt: skip
         # Absolute-position models (BERT) have no rotation: spec.rope is False.
-        self.rope = Rope(d, spec.rope_theta, positions, spec.rotary_dim) if spec.rope else None
+        self.rope = None
+        if spec.rope:
+            self.rope = Rope(d, spec.rope_theta, positions, spec.rotary_dim, spec.rope_scaling)
 
     def project(
         self, x: torch.Tensor

@@ -9,13 +9,38 @@ rotated, split-half among themselves, and the rest pass through, as transformers
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from graph_passes.spec import RopeScaling
 
-def inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
-    """``1 / theta^(2j / rotary_dim)`` for j < rotary_dim / 2, in fp64."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+
+def inverse_frequencies(
+    rotary_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """``1 / theta^(2j / rotary_dim)`` for j < rotary_dim / 2, in fp64, rescaled by
+    ``scaling`` where given (`llama3_rescale`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    return inv_freq if scaling is None else llama3_rescale(inv_freq, scaling)
+
+
+def llama3_rescale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.x frequency rescaling, as transformers' ``_compute_llama3_parameters``:
+    wavelengths ``2 pi / f`` above ``original / low_freq_factor`` divided by ``factor``, below
+    ``original / high_freq_factor`` kept, in between interpolated with
+    ``smooth = (original / wavelength - low) / (high - low)``."""
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_tables(
@@ -51,7 +76,7 @@ class Rope(nn.Module):
         theta: float,
         positions: torch.Tensor,
         rotary_dim: int | None = None,
-        inv_freq: torch.Tensor | None = None,
+        scaling: RopeScaling | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -59,6 +84,7 @@ class Rope(nn.Module):
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim}: must be even and <= {head_dim}")
         self.length = int(positions.shape[0])
+        inv_freq = inverse_frequencies(self.rotary_dim, theta, scaling)
         cos, sin = rope_tables(self.rotary_dim, theta, positions, inv_freq)
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)

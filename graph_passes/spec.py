@@ -68,6 +68,19 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x frequency rescaling (``rope_type: llama3``): wavelengths above
+    ``original / low_freq_factor`` are slowed by ``factor``, those below ``original /
+    high_freq_factor`` kept, and those between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    kind: Literal["llama3"] = "llama3"
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Self-attention of one layer."""
 
@@ -89,6 +102,8 @@ class AttentionSpec:
     qk_norm: NormSpec | None = None
     # Channels of each head that RoPE rotates (partial rotary); None = all of head_dim.
     rotary_dim: int | None = None
+    # RoPE frequency rescaling; None = plain RoPE with rope_theta.
+    rope_scaling: RopeScaling | None = None
 
     @property
     def score_scale(self) -> float:

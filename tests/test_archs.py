@@ -19,6 +19,7 @@ from tiny_models import (
     DECODERS,
     LENGTH,
     Tiny,
+    assert_matches,
     build_tiny,
     one_torch_thread,
     run_anec,
@@ -29,10 +30,7 @@ from converter.errors import InputError
 from graph_passes.archs import ADAPTERS, ENCODER_ADAPTERS, REGISTRY, adapt, architectures, find
 from graph_passes.archs.table import Row, Skip, map_weights
 from graph_passes.archs.weights import WeightReader
-from graph_passes.decoder import BC1LDecoder
 from parity.gates import module_inputs
-
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -128,52 +126,6 @@ def tiny(arch: str, inputs: str = "token-ids") -> Tiny:
     if (arch, inputs) not in _CACHE:
         _CACHE[arch, inputs] = build_tiny(arch, inputs)  # type: ignore[arg-type]
     return _CACHE[arch, inputs]
-
-
-def rel(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    c, r = candidate.double(), reference.double()
-    return float((c - r).norm() / r.norm())
-
-
-def hf_states(
-    model: torch.nn.Module, ids: tuple[int, ...]
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Per-layer outputs (n, D) and logits (n, V) of transformers on the unpadded sequence."""
-    states: list[torch.Tensor] = []
-
-    def hook(_: torch.nn.Module, __: object, out: object) -> None:
-        h = out[0] if isinstance(out, tuple) else out
-        states.append(h[0].detach().clone())  # type: ignore[index]
-
-    layers = model.model.layers  # type: ignore[union-attr]
-    handles = [layer.register_forward_hook(hook) for layer in layers]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
-    finally:
-        for h in handles:
-            h.remove()
-    return states, logits
-
-
-def assert_matches(t: Tiny, module: BC1LDecoder | None = None) -> None:
-    """Every layer's state at every real position, and the last-position logits, within
-    TOLERANCE of transformers on the unpadded sequence."""
-    module = module or t.module
-    for batch in t.batches:
-        x, key_mask = module_inputs(module, batch, t.embed_table, torch.float32)
-        with torch.no_grad():
-            states = module.run_layers(x, key_mask)
-            logits = torch.cat(module.head(states[-1][..., -1:]), dim=1)[:, :, 0, 0]
-        for r, fixture in enumerate(batch.fixtures):
-            n = len(fixture.token_ids)
-            ref_states, ref_logits = hf_states(t.model, fixture.token_ids)
-            assert len(ref_states) == len(states)
-            for i, (state, ref) in enumerate(zip(states, ref_states, strict=True)):
-                err = rel(state[r, :, 0, LENGTH - n :].T, ref)
-                assert err <= TOLERANCE, f"{t.arch} {fixture.name} layer {i}: {err:.2e}"
-            err = rel(logits[r], ref_logits[-1])
-            assert err <= TOLERANCE, f"{t.arch} {fixture.name} logits: {err:.2e}"
 
 
 @pytest.mark.parametrize("arch", sorted(DECODERS))

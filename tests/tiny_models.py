@@ -25,7 +25,7 @@ from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
-from parity.gates import Thresholds
+from parity.gates import Thresholds, module_inputs
 from parity.reference import ReferenceRun, run_reference
 
 VOCAB = 300
@@ -289,3 +289,54 @@ def build_tiny(
     set_prescales(module, batches, embed_table)
     references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
     return Tiny(arch, model, canonical, module, fixtures, batches, references, embed_table)
+
+
+# ---- comparing a module with transformers -------------------------------------------------
+
+MATCH_TOLERANCE = 1e-5
+
+
+def rel(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    c, r = candidate.double(), reference.double()
+    return float((c - r).norm() / r.norm())
+
+
+def hf_states(
+    model: torch.nn.Module, ids: tuple[int, ...]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-layer outputs (n, D) and logits (n, V) of transformers on the unpadded sequence."""
+    states: list[torch.Tensor] = []
+
+    def hook(_: torch.nn.Module, __: object, out: object) -> None:
+        h = out[0] if isinstance(out, tuple) else out
+        states.append(h[0].detach().clone())  # type: ignore[index]
+
+    layers = model.model.layers  # type: ignore[union-attr]
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return states, logits
+
+
+def assert_matches(t: Tiny, module: BC1LDecoder | None = None) -> None:
+    """Every layer's state at every real position, and the last-position logits, within
+    MATCH_TOLERANCE of transformers on the unpadded sequence."""
+    module = module or t.module
+    for batch in t.batches:
+        x, key_mask = module_inputs(module, batch, t.embed_table, torch.float32)
+        with torch.no_grad():
+            states = module.run_layers(x, key_mask)
+            logits = torch.cat(module.head(states[-1][..., -1:]), dim=1)[:, :, 0, 0]
+        for r, fixture in enumerate(batch.fixtures):
+            n = len(fixture.token_ids)
+            ref_states, ref_logits = hf_states(t.model, fixture.token_ids)
+            assert len(ref_states) == len(states)
+            for i, (state, ref) in enumerate(zip(states, ref_states, strict=True)):
+                err = rel(state[r, :, 0, LENGTH - n :].T, ref)
+                assert err <= MATCH_TOLERANCE, f"{t.arch} {fixture.name} layer {i}: {err:.2e}"
+            err = rel(logits[r], ref_logits[-1])
+            assert err <= MATCH_TOLERANCE, f"{t.arch} {fixture.name} logits: {err:.2e}"

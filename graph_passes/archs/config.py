@@ -10,6 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from converter.errors import InputError
+from graph_passes.spec import RopeScaling
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def config_value(config: Any, key: str, default: Any = None) -> Any:
@@ -64,3 +67,47 @@ def layer_types(config: object, num_layers: int, allowed: tuple[str, ...]) -> li
     if len(types) != num_layers or set(types) - set(allowed):
         raise InputError(f"config.layer_types = {types!r}: expected one of {allowed} per layer")
     return types
+
+
+def llama3_scaling(params: Mapping[str, Any], where: str) -> RopeScaling:
+    """The ``llama3`` rescaling parameters of a RoPE entry, each key required."""
+    missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
+    if missing:
+        raise InputError(f"config.{where}: rope_type 'llama3' needs {', '.join(missing)}")
+    scaling = RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise InputError(
+            f"config.{where}.high_freq_factor = {scaling.high_freq_factor} must exceed "
+            f"low_freq_factor = {scaling.low_freq_factor}"
+        )
+    return scaling
+
+
+def rope_with_llama3(config: object) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and, for ``rope_type: llama3``, its rescaling; any other RoPE scaling is
+    refused by key. Reads ``rope_parameters`` (transformers 5) or the older ``rope_theta`` and
+    ``rope_scaling`` attributes."""
+    params = config_value(config, "rope_parameters")
+    where = "rope_parameters"
+    if not isinstance(params, Mapping):
+        params = config_value(config, "rope_scaling")
+        where = "rope_scaling"
+        if not params:
+            return rope_theta(config), None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "llama3":
+        if where == "rope_scaling":
+            raise InputError(
+                f"config.rope_scaling = {dict(params)!r}: RoPE scaling {rope_type!r} is not "
+                "implemented; only 'llama3' is"
+            )
+        return rope_parameters(params, where), None
+    theta = params.get("rope_theta", config_value(config, "rope_theta"))
+    if theta is None:
+        raise InputError(f"config.{where}: no 'rope_theta' given")
+    return float(theta), llama3_scaling(params, where)

@@ -1,4 +1,5 @@
-"""Llama (SmolLM2, Llama 2 / 3): pre-norm RMSNorm, RoPE, GQA, SwiGLU, optional biases."""
+"""Llama (SmolLM2, Llama 2 / 3 / 3.x): pre-norm RMSNorm, RoPE (with Llama 3.x frequency
+rescaling, ``rope_type: llama3``), GQA, SwiGLU, optional biases."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from graph_passes.archs.config import config_value, require, rope_theta
+from graph_passes.archs.config import config_value, require, rope_with_llama3
 from graph_passes.archs.decoders import LLAMA_ROWS, map_decoder, read_shape
 from graph_passes.archs.registry import Architecture
 from graph_passes.spec import AttentionSpec, CanonicalModel, LayerSpec, MlpSpec, NormSpec
@@ -19,13 +20,15 @@ def adapt(config: object, state_dict: Mapping[str, torch.Tensor]) -> CanonicalMo
     attention_bias = bool(config_value(config, "attention_bias", False))
     mlp_bias = bool(config_value(config, "mlp_bias", False))
     norm = NormSpec(kind="rms", eps=shape.eps)
+    theta, scaling = rope_with_llama3(config)
     attention = AttentionSpec(
         num_heads=shape.heads,
         num_kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
-        rope_theta=rope_theta(config),
+        rope_theta=theta,
         qkv_bias=attention_bias,
         out_bias=attention_bias,
+        rope_scaling=scaling,
     )
     mlp = MlpSpec(kind="swiglu", intermediate_size=shape.intermediate, bias=mlp_bias)
     layer = LayerSpec(attention=attention, mlp=mlp, attention_norm=norm, mlp_norm=norm)
@@ -48,7 +51,7 @@ ARCH = Architecture(
     tasks=("text-generation",),
     refuses=(
         "hidden_act other than silu",
-        "rope_parameters / rope_scaling other than default RoPE",
+        "RoPE scaling other than llama3 (linear, dynamic, yarn, longrope, ...)",
         "num_key_value_heads not dividing num_attention_heads; odd head_dim",
     ),
     adapt=adapt,
