@@ -48,6 +48,18 @@ class DecoderIO:
 DecoderLayer = Block
 
 
+class HostTable:
+    """The host-side embedding table a module refers to: host data, not module state, so
+    ``half()`` leaves it fp32 and ``deepcopy`` (an fp16 twin of the module) shares it instead
+    of copying a vocab x D table."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    def __deepcopy__(self, memo: dict[int, object]) -> HostTable:
+        return self
+
+
 def scaled_embeddings(table: torch.Tensor, scale: float) -> torch.Tensor:
     """``table * scale`` as transformers computes a scaled embedding row in fp32 (Gemma's
     ``embed_tokens(ids) * embed_scale`` with an fp32 ``embed_scale``); the table itself when
@@ -77,10 +89,10 @@ class BC1LDecoder(nn.Module):
         self.io = io
         w = model.weights
         positions = torch.arange(io.length)
-        self._host_table = scaled_embeddings(w["embed.weight"], spec.embed_scale)
+        self._host_table = HostTable(scaled_embeddings(w["embed.weight"], spec.embed_scale))
         self.embed: nn.Embedding | None = None
         if io.inputs == "token-ids":
-            self.embed = nn.Embedding.from_pretrained(self._host_table.clone(), freeze=True)
+            self.embed = nn.Embedding.from_pretrained(self._host_table.table.clone(), freeze=True)
         self.layers = nn.ModuleList(
             Block(layer, w, i, positions) for i, layer in enumerate(spec.layers)
         )
@@ -112,7 +124,7 @@ class BC1LDecoder(nn.Module):
     def host_embedding_table(self) -> torch.Tensor:
         """The exact table (vocab, D) a host gathers ``inputs_embeds`` rows from: the
         checkpoint's embeddings times the embedding scale (Gemma: sqrt(D)), in fp32."""
-        return self._host_table
+        return self._host_table.table
 
     def norms(self) -> list[tuple[str, RMSNorm]]:
         """Every norm with its stable name, in execution order."""

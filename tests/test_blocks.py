@@ -359,3 +359,12 @@ def test_decoder_refuses_a_symmetric_window() -> None:
     io = DecoderIO(1, LENGTH, "embeddings", 1, 64)
     with pytest.raises(ValueError, match="causal"):
         BC1LDecoder(CanonicalModel(spec, w), io)
+
+
+def test_the_host_table_stays_fp32_and_is_shared_by_copies() -> None:
+    import copy
+
+    module = decoder(math.sqrt(D), "embeddings")
+    twin = copy.deepcopy(module).half()
+    assert twin.host_embedding_table() is module.host_embedding_table()
+    assert module.host_embedding_table().dtype == torch.float32
