@@ -32,7 +32,7 @@ from torch import nn
 
 from graph_passes.attention import conv1x1
 from graph_passes.layer_norm import LayerNorm
-from graph_passes.masks import MASKED, folded_band_mask
+from graph_passes.masks import folded_band_mask
 from graph_passes.model import Block
 from graph_passes.spec import ClassifierSpec, EncoderModel, EncoderSpec, NormSpec
 
@@ -79,9 +79,12 @@ def unfold(h: torch.Tensor, batch: int, length: int) -> torch.Tensor:
 def real_weights(key_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) 1 for a real token, 0 for padding, from the additive key mask.
 
-    Exact: ``MASKED / MASKED`` is exactly 1 and ``0 / MASKED`` exactly 0 in any precision.
+    ``relu(1 + m)``: 1 for ``m = 0`` and 0 for ``m = MASKED`` (or any value <= -1), exactly in
+    any precision. Not ``1 - m / MASKED``: coremltools rewrites the division as a product with
+    fp16(1 / MASKED), which leaves padded slots a weight of -1.66e-4 unless the product happens
+    to round back to 1 (it does in fp16 arithmetic, not in fp32).
     """
-    return 1.0 - key_mask / MASKED
+    return torch.relu(1.0 + key_mask)
 
 
 class EncoderEmbedding(nn.Module):

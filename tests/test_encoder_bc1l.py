@@ -8,6 +8,7 @@ tokens right-padded in folded (B, L) batches.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,3 +330,30 @@ def test_layer_norm_program_has_no_batch_norm_with_its_own_epsilon() -> None:
     program = to_mlprogram(trace(norm, inputs), inputs, outputs, ct.target.macOS14, "float16")
     ops = live_ops(program)
     assert "batch_norm" not in ops and ops["rsqrt"] == 1
+
+
+def test_real_weights_are_exact_in_the_emitted_program(tmp_path: Path) -> None:
+    """Padded slots weigh exactly 0 and real ones exactly 1 in the converted program too:
+    coremltools turns a division by MASKED into a product with fp16(1/MASKED), which gave
+    padded slots a weight of -1.66e-4 wherever the product is not rounded back to 1 (an fp32
+    program; the fp32 level of every sentence-embedding program)."""
+    from converter.coreml import TensorIO, save_package, to_mlprogram, trace
+    from converter.targets import TARGETS
+    from parity.mil import Evaluator, load_package
+
+    class Weights(torch.nn.Module):
+        def forward(self, key_mask: torch.Tensor) -> torch.Tensor:
+            return real_weights(key_mask)
+
+    mask = key_mask_from_padding(torch.tensor([[1] * 5 + [0] * 3, [1] * 8]))
+    for precision in ("float16", "float32"):
+        io = [TensorIO("key_mask", (2, 8), precision, "")]  # type: ignore[arg-type]
+        out = [TensorIO("weights", (2, 8), precision, "")]  # type: ignore[arg-type]
+        target = TARGETS["macOS14"].ct_target()
+        mlmodel = to_mlprogram(trace(Weights(), io), io, out, target, precision)  # type: ignore[arg-type]
+        package = save_package(mlmodel, tmp_path / f"{precision}.mlpackage")
+        feed = mask.numpy().astype("float16" if precision == "float16" else "float32")
+        for profile in ("fp32", "fp16"):
+            evaluator = Evaluator(load_package(package), profile)
+            got = evaluator.run({"key_mask": feed}).outputs["weights"]
+            assert (got == (feed == 0)).all(), (precision, profile, got)
