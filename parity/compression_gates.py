@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,8 @@ import torch
 
 from graph_passes.decoder import BC1LDecoder
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
-from parity.gates import GateResult, module_inputs, rel_error, run_module
+from parity.gate import Gate, GateResult, all_passed, first_few, gate
+from parity.gates import module_inputs, rel_error, run_module
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.reference import ReferenceRun, run_reference
 
@@ -207,7 +209,7 @@ class VariantParity:
     @property
     def passed(self) -> bool:
         """True when every gate passed."""
-        return all(g.passed for g in self.gates)
+        return all_passed(self.gates)
 
 
 def decoder_gates(
@@ -217,77 +219,71 @@ def decoder_gates(
     max_abs_dprob: float | None,
     mil_fp32_error: float,
     mil_fp32_threshold: float,
-    decode_mismatches: int,
+    decode_mismatches: list[str],
     quantizer_mismatches: int | None = None,
 ) -> list[GateResult]:
-    """The variant's own gates: each level against the original checkpoint."""
+    """The variant's own gates: each level against the original checkpoint.
+
+    ``decode_mismatches`` names the weights whose decodings differ (the gate's ``where``).
+    """
     gates = []
     for level in levels:
         s, impl = level.vs_original, level.implementation
+        # No held-out position measured: nothing is shown, so the value is NaN and fails.
+        top1 = s.argmax_agreement if s.positions else math.nan
+        kl = s.mean_kl if s.positions else math.nan
         gates += [
-            GateResult(
-                "top-1 agreement", impl, s.argmax_agreement, min_top1, ">=",
-                s.positions > 0 and s.argmax_agreement >= min_top1,
-                f"{s.positions} held-out positions, against the original checkpoint",
+            _variant("min_top1_agreement").check(
+                top1, min_top1, implementation=impl,
+                detail=f"{s.positions} held-out positions, against the original checkpoint",
             ),
-            GateResult(
-                "mean KL", impl, s.mean_kl, max_mean_kl, "<=",
-                s.positions > 0 and s.mean_kl <= max_mean_kl,
-                "KL(p_original || p_variant), nats, mean over held-out positions",
+            _variant("max_mean_kl").check(
+                kl, max_mean_kl, implementation=impl,
+                detail="KL(p_original || p_variant), nats, mean over held-out positions",
             ),
-            GateResult("finite outputs", impl, float(level.finite), 1.0, "==", level.finite),
+            _variant("finite_outputs").check(float(level.finite), implementation=impl),
         ]  # fmt: skip
         if max_abs_dprob is not None:
             gates.append(
-                GateResult(
-                    "max |dp|",
-                    impl,
-                    s.max_abs_dprob,
-                    max_abs_dprob,
-                    "<=",
-                    s.max_abs_dprob <= max_abs_dprob,
-                    "softmax at T=1, held-out positions",
-                )  # fmt: skip
-            )
+                _variant("max_abs_dprob").check(
+                    s.max_abs_dprob, max_abs_dprob, implementation=impl,
+                    detail="softmax at T=1, held-out positions",
+                )
+            )  # fmt: skip
     if quantizer_mismatches is None:
         gates.append(
-            GateResult(
-                "logits relative error",
-                "mil-fp32",
+            _variant("mil_fp32_layer_rel_error").check(
                 mil_fp32_error,
                 mil_fp32_threshold,
-                "<=",
-                mil_fp32_error <= mil_fp32_threshold,
-                "the variant program in fp32 against the torch module with the same decoded "
-                "weights: compression is in the weights only",
+                implementation="mil-fp32",
+                where="logits",
+                detail="the variant program in fp32 against the torch module with the same "
+                "decoded weights: compression is in the weights only",
             )
         )
     else:  # int8 activations: end-to-end agreement is reported, each quantizer is gated
         gates.append(
-            GateResult(
-                "activation quantizers alike",
-                "mil-fp32",
+            _variant("activation_quantizers_alike").check(
                 float(quantizer_mismatches),
-                0.0,
-                "==",
-                quantizer_mismatches == 0,
-                "int8 quantize/dequantize pairs whose torch fake-quantization of the program's "
-                "own input differs from the program's output in any bit",
+                implementation="mil-fp32",
+                detail="int8 quantize/dequantize pairs whose torch fake-quantization of the "
+                "program's own input differs from the program's output in any bit",
             )
         )
     gates.append(
-        GateResult(
-            "weights decoded alike",
-            "mil-fp32",
-            float(decode_mismatches),
-            0.0,
-            "==",
-            decode_mismatches == 0,
-            "compressed weights whose MIL-evaluator decoding, rounded to fp16, differs from "
-            "coremltools' own decoding",
+        _variant("weights_decoded_alike").check(
+            float(len(decode_mismatches)),
+            implementation="mil-fp32",
+            where=first_few(decode_mismatches),
+            detail="compressed weights whose MIL-evaluator decoding, rounded to fp16, differs "
+            "from coremltools' own decoding",
         )
     )
     return gates
+
+
+def _variant(name: str) -> Gate:
+    return gate("compression", name)
 
 
 def mil_fp32_check(
@@ -298,14 +294,15 @@ def mil_fp32_check(
     embed_table: torch.Tensor,
     windows: int,
     wrap: Wrap | None = None,
-) -> tuple[float, int]:
+) -> tuple[float, list[str]]:
     """The program in fp32 against torch fp32 with the same weights, and decoder agreement.
 
     The fp32 profile keeps a decompressed weight in fp32 where the program declares fp16 (an
     int8 weight's ``scale * (q - z)``), so torch gets the evaluator's own decoded values;
     that these are coremltools' decoded weights up to fp16 rounding is counted separately:
-    the second result is the number of weights whose evaluator decoding, rounded to fp16,
-    differs from coremltools' decoding in any value (0 expected).
+    the second result names the weights whose evaluator decoding, rounded to fp16, differs
+    from coremltools' decoding in any value, or that the evaluator did not decode (none
+    expected).
     """
     from parity.mil import Evaluator
     from parity.mil.numerics import round_fp16
@@ -313,7 +310,8 @@ def mil_fp32_check(
     evaluator = Evaluator(program, "fp32")
     # The evaluator decodes constexpr ops once, when it prepares the program.
     constants: dict[str, np.ndarray] = evaluator._constants
-    weights, mismatched = {}, 0
+    weights: dict[str, np.ndarray] = {}
+    mismatched: list[str] = []
     sites = {
         name.replace(".", "_"): name for name in decoded
     }  # torch name from the constexpr output name "<mangled>_to_fp16_<palettized|quantized>"
@@ -324,8 +322,9 @@ def mil_fp32_check(
             ):
                 weights[name] = np.asarray(value, np.float32)
                 same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
-                mismatched += 0 if same else 1
-    mismatched += len(decoded) - len(weights)  # a weight the evaluator did not decode
+                if not same:
+                    mismatched.append(name)
+    mismatched += [name for name in decoded if name not in weights]  # not decoded at all
     baseline = with_weights(_fp16_constants(module), weights).double()
     chosen = held_out.windows[:windows]
     got = mil_logits(evaluator, baseline, held_out, embed_table, chosen)
@@ -363,17 +362,9 @@ def summary_json(s: Summary) -> dict[str, Any]:
 
 def parity_json(result: VariantParity) -> dict[str, Any]:
     """The variant's parity report as JSON-ready data."""
-    import dataclasses
-
     return {
         "passed": result.passed,
-        "gates": [
-            {
-                k: (v if not isinstance(v, float) or np.isfinite(v) else str(v))
-                for k, v in dataclasses.asdict(g).items()
-            }
-            for g in result.gates
-        ],
+        "gates": [g.to_json() for g in result.gates],
         "levels": [
             {
                 "implementation": level.implementation,
@@ -394,9 +385,9 @@ def parity_text(result: VariantParity) -> str:
     lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
     for g in result.gates:
         mark = "PASS" if g.passed else "FAIL"
+        where = f" at {g.where}" if g.where else ""
         lines.append(
-            f"  {mark}  {g.name:<22} [{g.implementation}] {g.value:.4g} {g.comparison} "
-            f"{g.threshold:.4g}  {g.detail}"
+            f"  {mark}  {g.name:<27} [{g.implementation}] {g.relation(4)}  {g.detail}{where}"
         )
     lines.append("")
     lines.append("level       against         positions  top-1    mean KL   max KL  max|dp|")

@@ -31,8 +31,9 @@ from converter.markers import MarkerError, find_markers
 from graph_passes.decoder import BC1LDecoder
 from parity import runtime
 from parity.fixtures import Batch
-from parity.gates import GateResult, Thresholds, module_inputs
-from parity.metrics import PositionRow, Summary, compare_positions, slices, summarize
+from parity.gate import GateResult, Worst, all_passed, first_few, gate
+from parity.gates import Thresholds, module_inputs
+from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
 from parity.reference import ReferenceRun
@@ -86,7 +87,7 @@ class ConversionReport:
     @property
     def passed(self) -> bool:
         """True when every conversion-level gate passed."""
-        return all(g.passed for g in self.gates)
+        return all_passed(self.gates)
 
 
 def _program_piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
@@ -183,14 +184,9 @@ def check_conversion(
     except MarkerError as e:
         markers, marker_problem = [], str(e)
     gates.append(
-        GateResult(
-            "layer markers present",
-            "mil",
+        gate("mil-fp32", "layer_markers_present").check(
             float(not marker_problem),
-            1.0,
-            "==",
-            not marker_problem,
-            marker_problem or f"layer_0_out..layer_{n_layers - 1}_out found in the program",
+            detail=marker_problem or f"layer_0_out..layer_{n_layers - 1}_out found in the program",
         )
     )
 
@@ -349,16 +345,17 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
     by_name = {run.implementation: run for run in runs}
     fp32 = by_name.get("mil-fp32")
     if fp32 is not None:
-        worst = max([*fp32.layer_rel_error, fp32.logits_rel_error])
+        # Without markers no layer was compared: the value is inf (and the markers gate fails).
+        worst = Worst(0.0 if have_markers else math.inf)
+        for i, err in enumerate(fp32.layer_rel_error):
+            worst.see(err, f"layer {i}")
+        worst.see(fp32.logits_rel_error, "logits")
         gates.append(
-            GateResult(
-                "per-layer relative error",
-                "mil-fp32",
-                worst,
+            gate("mil-fp32", "mil_fp32_layer_rel_error").check(
+                worst.value,
                 thresholds.mil_fp32_layer_rel_error,
-                "<=",
-                have_markers and worst <= thresholds.mil_fp32_layer_rel_error,
-                "max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
+                where=worst.where,
+                detail="max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
                 "positions, against the BC1L module with the program's constants in fp64",
             )
         )
@@ -366,34 +363,26 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
     if gated is not None:
         summary = gated.summary()
         kept = sum(r.argmax_kept for r in gated.positions)
+        flipped = sorted({r.fixture for r in gated.positions if not r.argmax_kept})
+        dprob = Worst(0.0)
+        for r in gated.positions:
+            dprob.see(r.abs_dprob, f"{r.fixture} position {r.position}")
         gates += [
-            GateResult(
-                "argmax agreement",
-                gated.implementation,
-                summary.argmax_agreement,
+            gate("mil-fp16", "fp16_argmax_agreement").check(
+                summary.argmax_agreement if summary.positions else math.nan,
                 thresholds.fp16_argmax_agreement,
-                ">=",
-                summary.positions > 0
-                and summary.argmax_agreement >= thresholds.fp16_argmax_agreement,
-                f"{kept}/{summary.positions} real positions the program returns logits for",
+                where=first_few(flipped),
+                detail=f"{kept}/{summary.positions} real positions the program returns logits for",
             ),
-            GateResult(
-                "max |dp|",
-                gated.implementation,
+            gate("mil-fp16", "fp16_max_abs_dprob").check(
                 summary.max_abs_dprob,
                 thresholds.fp16_max_abs_dprob,
-                "<=",
-                summary.max_abs_dprob <= thresholds.fp16_max_abs_dprob,
-                "softmax at T=1 over the whole vocabulary, real positions",
+                where=dprob.where,
+                detail="softmax at T=1 over the whole vocabulary, real positions",
             ),
-            GateResult(
-                "finite outputs",
-                gated.implementation,
+            gate("mil-fp16", "finite_outputs").check(
                 float(gated.finite),
-                1.0,
-                "==",
-                gated.finite,
-                "every layer output and logit, padded positions included",
+                detail="every layer output and logit, padded positions included",
             ),
         ]
     return gates
@@ -444,109 +433,3 @@ def _runtime_level(
         seconds=seconds,
     )
     return RuntimeLevel(status, run)
-
-
-def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
-    """The conversion and runtime levels as JSON-ready data (inf spelt as a string)."""
-
-    def num(value: float) -> float | str:
-        return value if math.isfinite(value) else str(value)
-
-    def run_doc(run: ProfileRun) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "implementation": run.implementation,
-            "baseline": run.baseline,
-            "description": run.description,
-            "status": "run",
-            "seconds": round(run.seconds, 3),
-            "finite": run.finite,
-            "layer_rel_error": [num(v) for v in run.layer_rel_error],
-            "logits_rel_error": num(run.logits_rel_error),
-        }
-        if run.positions:
-            doc["slices"] = {
-                name: {k: num(v) if isinstance(v, float) else v for k, v in vars(s).items()}
-                for name, s in slices(run.positions, report.length).items()
-            }
-            doc["positions"] = [
-                {k: num(v) if isinstance(v, float) else v for k, v in vars(row).items()}
-                | {"certified": row.certified}
-                for row in run.positions
-            ]
-        return doc
-
-    runtime_doc: dict[str, Any] = {
-        "level": "runtime",
-        "implementation": runtime.IMPLEMENTATION,
-        "status": report.runtime.status,
-    }
-    if report.runtime.run is not None:
-        runtime_doc |= run_doc(report.runtime.run) | {"status": report.runtime.status}
-    levels = [
-        {
-            "level": "conversion",
-            "implementation": run.implementation,
-            "against": run.baseline,
-            "status": "run",
-            "gated": run.implementation in {g.implementation for g in report.gates},
-        }
-        for run in report.runs
-    ]
-    levels.append(
-        {
-            "level": "runtime",
-            "implementation": runtime.IMPLEMENTATION,
-            "against": "reference",
-            "status": report.runtime.status,
-            "gated": False,
-        }
-    )
-    return {
-        "levels": levels,
-        "conversion": {
-            "markers": report.markers,
-            "runs": [{"level": "conversion"} | run_doc(run) for run in report.runs],
-        },
-        "runtime": runtime_doc,
-    }
-
-
-def conversion_to_text(report: ConversionReport) -> str:
-    """A readable summary of the conversion and runtime levels."""
-    lines = ["Conversion level (the emitted program, MIL evaluator):"]
-    for run in report.runs:
-        summary = run.summary()
-        line = (
-            f"  {run.implementation:<13} worst layer {max(run.layer_rel_error, default=0):.3g}"
-            f"  logits {run.logits_rel_error:.3g}  finite {'yes' if run.finite else 'NO'}"
-            f"  {run.seconds:.1f} s"
-        )
-        if summary.positions:
-            line += (
-                f"  argmax {summary.argmax_agreement:.1%}  max|dp| {summary.max_abs_dprob:.3g}"
-                f"  max KL {summary.max_kl:.3g}  certified {summary.certified_share:.1%}"
-            )
-        against = "BC1L module (fp64)" if run.baseline == MODULE_BASELINE else run.baseline
-        lines.append(line + f"  (against {against})")
-        for name, s in slices(run.positions, report.length).items() if run.positions else []:
-            if name != "all" and s.positions:
-                lines.append(
-                    f"      slice {name:<16} {s.positions:>4} positions  argmax "
-                    f"{s.argmax_agreement:.1%}  max|dp| {s.max_abs_dprob:.3g}  certified "
-                    f"{s.certified_share:.1%}"
-                )
-        if summary.uncertified:
-            shown = ", ".join(summary.uncertified[:10])
-            more = len(summary.uncertified) - 10
-            lines.append(f"      uncertified: {shown}" + (f" and {more} more" if more > 0 else ""))
-    lines.append(f"Runtime level (Core ML): {report.runtime.status}")
-    names = [run.implementation for run in report.runs if run.layer_rel_error]
-    if names:
-        lines.append("")
-        lines.append("layer  " + "  ".join(f"{n:>13}" for n in names))
-        for i in range(len(report.runs[0].layer_rel_error)):
-            cells = [
-                f"{run.layer_rel_error[i]:>13.3g}" for run in report.runs if run.layer_rel_error
-            ]
-            lines.append(f"{i:>5}  " + "  ".join(cells))
-    return "\n".join(lines)

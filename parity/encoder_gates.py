@@ -27,7 +27,8 @@ from graph_passes.encoder import BC1LEncoder, EncoderOutput
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gates import FP16_DIVERGENCE, GateResult, LayerRow, ParityReport, rel_error
+from parity.gate import GateResult, Level, Worst, first_few, gate
+from parity.gates import FP16_DIVERGENCE, LayerRow, ParityReport, rel_error
 
 # A runner maps a batch to (folded per-layer states or None, the task output for the batch).
 Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, torch.Tensor]]
@@ -194,6 +195,7 @@ class _Measured:
     finite: bool = True
     deterministic: bool = True
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    worst_layer: Worst = field(default_factory=lambda: Worst(0.0))  # fp32 only
 
 
 def _measure(
@@ -231,6 +233,7 @@ def _measure(
                 h = state_rows(state, length, r, n).float()
                 err = rel_error(h, ref.hidden[i])
                 if fp32:
+                    m.worst_layer.see(err, f"layer {i}, {fixture.name}")
                     layers[i].fp32_rel_error = max(layers[i].fp32_rel_error, err)
                     layers[i].fp32_max_abs = max(layers[i].fp32_max_abs, float(h.abs().max()))
                 else:
@@ -263,6 +266,12 @@ def _score(
         row.certified[name] = finite and margin > 2 * delta
 
 
+def level_of(implementation: str) -> Level:
+    """The gate level an fp16 candidate is held to: the MIL program's, or torch fp16's (the
+    partitioned pieces are torch fp16 modules)."""
+    return "mil-fp16" if implementation == MIL_LEVEL else "torch-fp16"
+
+
 def _output_gates(
     name: str,
     m: _Measured,
@@ -271,73 +280,70 @@ def _output_gates(
     t: EncoderThresholds,
     fp32: bool,
 ) -> list[GateResult]:
+    level: Level = "torch-fp32" if fp32 else level_of(name)
     gates = []
     if kind == "sentence-embedding" or (kind == "last-hidden-state" and not fp32):
-        threshold = t.fp32_min_cosine if fp32 else t.fp16_min_cosine
-        worst = min(row.cosine[name] for row in rows)
+        cosine = Worst(math.inf, lowest=True)
+        for row in rows:
+            cosine.see(row.cosine[name], row.name)
         what = "sentence" if kind == "sentence-embedding" else "real token"
+        key, threshold = (
+            ("fp32_min_cosine", t.fp32_min_cosine)
+            if fp32
+            else ("fp16_min_cosine", t.fp16_min_cosine)
+        )
         gates.append(
-            GateResult(
-                "min cosine",
-                name,
-                worst,
+            gate(level, key).check(
+                cosine.value,
                 threshold,
-                ">=",
-                worst >= threshold,
-                f"per {what}, against the reference; max |error| "
+                implementation=name,
+                where=cosine.where,
+                detail=f"per {what}, against the reference; max |error| "
                 f"{max(row.max_abs_error[name] for row in rows):.3g}",
             )
         )
     if fp32 and kind != "sentence-embedding":
-        worst = max(row.rel_error[name] for row in rows)
+        worst = Worst(0.0)
+        for row in rows:
+            worst.see(row.rel_error[name], row.name)
         gates.append(
-            GateResult(
-                "output relative error",
-                name,
-                worst,
+            gate(level, "fp32_logits_rel_error").check(
+                worst.value,
                 t.fp32_output_rel_error,
-                "<=",
-                worst <= t.fp32_output_rel_error,
-                "||y'-y||/||y|| per fixture, real positions",
+                implementation=name,
+                where=worst.where,
+                detail="||y'-y||/||y|| per fixture, real positions",
             )
         )
     if kind == "logits" and not fp32:
         kept = sum(row.argmax_kept[name] for row in rows) / len(rows)
-        dprob = max(row.max_abs_dprob[name] for row in rows)
+        dprob = Worst(0.0)
+        for row in rows:
+            dprob.see(row.max_abs_dprob[name], row.name)
         certified = sum(row.certified[name] for row in rows)
         gates.append(
-            GateResult(
-                "argmax agreement",
-                name,
+            gate(level, "fp16_argmax_agreement").check(
                 kept,
                 t.fp16_argmax_agreement,
-                ">=",
-                kept >= t.fp16_argmax_agreement,
-                f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
+                implementation=name,
+                where=first_few([row.name for row in rows if not row.argmax_kept[name]]),
+                detail=f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
             )
         )
         gates.append(
-            GateResult(
-                "max |dp|",
-                name,
-                dprob,
+            gate(level, "fp16_max_abs_dprob").check(
+                dprob.value,
                 t.fp16_max_abs_dprob,
-                "<=",
-                dprob <= t.fp16_max_abs_dprob,
-                "softmax at T=1 over the labels",
+                implementation=name,
+                where=dprob.where,
+                detail="softmax at T=1 over the labels",
             )
         )
     if not fp32:
-        gates.append(GateResult("finite outputs", name, float(m.finite), 1.0, "==", m.finite, ""))
+        gates.append(gate(level, "finite_outputs").check(float(m.finite), implementation=name))
         gates.append(
-            GateResult(
-                "deterministic",
-                name,
-                float(m.deterministic),
-                1.0,
-                "==",
-                m.deterministic,
-                "two runs, identical bits",
+            gate(level, "deterministic").check(
+                float(m.deterministic), implementation=name, detail="two runs, identical bits"
             )
         )
     return gates
@@ -408,16 +414,12 @@ def _torch_levels(
         rows,
         fp32=True,
     )
-    worst_layer = max(row.fp32_rel_error for row in layers)
     gates.append(
-        GateResult(
-            "per-layer relative error",
-            "torch-fp32",
-            worst_layer,
+        gate("torch-fp32", "fp32_layer_rel_error").check(
+            m32.worst_layer.value,
             thresholds.fp32_layer_rel_error,
-            "<=",
-            worst_layer <= thresholds.fp32_layer_rel_error,
-            "max over layers and fixtures of ||h'-h||/||h|| at real positions",
+            where=m32.worst_layer.where,
+            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
         )
     )
     gates += _output_gates("torch-fp32", m32, row_list, kind, thresholds, fp32=True)

@@ -13,6 +13,7 @@ fp32 on each fixture without padding:
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
+from parity.gate import GateResult, Worst, all_passed, first_few, gate
 from parity.reference import ReferenceRun
 
 FP16_MAX = 65504.0
@@ -38,19 +40,6 @@ class Thresholds:
     fp16_argmax_agreement: float
     fp16_max_abs_dprob: float
     mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program (parity.conversion)
-
-
-@dataclass(frozen=True)
-class GateResult:
-    """One gate: the measured value against its threshold."""
-
-    name: str
-    implementation: str
-    value: float
-    threshold: float
-    comparison: str  # "<=" or ">=" or "=="
-    passed: bool
-    detail: str = ""
 
 
 @dataclass
@@ -96,7 +85,7 @@ class ParityReport:
     @property
     def passed(self) -> bool:
         """True when every gate passed."""
-        return all(g.passed for g in self.gates)
+        return all_passed(self.gates)
 
 
 def rel_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
@@ -143,7 +132,8 @@ def check_decoder(
     finite = True
     deterministic = True
     agree = total = 0
-    worst_dprob = 0.0
+    worst_layer, worst_logits, worst_dprob = Worst(0.0), Worst(0.0), Worst(0.0)
+    flipped: list[str] = []  # fixtures where the fp16 argmax moved
     length = module.io.length
 
     for batch in batches:
@@ -172,75 +162,52 @@ def check_decoder(
                 h32 = states32[i][r, :, 0, real].T
                 h16 = states16[i][r, :, 0, real].T.float()
                 row = layers[i]
-                row.fp32_rel_error = max(row.fp32_rel_error, rel_error(h32, ref_h))
+                err32 = rel_error(h32, ref_h)
+                worst_layer.see(err32, f"layer {i}, {fixture.name}")
+                row.fp32_rel_error = max(row.fp32_rel_error, err32)
                 row.fp16_rel_error = max(row.fp16_rel_error, rel_error(h16, ref_h))
                 row.fp32_max_abs = max(row.fp32_max_abs, float(h32.abs().max()))
-            rows.append(
-                _fixture_row(
-                    fixture, ref, logits32[r, :, 0, real].T, logits16[r, :, 0, real].T.float()
-                )
+            fixture_row = _fixture_row(
+                fixture, ref, logits32[r, :, 0, real].T, logits16[r, :, 0, real].T.float()
             )
-            agree += round(rows[-1].fp16_argmax_agreement * n)
+            rows.append(fixture_row)
+            kept = round(fixture_row.fp16_argmax_agreement * n)
+            agree += kept
             total += n
-            worst_dprob = max(worst_dprob, rows[-1].fp16_max_abs_dprob)
+            if kept < n:
+                flipped.append(fixture.name)
+            worst_logits.see(fixture_row.fp32_logits_rel_error, fixture.name)
+            worst_dprob.see(fixture_row.fp16_max_abs_dprob, fixture.name)
         progress()
 
-    worst_layer = max(row.fp32_rel_error for row in layers)
-    worst_logits = max(row.fp32_logits_rel_error for row in rows)
-    agreement = agree / total if total else 0.0
+    agreement = agree / total if total else math.nan
     gates = [
-        GateResult(
-            "per-layer relative error",
-            "torch-fp32",
-            worst_layer,
+        gate("torch-fp32", "fp32_layer_rel_error").check(
+            worst_layer.value,
             thresholds.fp32_layer_rel_error,
-            "<=",
-            worst_layer <= thresholds.fp32_layer_rel_error,
-            "max over layers and fixtures of ||h'-h||/||h|| at real positions",
+            where=worst_layer.where,
+            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
         ),
-        GateResult(
-            "logits relative error",
-            "torch-fp32",
-            worst_logits,
-            thresholds.fp32_logits_rel_error,
-            "<=",
-            worst_logits <= thresholds.fp32_logits_rel_error,
+        gate("torch-fp32", "fp32_logits_rel_error").check(
+            worst_logits.value, thresholds.fp32_logits_rel_error, where=worst_logits.where
         ),
-        GateResult(
-            "argmax agreement",
-            "torch-fp16",
+        gate("torch-fp16", "fp16_argmax_agreement").check(
             agreement,
             thresholds.fp16_argmax_agreement,
-            ">=",
-            agreement >= thresholds.fp16_argmax_agreement,
-            f"{agree}/{total} real positions",
+            where=first_few(flipped),
+            detail=f"{agree}/{total} real positions",
         ),
-        GateResult(
-            "max |dp|",
-            "torch-fp16",
-            worst_dprob,
+        gate("torch-fp16", "fp16_max_abs_dprob").check(
+            worst_dprob.value,
             thresholds.fp16_max_abs_dprob,
-            "<=",
-            worst_dprob <= thresholds.fp16_max_abs_dprob,
-            "softmax at T=1 over the whole vocabulary, real positions",
+            where=worst_dprob.where,
+            detail="softmax at T=1 over the whole vocabulary, real positions",
         ),
-        GateResult(
-            "finite outputs",
-            "torch-fp16",
-            float(finite),
-            1.0,
-            "==",
-            finite,
-            "every layer and logit, padded positions included",
+        gate("torch-fp16", "finite_outputs").check(
+            float(finite), detail="every layer and logit, padded positions included"
         ),
-        GateResult(
-            "deterministic",
-            "torch-fp16",
-            float(deterministic),
-            1.0,
-            "==",
-            deterministic,
-            "two runs, identical bits",
+        gate("torch-fp16", "deterministic").check(
+            float(deterministic), detail="two runs, identical bits"
         ),
     ]
     return ParityReport(

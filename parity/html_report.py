@@ -9,6 +9,9 @@ from typing import Any
 
 from parity.svg import layer_chart, margin_chart
 
+# The gates whose thresholds the per-layer chart draws (parity.gate's names).
+PER_LAYER_GATES = ("fp32_layer_rel_error", "mil_fp32_layer_rel_error")
+
 _STYLE = """
 body { font-family: -apple-system, Helvetica, Arial, sans-serif; margin: 24px; color: #222; }
 table { border-collapse: collapse; margin: 8px 0 20px; font-size: 13px; }
@@ -87,15 +90,17 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
     parts.append("<h2>Gates</h2>")
     parts.append(
         _table(
-            ["", "gate", "implementation", "value", "", "threshold", "detail"],
+            ["", "gate", "implementation", "value", "", "threshold", "worst at", "detail"],
             [
                 [
                     _verdict(g["passed"]),
-                    _fmt(g["name"]),
+                    f"<span title='{escape(g.get('meaning', ''), quote=True)}'>"
+                    f"{_fmt(g['name'])}</span>",
                     _fmt(g["implementation"]),
                     _fmt(g["value"]),
                     escape(g["comparison"]),
                     _fmt(g["threshold"]),
+                    _fmt(g.get("where", "")),
                     _fmt(g.get("detail", "")),
                 ]
                 for g in doc.get("gates", [])
@@ -107,7 +112,7 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
         thresholds = {
             g["implementation"] + " gate": _num(g["threshold"])
             for g in doc.get("gates", [])
-            if g["name"] == "per-layer relative error"
+            if g["name"] in PER_LAYER_GATES
         }
         parts.append("<h2>Per-layer relative error</h2>")
         parts.append(

@@ -23,10 +23,7 @@ def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) ->
         "passed": report.passed,
         "first_diverging_layer": report.first_diverging_layer,
         "implementations": report.implementations,
-        "gates": [
-            {k: _finite(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(g).items()}
-            for g in report.gates
-        ],
+        "gates": [g.to_json() for g in report.gates],
         "layers": [
             {
                 **{
@@ -53,9 +50,9 @@ def report_to_text(report: ParityReport) -> str:
     lines = ["Parity gates:"]
     for g in report.gates:
         mark = "PASS" if g.passed else "FAIL"
+        where = f" (worst at {g.where})" if g.where else ""
         lines.append(
-            f"  {mark}  {g.name:<26} [{g.implementation}] {g.value:.3g} {g.comparison} "
-            f"{g.threshold:.3g}  {g.detail}"
+            f"  {mark}  {g.name:<26} [{g.implementation}] {g.relation()}  {g.detail}{where}"
         )
     if report.first_diverging_layer is not None:
         lines.append(f"  first diverging layer: {report.first_diverging_layer}")

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from converter.publish import write_json_atomic, write_text_atomic
-from parity.conversion import ConversionReport, conversion_to_json, conversion_to_text
+from parity.conversion import ConversionReport
+from parity.conversion_report import conversion_to_json, conversion_to_text
 from parity.gates import ParityReport
 from parity.html_report import report_to_html
 from parity.report import report_to_json, report_to_text

@@ -18,15 +18,17 @@ from converter.batch import Outcome
 from converter.compress.emit import VariantResult
 from converter.pipeline import ConvertResult
 from converter.summary import failed_gate
-from parity.gates import GateResult, LayerRow, ParityReport
+from parity.gate import gate
+from parity.gates import LayerRow, ParityReport
 
 
 def _result(
     name: str, parity: bool = True, plan: bool = True, variant: bool = True
 ) -> ConvertResult:
     """A conversion result whose parity gate, plan gate and one variant passed or failed."""
-    gate = GateResult("argmax agreement", "torch-fp16", 1.0 if parity else 0.5, 1.0, ">=", parity)
-    report = ParityReport([gate], [LayerRow(0, fp16_max_abs=1.0)], [], None)
+    argmax = gate("torch-fp16", "fp16_argmax_agreement")
+    result = argmax.check(1.0 if parity else 0.5, 1.0)
+    report = ParityReport([result], [LayerRow(0, fp16_max_abs=1.0)], [], None)
     variants = [VariantResult(f"{name}-int8", "int8", variant, Path(f"{name}-int8"))]
     # as pipeline.gate_failed returns it: not passed, with the kind of gate that blocked it
     blocked = None if parity and plan else "parity" if not parity else "plan"

@@ -83,7 +83,7 @@ def test_a_failing_variant_exits_1_and_blocks_only_itself(run: tuple[Result, Pat
     report = json.loads((failed / "parity.json").read_text())
     assert report["passed"] is False
     failing = {(g["name"], g["implementation"]) for g in report["gates"] if not g["passed"]}
-    assert ("mean KL", "torch-fp16") in failing and ("mean KL", "mil-fp16") in failing
+    assert ("max_mean_kl", "torch-fp16") in failing and ("max_mean_kl", "mil-fp16") in failing
 
 
 @pytest.mark.parametrize("suffix", ["int8", "lut4"])
@@ -151,7 +151,7 @@ def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Pa
     assert levels["mil-fp16"]["against_original"]["positions"] == 4
     assert levels["mil-fp16"]["against_fp16_artifact"]["positions"] == 4
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
-    assert gates[("logits relative error", "mil-fp32")]["value"] <= 1e-5
+    assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
     assert "storage ratios" in (out / "tiny-int8" / "parity.txt").read_text()
     # one decode-error row per compressed weight, worst first, and the table in the text
     rows = report["weight_errors"]
@@ -213,6 +213,6 @@ def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(
     report = json.loads((directory / "parity.json").read_text())
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
     # each int8 quantizer of the program is the torch fake-quantizer, bit for bit
-    assert gates[("activation quantizers alike", "mil-fp32")]["value"] == 0
-    assert ("logits relative error", "mil-fp32") not in gates  # reported: codes flip
+    assert gates[("activation_quantizers_alike", "mil-fp32")]["value"] == 0
+    assert ("mil_fp32_layer_rel_error", "mil-fp32") not in gates  # reported: codes flip
     assert report["passed"] is True

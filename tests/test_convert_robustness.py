@@ -318,7 +318,7 @@ def test_batch_keeps_going_and_reports_each_recipe(batch: Batch) -> None:
         (str(batch.recipes[1]), "tiny-bad", 2, "bad input"),
         (str(batch.recipes[2]), "tiny", 0, "converted"),
     ]
-    assert lines[0]["gates"]["per-layer relative error"]["passed"] is False
+    assert lines[0]["gates"]["fp32_layer_rel_error"]["passed"] is False
     assert "no-such-checkpoint" in lines[1]["error"] and lines[1]["passed"] is False
     assert lines[2]["passed"] is True and lines[2]["artifact"] == str(out / "tiny")
     assert sorted(os.listdir(out)) == ["tiny", "tiny-gate.failed"]

@@ -65,12 +65,12 @@ def test_sentence_embeddings_pass_the_cosine_gates(parity: dict[str, Any]) -> No
     assert parity["passed"]
     assert len(parity["encoder_fixtures"]) >= 20
     assert all(row["slice"] == "padded" for row in parity["encoder_fixtures"])
-    fp32 = gate(parity, "min cosine", "torch-fp32")
+    fp32 = gate(parity, "fp32_min_cosine", "torch-fp32")
     assert fp32["threshold"] == 0.99999 and fp32["value"] >= 0.99999
-    fp16 = gate(parity, "min cosine", "torch-fp16")
+    fp16 = gate(parity, "fp16_min_cosine", "torch-fp16")
     assert fp16["threshold"] == 0.9995 and fp16["value"] >= 0.9995
     if importlib.util.find_spec("parity.mil") is not None:
-        assert gate(parity, "min cosine", "mil-fp16")["value"] >= 0.9995
+        assert gate(parity, "fp16_min_cosine", "mil-fp16")["value"] >= 0.9995
     for row in parity["encoder_fixtures"]:
         assert row["max_abs_error"]["torch-fp16"] < 1e-2  # reported; unit vectors
     layers = parity["layers"]
@@ -118,7 +118,9 @@ def test_apple_layer_norm_order_fails_the_gates(
     report, _ = check_encoder(rw.module, rw.batches[:2], refs, thresholds_)  # 6 sentences
     assert not report.passed
     assert report.first_diverging_layer == 0
-    cos = [g for g in report.gates if g.name == "min cosine" and g.implementation == "torch-fp32"]
+    cos = [
+        g for g in report.gates if (g.name, g.implementation) == ("fp32_min_cosine", "torch-fp32")
+    ]
     assert not cos[0].passed
 
 

@@ -88,7 +88,7 @@ def test_single_program_artifact(converted: Path) -> None:
     assert manifest["rope_theta"] == [160000.0, 10000.0, 10000.0, 160000.0]
     parity = json.loads((art / "parity.json").read_text())
     names = {(g["name"], g["implementation"]) for g in parity["gates"]}
-    assert ("argmax agreement", "torch-fp16") in names and parity["passed"]
+    assert ("fp16_argmax_agreement", "torch-fp16") in names and parity["passed"]
 
 
 def test_partitioned_artifact_lists_pieces_order_and_boundary_bytes(converted: Path) -> None:

@@ -25,7 +25,7 @@ from graph_passes.spec import EncoderModel
 from parity.encoder_gates import check_encoder, make_encoder_batches
 from parity.gates import ParityReport
 
-PER_LAYER = "per-layer relative error"
+PER_LAYER = "fp32_layer_rel_error"
 
 
 @pytest.fixture(autouse=True, scope="module")

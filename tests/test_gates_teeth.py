@@ -20,8 +20,8 @@ from graph_passes.rope import Rope
 from graph_passes.spec import CanonicalModel, LayerSpec, NormSpec, TransformerSpec
 from parity.gates import ParityReport, check_decoder
 
-PER_LAYER = "per-layer relative error"
-ARGMAX = "argmax agreement"
+PER_LAYER = "fp32_layer_rel_error"
+ARGMAX = "fp16_argmax_agreement"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -82,7 +82,7 @@ def test_correct_module_passes_every_gate(arch: str) -> None:
     report = check(t)
     assert report.passed, failed(report)
     assert all(g.passed for g in report.gates)
-    assert {g.name for g in report.gates} >= {PER_LAYER, "logits relative error", ARGMAX}
+    assert {g.name for g in report.gates} >= {PER_LAYER, "fp32_logits_rel_error", ARGMAX}
     assert report.first_diverging_layer is None
     assert len(report.layers) == 3
     assert all(row.fp32_rel_error <= 1e-5 for row in report.layers)

@@ -56,8 +56,8 @@ def test_published_parity_covers_every_level(artifact: Path) -> None:
         assert levels[key] == "run"
     assert levels[("runtime", "coreml-cpu-and-ne")].startswith("not run on this platform")
     gates = _gates(doc)
-    assert gates[("per-layer relative error", "mil-fp32")]["value"] <= 1e-5
-    assert gates[("argmax agreement", "mil-fp16")]["passed"]
+    assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
+    assert gates[("fp16_argmax_agreement", "mil-fp16")]["passed"]
     runs = {r["implementation"]: r for r in doc["conversion"]["runs"]}
     assert len(runs["mil-fp16"]["layer_rel_error"]) == 3
     assert set(runs["mil-fp16-acc"]["slices"]) >= {"narrow-margin", "padded", "full-window"}
@@ -75,8 +75,8 @@ def test_a_failed_mil_gate_publishes_nothing(root: Path) -> None:
     assert not (out / "strict").exists()
     doc = json.loads((out / "strict.failed" / "parity.json").read_text())
     gates = _gates(doc)
-    assert not gates[("per-layer relative error", "mil-fp32")]["passed"]
-    assert gates[("per-layer relative error", "torch-fp32")]["passed"]
+    assert not gates[("mil_fp32_layer_rel_error", "mil-fp32")]["passed"]
+    assert gates[("fp32_layer_rel_error", "torch-fp32")]["passed"]
 
 
 def test_anec_parity_reruns_the_gates_on_the_artifact(artifact: Path, root: Path) -> None:

@@ -31,9 +31,9 @@ def _run(doc: dict[str, Any], implementation: str) -> dict[str, Any]:
 
 def test_fp16_program_keeps_every_argmax_with_finite_outputs(doc: dict[str, Any]) -> None:
     gates = {(g["name"], g["implementation"]): g for g in doc["gates"]}
-    assert gates[("argmax agreement", "mil-fp16")]["value"] == 1.0
-    assert gates[("finite outputs", "mil-fp16")]["passed"]
-    assert gates[("max |dp|", "mil-fp16")]["passed"]
+    assert gates[("fp16_argmax_agreement", "mil-fp16")]["value"] == 1.0
+    assert gates[("finite_outputs", "mil-fp16")]["passed"]
+    assert gates[("fp16_max_abs_dprob", "mil-fp16")]["passed"]
     run = _run(doc, "mil-fp16")
     assert len(run["layer_rel_error"]) == LAYERS
     assert all(0 < float(e) < 0.05 for e in run["layer_rel_error"])  # reported, finite

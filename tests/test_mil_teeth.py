@@ -152,7 +152,7 @@ def test_a_conversion_bug_below_torch_is_caught_by_the_mil_gate(
     package = convert_with(tiny.module, planted, tmp_path)
     report = _check(tiny, package, ("fp32", "fp16"))
     gates = {(g.name, g.implementation): g for g in report.gates}
-    per_layer = gates[("per-layer relative error", "mil-fp32")]
+    per_layer = gates[("mil_fp32_layer_rel_error", "mil-fp32")]
     if planted is None:
         assert report.passed, [g for g in report.gates if not g.passed]
     else:
@@ -169,7 +169,7 @@ def test_a_missing_layer_marker_is_a_failed_gate_naming_it(tmp_path: Path) -> No
     with pytest.raises(MarkerError, match="layer_0_out"):
         find_markers(load_package(package).functions["main"], len(tiny.module.layers))
     report = _check(tiny, package, ("fp32",))
-    gate = next(g for g in report.gates if g.name == "layer markers present")
+    gate = next(g for g in report.gates if g.name == "layer_markers_present")
     assert not gate.passed and "layer_0_out" in gate.detail
     assert not report.passed
 

@@ -176,17 +176,15 @@ def test_gates_pass_and_fail_with_exit_codes(packages: dict[str, Path], tmp_path
     gates = ["--gate-ne-flop-share", "0.999", "--gate-max-ne-segments", "1", "--no-ops"]
     ok = run(str(packages["block"]), *gates)
     assert ok.exit_code == 0, ok.output
-    assert "NE FLOP share (static, uncalibrated on M1): 1 >= 0.999: pass" in ok.output
+    assert "plan_min_ne_flop_share (static, uncalibrated at M1): 1 >= 0.999: pass" in ok.output
     bad = run(str(packages["topk"]), *gates)
     assert bad.exit_code == 1
-    assert "error: NE segments per function (static, uncalibrated on M1): 2 <= 1: FAIL" in (
-        bad.output
-    )
+    assert "error: plan_max_ne_segments (static, uncalibrated at M1): 2 <= 1: FAIL" in (bad.output)
     # With a recorded plan the gate is checked on the plan, and says so.
     dump = _softmax_on_cpu_dump(packages["block"], tmp_path / "plan.json")
     on_plan = run(str(packages["block"]), *gates, "--from-plan", str(dump))
     assert on_plan.exit_code == 1
-    assert "NE segments per function (compute-plan): 2 <= 1: FAIL" in on_plan.output
+    assert "plan_max_ne_segments (compute-plan): 2 <= 1: FAIL" in on_plan.output
 
 
 def test_bad_input_exits_2(packages: dict[str, Path], tmp_path: Path) -> None:

@@ -45,12 +45,12 @@ def test_an_ne_resident_program_passes_and_ships_its_plan(checkpoint: Path, tmp_
     assert plan["evidence"] == "static" and plan["calibration"] == "uncalibrated"
     gates = plan["gates"]
     # Every chip of the macOS platform, both gates.
-    assert {g["chip"] for g in gates} == {"M1", "M2", "M3", "M4", "M5"}
+    assert {g["where"] for g in gates} == {"M1", "M2", "M3", "M4", "M5"}
     assert len(gates) == 10 and all(g["passed"] for g in gates)
     summary = plan["functions"][0]["summary"]
     assert summary["ne_share"]["flops"] == 1.0 and summary["layers_all_ne"] == 3
     text = (artifact / "plan.txt").read_text()
-    assert "evidence: static (uncalibrated)" in text and "NE segments per function" in text
+    assert "evidence: static (uncalibrated)" in text and "plan_max_ne_segments" in text
 
 
 def test_an_fp32_program_fails_the_plan_gate_and_is_not_published(
@@ -65,7 +65,7 @@ def test_an_fp32_program_fails_the_plan_gate_and_is_not_published(
         p.name for p in failed.iterdir()
     }
     assert "plan gate failed" in result.output
-    assert "NE FLOP share (static, uncalibrated on M1): 0 >= 0.999: FAIL" in result.output
+    assert "plan_min_ne_flop_share (static, uncalibrated at M1): 0 >= 0.999: FAIL" in result.output
     text = (failed / "plan.txt").read_text()
     assert "R-FP32" in text and "convert in fp16" in text
 

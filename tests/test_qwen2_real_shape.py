@@ -76,8 +76,8 @@ def test_real_shape_qwen2_rewrite_is_exact_and_converts(qwen_dir: Path, tmp_path
     gates = {g.name: g for g in report.gates}
     # The rewrite is exact: every layer, q/k/v biases included, within the fp32 gate.
     assert len(report.layers) == 24
-    assert gates["per-layer relative error"].passed and gates["logits relative error"].passed
-    assert gates["finite outputs"].passed and gates["deterministic"].passed
+    assert gates["fp32_layer_rel_error"].passed and gates["fp32_logits_rel_error"].passed
+    assert gates["finite_outputs"].passed and gates["deterministic"].passed
     # Random weights give near-uniform logits (SPEC 4: weak witnesses), so fp16 may flip an
     # argmax whose margin is below fp16's resolution. Every flip must be such a position:
     # one the argmax certificate (top1 - top2 > 2 * max logit error) does not cover.

@@ -77,9 +77,9 @@ def test_parity_report_meets_the_gates(smollm2_artifact: Path) -> None:
     assert all(row["fp32_rel_error"] <= 1e-4 for row in report["layers"])
     # The torch-level gates; the MIL level reuses the names (tests/test_mil_smollm2.py).
     gates = {g["name"]: g for g in report["gates"] if g["implementation"] == "torch-fp16"}
-    assert gates["argmax agreement"]["value"] == 1.0
-    assert gates["max |dp|"]["value"] <= 0.02
-    assert gates["finite outputs"]["passed"] and gates["deterministic"]["passed"]
+    assert gates["fp16_argmax_agreement"]["value"] == 1.0
+    assert gates["fp16_max_abs_dprob"]["value"] <= 0.02
+    assert gates["finite_outputs"]["passed"] and gates["deterministic"]["passed"]
     slices = Counter(f["slice"] for f in report["fixtures"])
     assert slices["padded"] and slices["full-window"]
     # The sink at the first position: |h| above 20k somewhere, and still inside fp16.

@@ -52,8 +52,8 @@ def test_removing_the_fp16_prescale_is_caught_in_fp16(setup: tuple) -> None:
             norm.set_prescale(scale.prescale)
     gates = _gates(report)
     assert not report.passed
-    assert gates["per-layer relative error"] and gates["logits relative error"]  # fp32 exact
-    assert not gates["argmax agreement"]
+    assert gates["fp32_layer_rel_error"] and gates["fp32_logits_rel_error"]  # fp32 exact
+    assert not gates["fp16_argmax_agreement"]
     assert report.first_diverging_layer == first
 
 
@@ -72,5 +72,5 @@ def test_changed_norm_epsilon_is_caught_by_the_per_layer_gate(setup: tuple) -> N
         for (scaled, eps), (_, norm) in zip(saved, norms, strict=True):
             norm.eps = eps
             norm.scaled_eps.fill_(scaled)
-    assert not _gates(report)["per-layer relative error"]
+    assert not _gates(report)["fp32_layer_rel_error"]
     assert report.first_diverging_layer == 0

@@ -14,10 +14,11 @@ from typing import Any
 
 from converter.evidence import MEANING, Evidence
 from converter.plan.chips import chips_for
-from converter.plan.gates import PlanGate, check_plan_gates
+from converter.plan.gates import check_plan_gates
 from converter.plan.ops import op_table
 from converter.plan.render_text import summary_lines
 from converter.plan.static import static_report
+from parity.gate import GateResult
 
 PLAN_JSON = "plan.json"
 PLAN_TXT = "plan.txt"
@@ -27,7 +28,7 @@ PLAN_TXT = "plan.txt"
 class ArtifactPlan:
     """The plan step's outcome."""
 
-    gates: list[PlanGate]
+    gates: list[GateResult]
     lines: list[str]  # plan.txt
 
     @property

@@ -1,0 +1,277 @@
+"""One gate type, one result type, and the registry of every gate anec runs.
+
+A `Gate` is declared once, here: its name, the level it gates, its comparison, the recipe key
+that sets its threshold (or the fixed threshold when none does) and what it means. Every gate
+site measures a value and calls `Gate.check`; the verdict and the comparison's text both come
+from the gate's `Comparison`, so what a report prints is what was computed.
+
+Names: a gate whose threshold the recipe sets is named by its recipe key's last component
+(``gates.fp32_layer_rel_error`` sets ``fp32_layer_rel_error``), so the recipe's ``gates:`` is
+keyed by gate name. One name may be registered at several levels (``fp16_argmax_agreement``
+gates torch fp16 and the MIL fp16 program alike), and they share the threshold.
+
+Adding a gate: register it in `_REGISTRY` below, check it where the value is measured, and
+list it in the README's gate table (a test compares the table with this registry).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal
+
+Level = Literal["torch-fp32", "torch-fp16", "mil-fp32", "mil-fp16", "compression", "plan"]
+LEVELS: tuple[Level, ...] = (
+    "torch-fp32",
+    "torch-fp16",
+    "mil-fp32",
+    "mil-fp16",
+    "compression",
+    "plan",
+)
+
+
+class Comparison(str, Enum):
+    """How a measured value must relate to its threshold; the value is its text."""
+
+    AT_MOST = "<="
+    AT_LEAST = ">="
+    EQUALS = "=="
+
+    def holds(self, value: float, threshold: float) -> bool:
+        """True when ``value`` satisfies the comparison (never for NaN)."""
+        if self is Comparison.AT_MOST:
+            return value <= threshold
+        if self is Comparison.AT_LEAST:
+            return value >= threshold
+        return value == threshold
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One registered gate."""
+
+    name: str
+    level: Level
+    comparison: Comparison
+    meaning: str
+    # The dotted path of the recipe field that sets the threshold ("[]" steps into a list's
+    # items), or None when the threshold is fixed.
+    recipe_key: str | None = None
+    fixed: float | None = None  # the threshold when no recipe key sets it
+
+    def check(
+        self,
+        value: float,
+        threshold: float | None = None,
+        *,
+        implementation: str | None = None,
+        where: str = "",
+        detail: str = "",
+    ) -> GateResult:
+        """The result of this gate on ``value``.
+
+        ``threshold`` comes from the recipe key (required then, refused otherwise: a fixed
+        gate cannot be moved); ``implementation`` names what was run when it is not the level
+        itself (a partitioned torch run, a compressed variant's MIL program, a plan's
+        evidence); ``where`` says where the value was worst (layer, fixture, tensor, chip).
+        """
+        if self.recipe_key is not None:
+            if threshold is None:
+                raise ValueError(f"gate {self.key}: needs the threshold {self.recipe_key}")
+        elif threshold is not None:
+            raise ValueError(f"gate {self.key}: its threshold is fixed at {self.fixed}")
+        else:
+            threshold = self.fixed
+        assert threshold is not None  # a fixed gate is registered with its threshold
+        return GateResult(
+            self, implementation or self.level, float(value), float(threshold), where, detail
+        )
+
+    @property
+    def key(self) -> str:
+        """``level/name``: unique in the registry."""
+        return f"{self.level}/{self.name}"
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """One checked gate: the measured value against its threshold, and where it was worst."""
+
+    gate: Gate
+    implementation: str  # what was run: usually the level itself
+    value: float
+    threshold: float
+    where: str = ""  # layer / fixture / tensor / chip where the value was worst
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """The comparison applied to value and threshold."""
+        return self.gate.comparison.holds(self.value, self.threshold)
+
+    @property
+    def name(self) -> str:
+        """The gate's name."""
+        return self.gate.name
+
+    @property
+    def level(self) -> Level:
+        """The gate's level."""
+        return self.gate.level
+
+    @property
+    def comparison(self) -> str:
+        """The comparison's text."""
+        return self.gate.comparison.value
+
+    def relation(self, digits: int = 3) -> str:
+        """``value <= threshold``, both to ``digits`` significant digits."""
+        return f"{self.value:.{digits}g} {self.comparison} {self.threshold:.{digits}g}"
+
+    def text(self) -> str:
+        """One line: name, what ran and where, the relation, the verdict."""
+        where = f" at {self.where}" if self.where else ""
+        verdict = "pass" if self.passed else "FAIL"
+        return f"{self.name} ({self.implementation}{where}): {self.relation(6)}: {verdict}"
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready (inf and NaN spelt as strings: JSON has neither)."""
+        return {
+            "name": self.name,
+            "level": self.level,
+            "implementation": self.implementation,
+            "value": _finite(self.value),
+            "comparison": self.comparison,
+            "threshold": _finite(self.threshold),
+            "passed": self.passed,
+            "where": self.where,
+            "detail": self.detail,
+            "recipe_key": self.gate.recipe_key,
+            "meaning": self.gate.meaning,
+        }
+
+
+def _finite(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+def all_passed(results: Iterable[GateResult]) -> bool:
+    """True when every result passed (and for none)."""
+    return all(r.passed for r in results)
+
+
+def first_few(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` names and how many more: a ``where`` listing every offender."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+@dataclass
+class Worst:
+    """The worst value seen so far and where it was seen, for a gate's ``where``.
+
+    Largest by default, smallest with ``lowest``; NaN counts as worst of all, so a NaN is
+    never hidden behind a finite maximum.
+    """
+
+    value: float
+    lowest: bool = False
+    where: str = ""
+
+    def see(self, value: float, where: str) -> None:
+        """Keep ``value`` (and ``where``) when it is worse than the worst so far."""
+        if math.isnan(self.value):
+            return
+        worse = value < self.value if self.lowest else value > self.value
+        if worse or math.isnan(value):
+            self.value, self.where = value, where
+
+
+# ---- the registry -----------------------------------------------------------------------------
+
+_LE, _GE, _EQ = Comparison.AT_MOST, Comparison.AT_LEAST, Comparison.EQUALS
+_FINITE = "every output (and, where captured, every layer state), padded positions included"
+_ARGMAX = "share of real positions (encoder logits: fixtures) whose argmax matches the original"
+_DPROB = "largest |p' - p|, softmax at T=1 over the vocabulary or labels, real positions"
+_COSINE = "worst cosine to the original's output, per sentence embedding or real token"
+_COSINE32 = "encoders (sentence embeddings): worst cosine to the original's, in fp32"
+_VARIANT = "compression.variants[].gates."
+
+_REGISTRY: tuple[Gate, ...] = (
+    # torch fp32: the rewrite itself
+    Gate("fp32_layer_rel_error", "torch-fp32", _LE,
+         "worst ||h' - h|| / ||h|| over layers and fixtures, real positions, against the "
+         "original model", "gates.fp32_layer_rel_error"),
+    Gate("fp32_logits_rel_error", "torch-fp32", _LE,
+         "worst ||y' - y|| / ||y|| of the task output per fixture (logits; an encoder's "
+         "hidden state or logits), real positions", "gates.fp32_logits_rel_error"),
+    Gate("fp32_min_cosine", "torch-fp32", _GE, _COSINE32, "encoder.fp32_min_cosine"),
+    # torch fp16: fp16 storage between ops (a partitioned encoder's pieces too)
+    Gate("fp16_argmax_agreement", "torch-fp16", _GE, _ARGMAX, "gates.fp16_argmax_agreement"),
+    Gate("fp16_max_abs_dprob", "torch-fp16", _LE, _DPROB, "gates.fp16_max_abs_dprob"),
+    Gate("fp16_min_cosine", "torch-fp16", _GE, "encoders: " + _COSINE,
+         "encoder.fp16_min_cosine"),
+    Gate("finite_outputs", "torch-fp16", _EQ, _FINITE, fixed=1.0),
+    Gate("deterministic", "torch-fp16", _EQ, "two runs give identical bits", fixed=1.0),
+    # the emitted program in the MIL evaluator
+    Gate("layer_markers_present", "mil-fp32", _EQ,
+         "decoders: the program keeps layer_0_out..layer_{n-1}_out, so layers can be compared",
+         fixed=1.0),
+    Gate("mil_fp32_layer_rel_error", "mil-fp32", _LE,
+         "decoders: worst ||h' - h|| / ||h|| over layers, logits and fixtures, the program in "
+         "fp32 against the BC1L module with the program's constants in fp64",
+         "gates.mil_fp32_layer_rel_error"),
+    Gate("fp16_argmax_agreement", "mil-fp16", _GE, _ARGMAX, "gates.fp16_argmax_agreement"),
+    Gate("fp16_max_abs_dprob", "mil-fp16", _LE, _DPROB, "gates.fp16_max_abs_dprob"),
+    Gate("fp16_min_cosine", "mil-fp16", _GE, "encoders: " + _COSINE,
+         "encoder.fp16_min_cosine"),
+    Gate("finite_outputs", "mil-fp16", _EQ, _FINITE, fixed=1.0),
+    Gate("deterministic", "mil-fp16", _EQ, "encoders: two runs give identical bits", fixed=1.0),
+    # a compressed variant, each gate at torch fp16 and in the MIL evaluator
+    Gate("min_top1_agreement", "compression", _GE,
+         "share of held-out positions whose argmax matches the original checkpoint",
+         _VARIANT + "min_top1_agreement"),
+    Gate("max_mean_kl", "compression", _LE,
+         "mean KL(p_original || p_variant) over held-out positions, nats",
+         _VARIANT + "max_mean_kl"),
+    Gate("max_abs_dprob", "compression", _LE,
+         "largest |p' - p| at T=1 over held-out positions (checked when the variant sets it)",
+         _VARIANT + "max_abs_dprob"),
+    Gate("finite_outputs", "compression", _EQ, "every held-out logit of the variant",
+         fixed=1.0),
+    Gate("mil_fp32_layer_rel_error", "compression", _LE,
+         "worst logits ||y' - y|| / ||y||, the variant program in fp32 against the torch module "
+         "with the same decoded weights (not for int8 activations)",
+         "gates.mil_fp32_layer_rel_error"),
+    Gate("activation_quantizers_alike", "compression", _EQ,
+         "int8 activations: quantizers whose torch fake-quantization of the program's own "
+         "input differs from the program's output in any bit", fixed=0.0),
+    Gate("weights_decoded_alike", "compression", _EQ,
+         "compressed weights whose MIL-evaluator decoding, rounded to fp16, differs from "
+         "coremltools' own", fixed=0.0),
+    # placement (SPEC 5): on every chip of the platform, with the evidence it was checked on
+    Gate("plan_min_ne_flop_share", "plan", _GE, "share of the program's FLOPs placed on the NE",
+         "gates.plan_min_ne_flop_share"),
+    Gate("plan_max_ne_segments", "plan", _LE, "NE segments in any one function of the package",
+         "gates.plan_max_ne_segments"),
+)  # fmt: skip
+
+REGISTRY: dict[str, Gate] = {g.key: g for g in _REGISTRY}
+if len(REGISTRY) != len(_REGISTRY):  # pragma: no cover - a registration mistake
+    raise RuntimeError("parity.gate: a level/name is registered twice")
+
+
+def gate(level: str, name: str) -> Gate:
+    """The registered gate ``name`` at ``level``."""
+    try:
+        return REGISTRY[f"{level}/{name}"]
+    except KeyError:
+        raise KeyError(f"no gate {name!r} is registered at level {level!r}") from None
+
+
+def registered() -> list[Gate]:
+    """Every registered gate, in registry order."""
+    return list(_REGISTRY)
