@@ -18,7 +18,12 @@ def result_to_json(result: ConvertResult) -> dict[str, Any]:
         # Later levels reuse gate names (argmax agreement at torch-fp16 and mil-fp16): the
         # first keeps the plain name, the others are qualified by their implementation.
         key = g.name if g.name not in gates else f"{g.name} [{g.implementation}]"
-        gates[key] = {"value": g.value, "threshold": g.threshold, "passed": g.passed}
+        gates[key] = {
+            "value": g.value,
+            "threshold": g.threshold,
+            "passed": g.passed,
+            "where": g.where,
+        }
     return {
         "name": result.name,
         "passed": result.passed,
@@ -53,7 +58,7 @@ def print_summary(result: ConvertResult, console: Console) -> None:
     console.print(f"\n[bold]{result.name}[/]: {status}")
     table = Table(show_header=True, header_style="bold")
     for column in ("gate", "implementation", "value", "threshold", ""):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "gate")
     for g in result.parity.gates:
         table.add_row(
             g.name,
@@ -63,6 +68,9 @@ def print_summary(result: ConvertResult, console: Console) -> None:
             "[green]pass[/]" if g.passed else "[red]FAIL[/]",
         )
     console.print(table)
+    for g in result.parity.gates:
+        if not g.passed and g.where:
+            console.print(Text(f"{g.name} [{g.implementation}]: worst at {g.where}", style="red"))
     if result.parity.first_diverging_layer is not None:
         console.print(f"first diverging layer: {result.parity.first_diverging_layer}")
     worst = max(result.parity.layers, key=lambda row: row.fp16_max_abs)

@@ -50,10 +50,9 @@ def report_to_text(report: ParityReport) -> str:
     lines = ["Parity gates:"]
     for g in report.gates:
         mark = "PASS" if g.passed else "FAIL"
-        where = f" (worst at {g.where})" if g.where else ""
-        lines.append(
-            f"  {mark}  {g.name:<26} [{g.implementation}] {g.relation()}  {g.detail}{where}"
-        )
+        where = f"(worst at {g.where})" if g.where else ""
+        notes = " ".join(text for text in (g.detail, where) if text)
+        lines.append(f"  {mark}  {g.name:<26} [{g.implementation}] {g.relation()}  {notes}")
     if report.first_diverging_layer is not None:
         lines.append(f"  first diverging layer: {report.first_diverging_layer}")
     lines.append("")
