@@ -13,7 +13,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from converter.recipe import Recipe
+from converter.recipe import DecoderRecipe, EncoderRecipe
 from parity.gate import Gate, registered
 
 
@@ -32,9 +32,18 @@ def _model_of(annotation: Any, step: str, key: str) -> type[BaseModel]:
 
 
 def recipe_field(key: str) -> FieldInfo:
-    """The recipe schema's field at dotted ``key`` ("[]" steps into a list's items);
-    KeyError naming the step that does not exist."""
-    model: type[BaseModel] = Recipe
+    """The recipe schema's field at dotted ``key`` ("[]" steps into a list's items), in the
+    schema of any task that has it; KeyError naming the step that does not exist."""
+    problems = []
+    for recipe in (DecoderRecipe, EncoderRecipe):
+        try:
+            return _field(recipe, key)
+        except KeyError as e:
+            problems.append(str(e.args[0]))
+    raise KeyError("; ".join(dict.fromkeys(problems)))
+
+
+def _field(model: type[BaseModel], key: str) -> FieldInfo:
     *steps, last = key.split(".")
     for step in steps:
         info = model.model_fields.get(step.removesuffix("[]"))

@@ -64,7 +64,7 @@ from parity.encoder_gates import (
 )
 from parity.encoder_mil import layer_level, output_runner
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
-from parity.gates import GateResult
+from parity.gate import Worst, gate
 from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
@@ -304,10 +304,6 @@ def convert(run: EncoderRun, advance: Advance) -> None:
         )
 
 
-def _failed(name: str, implementation: str, detail: str) -> GateResult:
-    return GateResult(name, implementation, 0.0, 1.0, "==", False, detail)
-
-
 def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
     """The emitted program(s) in the MIL evaluator: fp32 per layer against the BC1L module,
     fp16 task output gated against the original model. A program the evaluator cannot run is
@@ -321,23 +317,24 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         runner = output_runner(packages, rw.module, rw.host, recipe.io.dtype)
     except (MILError, MarkerError) as e:
         report.gates.append(
-            _failed("MIL evaluator runs the program", "mil", f"cannot run the program: {e}")
+            gate("mil-fp32", "evaluator_runs_program").check(
+                0.0, detail=f"cannot run the program: {e}"
+            )
         )
         report.implementations[MIL_LEVEL] = f"failed: {e}"
         write_parity(run)
         return Stop("MIL-level")
-    worst = max(level.layer_rel_error, default=0.0)
-    limit = recipe.gates.mil_fp32_layer_rel_error
+    # A non-finite layer output is an infinite relative error (parity.encoder_mil).
+    worst = Worst(0.0)
+    for i, err in enumerate(level.layer_rel_error):
+        worst.see(err, f"layer {i}")
     report.gates.append(
-        GateResult(
-            "per-layer relative error",
-            "mil-fp32",
-            worst,
-            limit,
-            "<=",
-            level.finite and worst <= limit,
-            "max over layers and fixtures of ||h'-h||/||h|| at real slots, against the BC1L "
-            "module with the program's constants in fp64",
+        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
+            worst.value,
+            recipe.gates.mil_fp32_layer_rel_error,
+            where=worst.where,
+            detail="max over layers and fixtures of ||h'-h||/||h|| at real slots, against the "
+            "BC1L module with the program's constants in fp64",
         )
     )
     run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
