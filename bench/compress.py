@@ -185,7 +185,7 @@ def cmd_minilm(args: argparse.Namespace) -> None:
     print(f"{out}: exit {result.exit_code} in {time.perf_counter() - start:.0f} s")
     base = json.loads((out / recipe.name / "parity.json").read_text())
     (fp16,) = [
-        g for g in base["gates"] if g["name"] == "min cosine" and "mil" in g["implementation"]
+        g for g in base["gates"] if g["name"] == "fp16_min_cosine" and "mil" in g["implementation"]
     ]
     print(f"fp16 MIL min cosine vs original: {fp16['value']:.6f}")
     print(

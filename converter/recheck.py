@@ -9,7 +9,6 @@ re-check step list is its conversion step list without converting, the manifest 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,11 @@ from converter.tasks import task_for
 from converter.tasks.base import Job, Program
 from converter.tasks.text_generation import DecoderRun
 from parity.conversion import DEFAULT_PROFILES
-from parity.gates import GateResult, ParityReport
+from parity.gate import GateResult, gate
+from parity.gates import ParityReport
 from parity.html_report import report_to_html
 from parity.mil.profiles import PROFILES
+from parity.report import gate_line
 
 GateKey = tuple[str, str]  # (gate name, implementation), as parity.json lists them
 
@@ -103,32 +104,23 @@ def gate_set_gate(
     missing, extra = sorted(expected - rerun), sorted(rerun - expected)
     parts = [f"published, not re-run: {', '.join(map(' / '.join, missing))}"] if missing else []
     parts += [f"re-run, not published: {', '.join(map(' / '.join, extra))}"] if extra else []
-    return GateResult(
-        name="same gate set as published",
-        implementation="recheck",
-        value=float(len(missing) + len(extra)),
-        threshold=0.0,
-        comparison="==",
-        passed=not missing and not extra,
+    return gate("recheck", "same_gate_set").check(
+        float(len(missing) + len(extra)),
         detail="; ".join(parts) or f"{len(expected)} gates, as published",
     )
 
 
 def _add_gate_to_reports(
-    report_dir: Path, report: ParityReport, gate: GateResult, title: str
+    report_dir: Path, report: ParityReport, result: GateResult, title: str
 ) -> None:
-    """Add ``gate`` to the report and to the re-run's parity.json, .txt and .html."""
-    report.gates.append(gate)
+    """Add ``result`` to the report and to the re-run's parity.json, .txt and .html."""
+    report.gates.append(result)
     path = report_dir / "parity.json"
     doc = json.loads(path.read_text(encoding="utf-8"))
-    doc["gates"].append(dataclasses.asdict(gate))
-    doc["passed"] = bool(doc.get("passed", True)) and gate.passed
+    doc["gates"].append(result.to_json())
+    doc["passed"] = bool(doc.get("passed", True)) and result.passed
     write_json_atomic(path, doc)
-    mark = "PASS" if gate.passed else "FAIL"
-    line = (
-        f"  {mark}  {gate.name:<26} [{gate.implementation}] {gate.value:.3g} "
-        f"{gate.comparison} {gate.threshold:.3g}  {gate.detail}"
-    )
+    line = gate_line(result)
     text = (report_dir / "parity.txt").read_text(encoding="utf-8")
     write_text_atomic(
         report_dir / "parity.txt", text.replace("Parity gates:\n", f"Parity gates:\n{line}\n", 1)
@@ -195,8 +187,8 @@ def recheck(
     ran = run.profiles if isinstance(run, DecoderRun) else tuple(PROFILES)
     rerun = {(g.name, g.implementation) for g in report.gates}
     if (report_dir / "parity.json").is_file():
-        gate = gate_set_gate(published, rerun, ran)
-        _add_gate_to_reports(report_dir, report, gate, f"anec parity report: {recipe.name}")
+        same_set = gate_set_gate(published, rerun, ran)
+        _add_gate_to_reports(report_dir, report, same_set, f"anec parity report: {recipe.name}")
     document = json.loads((report_dir / "parity.json").read_text(encoding="utf-8"))
     document["artifact"] = str(artifact)
     return RecheckResult(report, report_dir, document)

@@ -22,7 +22,7 @@ already hold the program; this level isolates what compression changed.)
 from __future__ import annotations
 
 import copy
-import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,8 @@ from parity.encoder_gates import (
     run_encoder_reference,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures
-from parity.gates import GateResult, rel_error
+from parity.gate import GateResult, Worst, all_passed, gate
+from parity.gates import rel_error
 
 Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
 _OUTPUT_NAMES = {
@@ -199,7 +200,7 @@ class EncoderVariantParity:
     @property
     def passed(self) -> bool:
         """True when every gate passed."""
-        return all(g.passed for g in self.gates)
+        return all_passed(self.gates)
 
 
 def encoder_gates(
@@ -216,37 +217,41 @@ def encoder_gates(
     gates = []
     for level in levels:
         s, impl = level.vs_original, level.implementation
+        worst = Worst(math.inf, lowest=True)
+        for sentence, cosine in s.cosine.items():
+            worst.see(cosine, sentence)
         gates.append(
-            GateResult(
-                "min cosine", impl, s.min_cosine, min_cosine, ">=",
-                bool(s.cosine) and s.min_cosine >= min_cosine,
-                f"per {what}, {len(s.cosine)} held-out sentences, against the original "
+            gate("compression", "min_cosine").check(
+                s.min_cosine if s.cosine else math.nan, min_cosine, implementation=impl,
+                where=worst.where,
+                detail=f"per {what}, {len(s.cosine)} held-out sentences, against the original "
                 f"checkpoint; mean {s.mean_cosine:.6f}",
             )
         )  # fmt: skip
         agreement = s.argmax_agreement
         if agreement is not None and min_top1 is not None:
             gates.append(
-                GateResult(
-                    "argmax agreement", impl, agreement, min_top1, ">=", agreement >= min_top1,
-                    "predicted label of each held-out sentence, against the original checkpoint",
+                gate("compression", "min_top1_agreement").check(
+                    agreement, min_top1, implementation=impl,
+                    detail="predicted label of each held-out sentence, against the original "
+                    "checkpoint",
                 )
             )  # fmt: skip
-        gates.append(GateResult("finite outputs", impl, float(s.finite), 1.0, "==", s.finite))
+        gates.append(
+            gate("compression", "finite_outputs").check(float(s.finite), implementation=impl)
+        )
     gates.append(
-        GateResult(
-            "output relative error", "mil-fp32", mil_fp32_error, mil_fp32_threshold, "<=",
-            mil_fp32_error <= mil_fp32_threshold,
-            "the variant program against the uncompressed program holding the same decoded "
-            "weights, both MIL fp32: compression is in the weights only",
+        gate("compression", "mil_fp32_layer_rel_error").check(
+            mil_fp32_error, mil_fp32_threshold, implementation="mil-fp32", where="task output",
+            detail="the variant program against the uncompressed program holding the same "
+            "decoded weights, both MIL fp32: compression is in the weights only",
         )
     )  # fmt: skip
     gates.append(
-        GateResult(
-            "weights decoded alike", "mil-fp32", float(decode_mismatches), 0.0, "==",
-            decode_mismatches == 0,
-            "compressed weights whose MIL-evaluator decoding, rounded to fp16, differs from "
-            "coremltools' own decoding",
+        gate("compression", "weights_decoded_alike").check(
+            float(decode_mismatches), implementation="mil-fp32",
+            detail="compressed weights whose MIL-evaluator decoding, rounded to fp16, differs "
+            "from coremltools' own decoding",
         )
     )  # fmt: skip
     return gates
@@ -345,7 +350,7 @@ def parity_json(result: EncoderVariantParity) -> dict[str, Any]:
     """The variant's parity report as JSON-ready data."""
     return {
         "passed": result.passed,
-        "gates": [_clean(dataclasses.asdict(g)) for g in result.gates],
+        "gates": [g.to_json() for g in result.gates],
         "levels": [
             {
                 "implementation": level.implementation,
@@ -366,9 +371,9 @@ def parity_text(result: EncoderVariantParity) -> str:
     lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
     for g in result.gates:
         mark = "PASS" if g.passed else "FAIL"
+        where = f" (worst at {g.where})" if g.where else ""
         lines.append(
-            f"  {mark}  {g.name:<22} [{g.implementation}] {g.value:.6g} {g.comparison} "
-            f"{g.threshold:.6g}  {g.detail}"
+            f"  {mark}  {g.name:<24} [{g.implementation}] {g.relation(6)}  {g.detail}{where}"
         )
     lines.append("")
     lines.append("level       against         sentences  min cos     mean cos   argmax")

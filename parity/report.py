@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from parity.gate import GateResult
 from parity.gates import ParityReport
 
 SCHEMA_VERSION = 1
@@ -45,14 +46,18 @@ def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) ->
     }
 
 
+def gate_line(g: GateResult) -> str:
+    """One gate as parity.txt lists it: verdict, name, implementation, relation, notes."""
+    mark = "PASS" if g.passed else "FAIL"
+    where = f"(worst at {g.where})" if g.where else ""
+    notes = " ".join(text for text in (g.detail, where) if text)
+    return f"  {mark}  {g.name:<26} [{g.implementation}] {g.relation()}  {notes}"
+
+
 def report_to_text(report: ParityReport) -> str:
     """A readable summary: gates, the first diverging layer, the per-layer table."""
     lines = ["Parity gates:"]
-    for g in report.gates:
-        mark = "PASS" if g.passed else "FAIL"
-        where = f"(worst at {g.where})" if g.where else ""
-        notes = " ".join(text for text in (g.detail, where) if text)
-        lines.append(f"  {mark}  {g.name:<26} [{g.implementation}] {g.relation()}  {notes}")
+    lines += [gate_line(g) for g in report.gates]
     if report.first_diverging_layer is not None:
         lines.append(f"  first diverging layer: {report.first_diverging_layer}")
     lines.append("")

@@ -98,12 +98,12 @@ def test_int8_and_lut8_pass_their_cosine_gates_at_torch_and_mil_level(
     for suffix in ("int8", "lut8"):
         gates = _gates(out / f"tb-{suffix}")
         for level in ("torch-fp16", "mil-fp16"):
-            g = gates[("min cosine", level)]
+            g = gates[("min_cosine", level)]
             assert g["threshold"] == 0.999 and 0.999 <= g["value"] < 1.0 and g["passed"]
         # compression is in the weights only: the program equals the uncompressed one
         # holding the same decoded weights, and both decoders of the weights agree
-        assert gates[("output relative error", "mil-fp32")]["value"] <= 1e-5
-        assert gates[("weights decoded alike", "mil-fp32")]["value"] == 0
+        assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
+        assert gates[("weights_decoded_alike", "mil-fp32")]["value"] == 0
         text = (out / f"tb-{suffix}" / "parity.txt").read_text()
         assert "held_out[2]" in text and "storage ratios" in text
 
@@ -114,8 +114,8 @@ def test_a_failing_variant_blocks_only_itself(run: tuple[list[VariantResult], Pa
     assert not (out / "tb-lut2-strict").exists()
     gates = _gates(out / "tb-lut2-strict.failed")
     failing = {key for key, g in gates.items() if not g["passed"]}
-    assert failing == {("min cosine", "torch-fp16"), ("min cosine", "mil-fp16")}
-    assert gates[("min cosine", "mil-fp16")]["value"] < 0.99
+    assert failing == {("min_cosine", "torch-fp16"), ("min_cosine", "mil-fp16")}
+    assert gates[("min_cosine", "mil-fp16")]["value"] < 0.99
 
 
 def test_variant_manifest_records_every_projection(run: tuple[list[VariantResult], Path]) -> None:
@@ -194,8 +194,8 @@ def test_a_classifier_variant_is_gated_on_argmax_too(tmp_path: Path) -> None:
     assert result.passed
     gates = _gates(result.directory)
     for level in ("torch-fp16", "mil-fp16"):
-        assert gates[("argmax agreement", level)]["value"] == 1.0
-        assert gates[("min cosine", level)]["value"] >= 0.99
+        assert gates[("min_top1_agreement", level)]["value"] == 1.0
+        assert gates[("min_cosine", level)]["value"] >= 0.99
 
 
 def test_encoder_variant_rules_name_the_field(tmp_path: Path) -> None:

@@ -64,12 +64,12 @@ def test_int8_and_lut8_pass_their_cosine_gates_and_lut4_fails(
     for r in results:
         report = _report(r.directory)
         gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
-        cosines = {lv: gates[("min cosine", lv)]["value"] for lv in ("torch-fp16", "mil-fp16")}
+        cosines = {lv: gates[("min_cosine", lv)]["value"] for lv in ("torch-fp16", "mil-fp16")}
         print(f"{r.suffix}: min cosine {cosines}")  # the figures for the report (pytest -s)
         if r.passed:
             assert all(0.999 <= c < 1.0 for c in cosines.values())
-            assert gates[("output relative error", "mil-fp32")]["value"] <= 1e-5
-            assert gates[("weights decoded alike", "mil-fp32")]["value"] == 0
+            assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
+            assert gates[("weights_decoded_alike", "mil-fp32")]["value"] == 0
         else:
             assert all(c < 0.99 for c in cosines.values())
             assert not (out / "minilm-l6-embed-lut4-strict").exists()

@@ -139,10 +139,10 @@ def test_encoder_artifacts_carry_every_report_and_the_mil_levels(
     assert {p.name for p in art.iterdir()} >= REPORT_FILES
     parity = json.loads((art / "parity.json").read_text())
     by_level = {(g["name"], g["implementation"]): g for g in parity["gates"]}
-    layers = by_level[("per-layer relative error", "mil-fp32")]
+    layers = by_level[("mil_fp32_layer_rel_error", "mil-fp32")]
     assert layers["passed"] and layers["value"] <= layers["threshold"]
     assert len(parity["mil_fp32_layer_rel_error"]) == 4  # one figure per layer
-    assert by_level[("argmax agreement", "mil-fp16")]["passed"]
+    assert by_level[("fp16_argmax_agreement", "mil-fp16")]["passed"]
     plan = json.loads((art / "plan.json").read_text())
     assert plan["evidence"] == "static"
     assert "<html" in (art / "parity.html").read_text().lower()
@@ -268,6 +268,6 @@ def test_anec_parity_rechecks_an_encoder_artifact(converted: Path, tmp_path: Pat
     key = ("name", "implementation")
     again = {tuple(g[k] for k in key): g for g in result.document["gates"]}
     # The re-check's own gate: it ran exactly the published gates (converter/recheck.py).
-    assert again.pop(("same gate set as published", "recheck"))["passed"]
+    assert again.pop(("same_gate_set", "recheck"))["passed"]
     assert sorted(again) == sorted(tuple(g[k] for k in key) for g in published)
     assert (art / "parity.json").read_bytes() == before

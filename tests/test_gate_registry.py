@@ -117,4 +117,5 @@ def test_registry_keys_are_unique_level_and_name() -> None:
         "mil-fp16",
         "compression",
         "plan",
+        "recheck",
     }

@@ -35,7 +35,7 @@ def artifact(root: Path) -> Path:
     return root / "out" / "tiny"
 
 
-SAME_SET = ("same gate set as published", "recheck")
+SAME_SET = ("same_gate_set", "recheck")
 
 
 def _gates(doc: dict) -> dict[tuple[str, str], dict]:

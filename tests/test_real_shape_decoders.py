@@ -118,8 +118,8 @@ def test_real_width_rewrite_is_exact_and_converts(name: str, tmp_path: Path) -> 
     )
     gates = {g.name: g for g in report.gates}
     assert len(report.layers) == case.layers
-    assert gates["per-layer relative error"].passed and gates["logits relative error"].passed
-    assert gates["finite outputs"].passed and gates["deterministic"].passed
+    assert gates["fp32_layer_rel_error"].passed and gates["fp32_logits_rel_error"].passed
+    assert gates["finite_outputs"].passed and gates["deterministic"].passed
     # Random weights give near-uniform logits (SPEC 4: weak witnesses): fp16 may flip only
     # an argmax the certificate (top1 - top2 > 2 * max logit error) does not cover.
     for row in report.fixtures:
