@@ -324,6 +324,12 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         report.implementations[MIL_LEVEL] = f"failed: {e}"
         write_parity(run)
         return Stop("MIL-level")
+    # Recorded when it passes too, so every artifact (and its re-check) has the same gate set.
+    report.gates.append(
+        gate("mil-fp32", "evaluator_runs_program").check(
+            1.0, detail=f"{len(packages)} program(s) prepared; layer markers found"
+        )
+    )
     # A non-finite layer output is an infinite relative error (parity.encoder_mil).
     worst = Worst(0.0)
     for i, err in enumerate(level.layer_rel_error):
