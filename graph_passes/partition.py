@@ -24,8 +24,6 @@ from torch import nn
 from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.spec import EncoderModel
 
-FP16_BYTES = 2
-
 
 @dataclass
 class HostEmbedding:
@@ -120,48 +118,6 @@ class Tail(nn.Module):
 
     def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         return self.tail(hidden, key_mask)
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """One copy per call between two pieces."""
-
-    source: str
-    target: str
-    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape), fp16 each
-
-    @property
-    def bytes(self) -> int:
-        """Bytes copied per call (fp16 tensors)."""
-        total = 0
-        for _, shape in self.tensors:
-            n = 1
-            for s in shape:
-                n *= s
-            total += n * FP16_BYTES
-        return total
-
-
-def boundaries(encoder: BC1LEncoder, output_shape: tuple[int, ...]) -> list[Boundary]:
-    """The copies of one partitioned call: host -> island -> tail -> host."""
-    io = encoder.io
-    d = encoder.spec.hidden_size
-    mask = ("key_mask", (io.batch, io.length))
-    out = [
-        Boundary("embedding (host)", "island", (("inputs_embeds", (io.batch, io.length, d)), mask))
-    ]
-    if io.output == "last-hidden-state":
-        out.append(Boundary("island", "host", (("last_hidden_state", output_shape),)))
-        return out
-    out.append(Boundary("island", "tail", (("hidden", (1, d, 1, io.slots)), mask)))
-    out.append(Boundary("tail", "host", ((_output_name(io.output), output_shape),)))
-    return out
-
-
-def _output_name(output: str) -> str:
-    return {"sentence-embedding": "sentence_embedding", "logits": "logits"}.get(
-        output, "last_hidden_state"
-    )
 
 
 def prenormalized_table_check(

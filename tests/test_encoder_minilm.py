@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,16 @@ from test_encoder_teeth import apple_order_forward
 
 from converter.checkpoint import load_checkpoint
 from converter.recipe import EncoderOptions, load_recipe, locate_recipe
+from converter.tasks.base import Program
 from converter.tasks.encoder import (
     PARTITIONED,
     partitioned_runner,
     rewrite_encoder,
     thresholds,
 )
+from converter.tasks.encoder_contract import island_contract, pieces_and_boundaries
 from graph_passes.layer_norm import LayerNorm
-from graph_passes.partition import boundaries, host_embedding
+from graph_passes.partition import host_embedding
 from parity.encoder_gates import check_encoder, run_encoder_reference
 
 pytestmark = [
@@ -140,6 +143,8 @@ def test_partitioned_minilm_matches(minilm: tuple[Any, Any, Any]) -> None:
     worst = min(row.cosine[PARTITIONED] for row in rows)
     assert worst >= 0.9995
     # B=3, L=64, D=384 fp16 rows cross host -> island: 147,456 bytes, plus the 384-byte mask.
-    first = boundaries(rw.module, (3, 384))[0]
+    inputs, _ = island_contract(rw.module, "float16")
+    island = Program("island", inputs, [], Path("island.mlpackage"), None, Counter())
+    first = pieces_and_boundaries(host, [island], [])[1][0]
     assert first.bytes == 3 * 64 * 384 * 2 + 3 * 64 * 2 == 147_840
     assert torch.isfinite(host(rw.batches[0].input_ids, None).float()).all()
