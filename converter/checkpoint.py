@@ -96,17 +96,17 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
                 dtype=torch.float32,
                 use_safetensors=None if source.gguf_file else files[0].suffix == ".safetensors",
                 output_loading_info=True,
-                # Decoders: wrong shapes are reported with the rest by check_loading_info.
-                ignore_mismatched_sizes=task in _CAUSAL_LM_TASKS,
+                # Wrong shapes are reported with the rest by check_loading_info below.
+                ignore_mismatched_sizes=True,
                 **kwargs,
                 **kwargs_model,
             )
         except Exception as e:
             raise InputError(f"{files[0]}: cannot load the checkpoint: {e}") from None
     model, loading_info = loaded
-    if task in _CAUSAL_LM_TASKS:
-        # transformers only warns about a missing tensor and initialises it at random.
-        check_loading_info(loading_info, files[0])
+    # Every task: transformers only warns about a missing tensor (an encoder's classifier
+    # too) and initialises it at random, and the parity reference would be that same model.
+    check_loading_info(loading_info, files[0])
     model.eval()
     tokenizer = None
     # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer
