@@ -91,6 +91,10 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
             raise InputError(f"{files[0]}: cannot read the checkpoint's config: {e}") from None
         _check_supported(config, files[0])
         try:
+            if source.gguf_file:
+                # The config just read: transformers would parse the GGUF header again for it
+                # (a tenth of the load time for SmolLM2, measured).
+                kwargs_model["config"] = config
             loaded: Any = model_class.from_pretrained(
                 source.directory,
                 dtype=torch.float32,
