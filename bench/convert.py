@@ -503,13 +503,14 @@ def main(argv: list[str] | None = None) -> None:
         "--pipeline", action="store_true", help="anec convert end to end: --baseline vs this tree"
     )
     parser.add_argument("--baseline", default="main", help="git revision for --pipeline")
+    parser.add_argument("--candidate", help="git revision for --pipeline (default: this tree)")
     parser.add_argument("--recipe", type=Path, help="recipe for --pipeline (default SmolLM2)")
     args = parser.parse_args(argv)
     if args.pipeline:
         import pipeline_steps
 
         recipe = (args.recipe or pipeline_steps.DEFAULT_RECIPE).resolve()
-        sys.exit(pipeline_steps.main(args.baseline, recipe, args.json))
+        sys.exit(pipeline_steps.main(args.baseline, recipe, args.json, args.candidate))
     if args.child:
         child(args.child)
         return

@@ -8,7 +8,8 @@ peak RSS (``os.wait4``: that child's own ``ru_maxrss``, not a maximum over earli
 its CPU time, the machine's load average before and after, and every gate's value, so the
 comparison shows the same gates passing on both sides.
 
-Usage: ``python bench/convert.py --pipeline [--baseline REV] [--recipe PATH] [--json PATH]``.
+Usage: ``python bench/convert.py --pipeline [--baseline REV] [--candidate REV] [--recipe PATH]
+[--json PATH]`` (``--candidate`` defaults to the working tree).
 """
 
 from __future__ import annotations
@@ -124,14 +125,16 @@ def report(sides: list[dict[str, Any]]) -> None:
     print(f"cpus: {os.cpu_count()}; times are wall clock on whatever else the machine runs")
 
 
-def main(baseline: str, recipe: Path, json_path: Path | None) -> int:
-    """Run the baseline revision, then the working tree; print and optionally save figures."""
+def main(baseline: str, recipe: Path, json_path: Path | None, candidate: str | None = None) -> int:
+    """Run the baseline revision, then ``candidate`` (a revision, or None for the working
+    tree); print and optionally save the figures."""
     with tempfile.TemporaryDirectory(prefix="anec-bench-") as tmp:
         root = Path(tmp)
         old = export_revision(baseline, root / "old")
+        new = export_revision(candidate, root / "new") if candidate else REPO
         sides = [
-            run_side(f"{baseline}", old, recipe, root / "out-old"),
-            run_side("working tree", REPO, recipe, root / "out-new"),
+            run_side(baseline, old, recipe, root / "out-old"),
+            run_side(candidate or "working tree", new, recipe, root / "out-new"),
         ]
     report(sides)
     if json_path is not None:
