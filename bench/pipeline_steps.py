@@ -87,7 +87,7 @@ def report(sides: list[dict[str, Any]]) -> None:
             print(f"{side['label']}: FAILED (exit {side['exit_code']}):\n{side['error']}")
     if not ok:
         return
-    width = max(len(s["label"]) for s in ok) + 2
+    width = max(16, *(len(s["label"]) for s in ok)) + 2  # "3.47e-06 pass" fits
     steps = list(dict.fromkeys(k for s in ok for k in s["timings_s"]))
     print(f"\n{'step (s)':<36}" + "".join(f"{s['label']:>{width}}" for s in ok))
     for step in steps:
