@@ -2,7 +2,9 @@
 
 Each case runs in a fresh subprocess so that peak RSS (``ru_maxrss`` read at the end of the
 child) belongs to that case alone; the child prints one JSON line that the parent collects.
-Usage: ``python bench/convert.py [--case NAME ...] [--json PATH]`` (see bench/README.md).
+Usage: ``python bench/convert.py [--case NAME ...] [--json PATH]`` (see bench/README.md);
+``--pipeline [--baseline REV]`` times ``anec convert`` end to end, REV against this tree
+(``pipeline_steps.py``).
 """
 
 from __future__ import annotations
@@ -497,7 +499,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--case", action="append", choices=CASES, help="run a subset (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--pipeline", action="store_true", help="anec convert end to end: --baseline vs this tree"
+    )
+    parser.add_argument("--baseline", default="main", help="git revision for --pipeline")
+    parser.add_argument("--candidate", help="git revision for --pipeline (default: this tree)")
+    parser.add_argument("--recipe", type=Path, help="recipe for --pipeline (default SmolLM2)")
     args = parser.parse_args(argv)
+    if args.pipeline:
+        import pipeline_steps
+
+        recipe = (args.recipe or pipeline_steps.DEFAULT_RECIPE).resolve()
+        sys.exit(pipeline_steps.main(args.baseline, recipe, args.json, args.candidate))
     if args.child:
         child(args.child)
         return

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from converter import gguf_weights
 from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
@@ -91,22 +92,23 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
             raise InputError(f"{files[0]}: cannot read the checkpoint's config: {e}") from None
         _check_supported(config, files[0])
         try:
-            loaded: Any = model_class.from_pretrained(
-                source.directory,
-                dtype=torch.float32,
-                use_safetensors=None if source.gguf_file else files[0].suffix == ".safetensors",
-                output_loading_info=True,
-                # Decoders: wrong shapes are reported with the rest by check_loading_info.
-                ignore_mismatched_sizes=task in _CAUSAL_LM_TASKS,
-                **kwargs,
-                **kwargs_model,
-            )
+            if source.gguf_path is not None and gguf_weights.supported(source.gguf_path):
+                # The same weights as transformers' GGUF path, without its repeated header
+                # parsing and name search (see converter.gguf_weights).
+                loaded: Any = gguf_weights.load_model(source.gguf_path, config, model_class)
+            else:
+                if source.gguf_file:
+                    # The config just read: transformers would parse the GGUF header again.
+                    kwargs_model["config"] = config
+                loaded = _from_pretrained(model_class, source, files, kwargs | kwargs_model)
+        except InputError:
+            raise
         except Exception as e:
             raise InputError(f"{files[0]}: cannot load the checkpoint: {e}") from None
     model, loading_info = loaded
-    if task in _CAUSAL_LM_TASKS:
-        # transformers only warns about a missing tensor and initialises it at random.
-        check_loading_info(loading_info, files[0])
+    # Every task: transformers only warns about a missing tensor (an encoder's classifier
+    # too) and initialises it at random, and the parity reference would be that same model.
+    check_loading_info(loading_info, files[0])
     model.eval()
     tokenizer = None
     # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer
@@ -122,10 +124,25 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     note = None
     if source.gguf_file:
         note = (
-            "GGUF checkpoint de-quantized to fp32 by transformers; parity references the "
-            "de-quantized model, not the original full-precision weights"
+            "GGUF checkpoint de-quantized to fp32 (gguf.quants, as transformers does); parity "
+            "references the de-quantized model, not the original full-precision weights"
         )
     return Checkpoint(model, config, tokenizer, files, digest, _license(source), note)
+
+
+def _from_pretrained(
+    model_class: Any, source: ResolvedSource, files: list[Path], kwargs: dict[str, Any]
+) -> Any:
+    """transformers' own loading, with its report of missing, extra and mis-shaped tensors."""
+    return model_class.from_pretrained(
+        source.directory,
+        dtype=torch.float32,
+        use_safetensors=None if source.gguf_file else files[0].suffix == ".safetensors",
+        output_loading_info=True,
+        # Wrong shapes are reported with the rest by check_loading_info.
+        ignore_mismatched_sizes=True,
+        **kwargs,
+    )
 
 
 def _check_supported(config: Any, where: Path) -> None:

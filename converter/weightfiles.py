@@ -75,6 +75,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    offset: int | None = None  # GGUF: where the tensor's data starts in the file
 
     @property
     def n_elements(self) -> int:
@@ -351,7 +352,9 @@ def read_gguf(path: Path) -> WeightTable:
                 f"{path}: truncated: tensor {name} needs bytes up to {end}, the file has {size}"
             )
         # GGUF stores dims fastest-varying first; report them the way torch shapes read.
-        tensors[name] = TensorInfo(name, tuple(reversed(dims)), qtype.name, nbytes)
+        tensors[name] = TensorInfo(
+            name, tuple(reversed(dims)), qtype.name, nbytes, data_start + offset
+        )
     return WeightTable(path, "gguf", tensors, architecture)
 
 

@@ -80,3 +80,42 @@ def test_fp16_acc_sum_is_rounded_and_worse_than_fp32_accumulation() -> None:
     assert abs(fp16 - exact) <= np.spacing(np.float16(exact)) / 2  # rounded once
     assert abs(acc16 - exact) > abs(fp16 - exact)  # 128 roundings of a growing sum
     assert float(Arithmetic(FP32).sum(x, (1,), keepdims=False)[0]) == np.float32(exact)
+
+
+def test_an_evaluator_prepared_like_the_fp32_one_holds_the_same_constants() -> None:
+    """Constants derived from the fp32 evaluator's (``like=``) have the bits a fresh
+    preparation gives, for fp16 and fp32 constants with subnormals and values fp16 cannot
+    hold; fp16 constants without subnormals are shared, not copied."""
+    from coremltools.converters.mil import Builder as mb
+    from mil_ops import program
+
+    from parity.mil import Evaluator
+
+    w16 = (rand(8, 8, seed=73) * 0.1).astype(np.float16)
+    w16[0, :3] = [np.float16(3e-6), np.float16(-6e-8), np.float16(0.0)]  # subnormals, zero
+    clean16 = (rand(8, 8, seed=74) + 4.0).astype(np.float16)  # no subnormal
+    w32 = rand(8, 8, seed=75) * 1e-3
+    w32[0, :3] = [1e-7, 70000.0, 1.0 + 2.0**-12]  # an fp16 subnormal, overflow, a tie
+    x = rand(8, 8, seed=76)
+
+    def build(a: object) -> object:
+        h = mb.matmul(x=mb.cast(x=a, dtype="fp16"), y=w16)
+        h = mb.add(x=mb.matmul(x=h, y=clean16), y=mb.cast(x=mb.matmul(x=a, y=w32), dtype="fp16"))
+        return mb.cast(x=h, dtype="fp32")
+
+    prog = program(build, x)
+    first = Evaluator(prog, FP32)
+    for profile in (FP32, FP16, FP16_ACC):
+        fresh, derived = Evaluator(prog, profile), Evaluator(prog, profile, like=first)
+        assert fresh._constants.keys() == derived._constants.keys()
+        for name, value in fresh._constants.items():
+            got = derived._constants[name]
+            assert np.asarray(got).dtype == np.asarray(value).dtype, name
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=name)
+            if isinstance(value, np.ndarray) and value.dtype == np.float32:
+                assert np.array_equal(value.view(np.uint32), got.view(np.uint32)), name
+        out = derived.run({"x": x}).outputs
+        for key, value in fresh.run({"x": x}).outputs.items():
+            assert np.array_equal(value, out[key], equal_nan=True), (profile.name, key)
+        shared = [n for n, v in derived._constants.items() if v is first._constants.get(n)]
+        assert len(shared) >= (1 if profile.flush_subnormals else 3), (profile.name, shared)

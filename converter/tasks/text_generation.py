@@ -32,6 +32,7 @@ from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.gates import Thresholds, check_decoder, module_inputs
 from parity.reference import ReferenceRun, run_reference
 from parity.report_files import merge, write_parity_reports
+from parity.threads import with_torch_threads
 
 MIL_PROFILES = DEFAULT_PROFILES  # fp32 per layer, fp16 gated, fp16-acc reported
 
@@ -228,11 +229,15 @@ def _batch_count(run: DecoderRun) -> int:
 
 CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step("load checkpoint", load),
-    Step("rewrite to BC1L", rewrite),
-    Step("reference (original model)", references, _fixture_count),
-    Step("parity (torch fp32, fp16)", torch_parity, _batch_count),
+    Step("rewrite to BC1L", with_torch_threads(rewrite)),
+    Step("reference (original model)", with_torch_threads(references), _fixture_count),
+    Step("parity (torch fp32, fp16)", with_torch_threads(torch_parity), _batch_count),
     Step("convert to ML Program", convert),
-    Step("parity (MIL evaluator)", mil_parity, lambda run: len(run.profiles) * _batch_count(run)),
+    Step(
+        "parity (MIL evaluator)",
+        with_torch_threads(mil_parity),
+        lambda run: len(run.profiles) * _batch_count(run),
+    ),
     Step("write manifest", manifest),
     Step("plan (static)", plan),
 )

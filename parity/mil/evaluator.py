@@ -17,7 +17,7 @@ import numpy as np
 
 import parity.mil.kernels  # noqa: F401  (registers every kernel)
 from parity.mil.errors import MILError, OpEvaluationError, UnsupportedOpError
-from parity.mil.numerics import Arithmetic, round_fp16
+from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16
 from parity.mil.profiles import Profile, get_profile
 from parity.mil.program import const_array, dtype_name, is_constant
 from parity.mil.registry import KERNELS, Call, KernelSpec, unsupported
@@ -107,7 +107,14 @@ class Evaluator:
         profile: Profile | str,
         function: str = "main",
         threads: int | None = 1,
+        like: Evaluator | None = None,
     ) -> None:
+        """Prepare ``function`` of ``program`` under ``profile``.
+
+        ``like``: an evaluator of the same function under a profile without fp16 storage,
+        whose decoded constants this one derives its own from instead of decoding the
+        program's again (the same values; arrays are shared where they are equal).
+        """
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         self.threads = threads
         self.arith = Arithmetic(self.profile)
@@ -124,7 +131,15 @@ class Evaluator:
         self.output_names = [var.name for var in self.function.outputs]
         self._constants: dict[str, Any] = {}
         self._steps: list[_Step] = []
+        usable = (
+            like is not None
+            and like.function is self.function
+            and not like.profile.fp16_storage
+            and not like.profile.flush_subnormals
+        )
+        self._like = like if usable else None
         self._prepare()
+        self._like = None
 
     # ----------------------------------------------------------------------------------
     # preparation
@@ -151,7 +166,7 @@ class Evaluator:
         for op in self.function.operations:
             if op.op_type == "const":
                 var = op.outputs[0]
-                self._constants[var.name] = coerce(const_array(var), dtype_name(var), self.arith)
+                self._constants[var.name] = self._const(var)
                 continue
             step = self._step(op)
             if is_constant(op):
@@ -163,6 +178,26 @@ class Evaluator:
                 continue
             self._steps.append(step)
         self._plan_frees()
+
+    def _const(self, var: Any) -> Any:
+        """A ``const`` op's value under this profile, from ``like`` when there is one.
+
+        ``like`` holds every float constant as ``value.astype(float32)`` (fp32 storage, no
+        flushing), which is the first step of ``coerce`` too, so storing it under this profile
+        gives the same bits. An fp16 constant is already an fp16 value: without flushing it
+        is shared as it is; with flushing a copy is made only if it holds a subnormal.
+        """
+        dtype = dtype_name(var)
+        if self._like is None or var.name not in self._like._constants:
+            return coerce(const_array(var), dtype, self.arith)
+        value = self._like._constants[var.name]
+        if dtype not in FLOAT_TYPES:
+            return value
+        if dtype == "fp16" and not self.profile.flush_subnormals:
+            return value
+        if dtype == "fp16" and not has_fp16_subnormal(value):
+            return value
+        return self.arith.store(value)
 
     def _step(self, op: Any) -> _Step:
         inputs: dict[str, _Source] = {}

@@ -27,6 +27,14 @@ def round_fp16(x: np.ndarray, flush: bool = False) -> np.ndarray:
     return half.astype(np.float32)
 
 
+def has_fp16_subnormal(x: np.ndarray) -> bool:
+    """True if some value of ``x`` is non-zero and below fp16's smallest normal number."""
+    if x.size == 0 or not np.issubdtype(x.dtype, np.floating):
+        return False
+    tiny = np.abs(x) < FP16_MIN_NORMAL
+    return bool((tiny & (x != 0)).any())
+
+
 def flush_subnormals(x: np.ndarray) -> np.ndarray:
     """Replace values below fp16's smallest normal number (2^-14) by zero, keeping the sign."""
     tiny = np.abs(x) < FP16_MIN_NORMAL
@@ -76,13 +84,15 @@ class Arithmetic:
         if pad:  # zero terms add nothing, exactly
             a = np.concatenate([a, np.zeros((m, pad), a.dtype)], axis=1)
             b = np.concatenate([b, np.zeros((pad, b.shape[1]), b.dtype)], axis=0)
-        # Each block of a's columns contiguous: a strided slice would leave BLAS.
-        a_blocks = np.ascontiguousarray(a.reshape(m, blocks, step).transpose(1, 0, 2))
-        b = np.ascontiguousarray(b)
-        acc = self._acc_round(a_blocks[0] @ b[:step])
+        # A block of a's columns is a slice with unit column stride, which BLAS reads in place;
+        # copying every block out first cost a whole weight copy per product (measured on
+        # SmolLM2: 1.5 s of a 14 s fp16-acc run; same bits).
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        acc = self._acc_round(a[:, :step] @ b[:step])
         for j in range(1, blocks):
             # The exact (fp32) sum of one block of terms, added to the fp16 running sum.
-            acc = self._acc_round(acc + a_blocks[j] @ b[j * step : (j + 1) * step])
+            block = slice(j * step, (j + 1) * step)
+            acc = self._acc_round(acc + a[:, block] @ b[block])
         return acc
 
     def _accumulate(self, parts: np.ndarray, axis: int, count: int) -> np.ndarray:
