@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
 from converter.runlog import warnings_to_log
 from converter.weightfiles import check_loading_info, read_gguf_metadata
+
+log = logging.getLogger(__name__)
 
 _CAUSAL_LM_TASKS = {"text-generation"}
 # Encoder tasks and the transformers auto class that loads each one's reference model.
@@ -108,7 +111,13 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     model, loading_info = loaded
     # Every task: transformers only warns about a missing tensor (an encoder's classifier
     # too) and initialises it at random, and the parity reference would be that same model.
-    check_loading_info(loading_info, files[0])
+    # A task that reads the base model alone (hidden states, sentence embeddings) may come
+    # from a checkpoint with a head it does not use: recorded in convert.log, not refused.
+    unused = check_loading_info(
+        loading_info, files[0], unused_heads_ok=model_class.__name__ == "AutoModel"
+    )
+    if unused:
+        log.info("%s: tensors task %s does not use: %s", files[0], task, ", ".join(unused))
     model.eval()
     tokenizer = None
     # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer

@@ -371,16 +371,24 @@ def _names(keys: Iterable[Any]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def check_loading_info(info: Mapping[str, Any], where: Path) -> None:
+def check_loading_info(
+    info: Mapping[str, Any], where: Path, unused_heads_ok: bool = False
+) -> list[str]:
     """Refuse a checkpoint whose weights do not match its config, listing every disagreement.
 
     ``info`` is what ``from_pretrained(..., output_loading_info=True)`` returns: the tensors
     the config needs but the file lacks, those the file has but the config has no place for,
-    and ``(name, shape in the file, shape the config expects)`` for wrong shapes.
+    and ``(name, shape in the file, shape the config expects)`` for wrong shapes. With
+    ``unused_heads_ok`` (an encoder task that reads the base model only, e.g. the hidden
+    states of a classifier checkpoint) extra tensors are not an error: their names are
+    returned so the caller records them.
     """
     problems = []
     missing = list(info.get("missing_keys") or ())
     unexpected = list(info.get("unexpected_keys") or ())
+    unused = sorted(unexpected) if unused_heads_ok else []
+    if unused_heads_ok:
+        unexpected = []
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))
     if missing:
         problems.append(f"missing tensor(s) the config needs: {_names(missing)}")
@@ -397,3 +405,4 @@ def check_loading_info(info: Mapping[str, Any], where: Path) -> None:
         problems.append(f"load errors: {'; '.join(str(e) for e in errors[:_MAX_LISTED])}")
     if problems:
         raise InputError(f"{where}: the config and the weights disagree: " + "; ".join(problems))
+    return unused

@@ -85,3 +85,21 @@ def test_encoder_checkpoint_with_a_wrongly_shaped_tensor_is_refused(tmp_path: Pa
     message = " ".join(result.stderr.split())
     assert "tensor classifier.weight has shape [5, 64] in the file" in message, message
     assert "the config expects [3, 64]" in message
+
+
+def test_the_hidden_states_of_a_classifier_checkpoint_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Feature extraction reads the base model only: a classifier checkpoint's head is unused,
+    recorded in the log by name, not a reason to refuse the checkpoint."""
+    import logging
+
+    from converter.checkpoint import load_checkpoint
+    from converter.recipe import ResolvedSource
+
+    checkpoint = tmp_path / "ckpt"
+    hf_model(tiny_config("bert"), classify=True).save_pretrained(checkpoint)
+    with caplog.at_level(logging.INFO, logger="converter.checkpoint"):
+        ckpt = load_checkpoint(ResolvedSource("hf-dir", checkpoint, None), "feature-extraction")
+    assert type(ckpt.model).__name__ == "BertModel"
+    assert "does not use" in caplog.text and "classifier.weight" in caplog.text
