@@ -68,6 +68,7 @@ from parity.gate import Worst, gate
 from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
+from parity.threads import with_torch_threads
 
 OUTPUTS: dict[str, EncoderOutput] = {
     "feature-extraction": "last-hidden-state",
@@ -392,11 +393,11 @@ def _fixture_count(run: EncoderRun) -> int:
 
 CONVERT_STEPS: tuple[Step[EncoderRun], ...] = (
     Step("load checkpoint", load),
-    Step("rewrite to BC1L", rewrite),
-    Step("reference (original model)", references, _fixture_count),
-    Step("parity (torch fp32, fp16)", torch_parity),
+    Step("rewrite to BC1L", with_torch_threads(rewrite)),
+    Step("reference (original model)", with_torch_threads(references), _fixture_count),
+    Step("parity (torch fp32, fp16)", with_torch_threads(torch_parity)),
     Step("convert to ML Program", convert),
-    Step("parity (MIL: fp32, fp16)", mil_parity),
+    Step("parity (MIL: fp32, fp16)", with_torch_threads(mil_parity)),
     Step("write manifest", manifest),
     Step("plan (static)", plan),
 )
