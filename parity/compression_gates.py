@@ -34,6 +34,7 @@ from parity.gate import Gate, GateResult, all_passed, first_few, gate
 from parity.gates import module_inputs, rel_error, run_module
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.reference import ReferenceRun, run_reference
+from parity.report import gate_line
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
 Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
@@ -383,12 +384,7 @@ def parity_json(result: VariantParity) -> dict[str, Any]:
 def parity_text(result: VariantParity) -> str:
     """A readable summary: gates, then each level against both baselines."""
     lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
-    for g in result.gates:
-        mark = "PASS" if g.passed else "FAIL"
-        where = f" at {g.where}" if g.where else ""
-        lines.append(
-            f"  {mark}  {g.name:<27} [{g.implementation}] {g.relation(4)}  {g.detail}{where}"
-        )
+    lines += [gate_line(g) for g in result.gates]
     lines.append("")
     lines.append("level       against         positions  top-1    mean KL   max KL  max|dp|")
     for level in result.levels:

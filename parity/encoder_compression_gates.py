@@ -43,6 +43,7 @@ from parity.encoder_gates import (
 from parity.fixtures import Batch, Fixture, build_fixtures
 from parity.gate import GateResult, Worst, all_passed, gate
 from parity.gates import rel_error
+from parity.report import gate_line
 
 Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
 _OUTPUT_NAMES = {
@@ -369,12 +370,7 @@ def parity_json(result: EncoderVariantParity) -> dict[str, Any]:
 def parity_text(result: EncoderVariantParity) -> str:
     """A readable summary: gates, each level against both baselines, then per sentence."""
     lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
-    for g in result.gates:
-        mark = "PASS" if g.passed else "FAIL"
-        where = f" (worst at {g.where})" if g.where else ""
-        lines.append(
-            f"  {mark}  {g.name:<24} [{g.implementation}] {g.relation(6)}  {g.detail}{where}"
-        )
+    lines += [gate_line(g) for g in result.gates]
     lines.append("")
     lines.append("level       against         sentences  min cos     mean cos   argmax")
     for level in result.levels:
