@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graph_passes.adapters.llama_family import rope_theta
+from graph_passes.archs.config import rope_theta
 from graph_passes.masks import MASKED
 
 
