@@ -70,6 +70,7 @@ def to_mlprogram(
     import coremltools as ct
 
     compute_precision = ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32
+    _restart_mil_names()
     with warnings_to_log("ct.convert"):
         return ct.convert(
             traced,
@@ -80,6 +81,23 @@ def to_mlprogram(
             minimum_deployment_target=target,
             skip_model_load=True,
         )
+
+
+def _restart_mil_names() -> None:
+    """Start coremltools' generated op and block names from 0 for a new program.
+
+    coremltools numbers generated names (``transpose_90``, ``tile_0``, ``block3``) with
+    class-level counters that live as long as the process, so a program's bytes depended on
+    what was converted before it in the same process (measured on SmolLM2: ``transpose_91``
+    in a test session against ``transpose_90`` in a fresh process). Each program is built from
+    scratch, so restarting the numbering cannot collide with a name inside it.
+    """
+    from coremltools.converters.mil.mil import Block, Builder
+    from coremltools.converters.mil.mil.program import Placeholder
+
+    Builder.name_count.clear()
+    Block.counter = 0
+    Placeholder.counter = 0
 
 
 def save_package(mlmodel: Any, package: Path) -> Path:
