@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-QWEN_CONFIG = Path("/work/shared/configs/qwen2.5-0.5b.json")
+QWEN_CONFIG = Path(__file__).resolve().parent.parent / "tests/data/configs/qwen2.5-0.5b.json"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LENGTH = 64
 LM_HEAD_CHUNK = 16384
@@ -210,8 +210,8 @@ def run_bc1l(name: str) -> dict[str, Any]:
         )
         with steps.time("build"):
             module = BC1LDecoder(canonical, io).eval()
-        embeds = canonical.weights["embed.weight"][ids]
-        # The module holds its own copies; the canonical dict is only needed for embeddings.
+        # The rows a host gathers (the embedding scale applied, e.g. Gemma's sqrt(D)).
+        embeds = module.host_embedding_table()[ids]
         del canonical
         gc.collect()
 
