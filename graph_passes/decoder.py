@@ -89,7 +89,9 @@ class BC1LDecoder(nn.Module):
         self.io = io
         w = model.weights
         positions = torch.arange(io.length)
-        self._host_table = HostTable(scaled_embeddings(w["embed.weight"], spec.embed_scale))
+        self._host_table = HostTable(
+            scaled_embeddings(w["embed.weight"], spec.embed_scale * spec.stream_scale)
+        )
         self.embed: nn.Embedding | None = None
         if io.inputs == "token-ids":
             self.embed = nn.Embedding.from_pretrained(self._host_table.table.clone(), freeze=True)
@@ -123,7 +125,8 @@ class BC1LDecoder(nn.Module):
 
     def host_embedding_table(self) -> torch.Tensor:
         """The exact table (vocab, D) a host gathers ``inputs_embeds`` rows from: the
-        checkpoint's embeddings times the embedding scale (Gemma: sqrt(D)), in fp32."""
+        checkpoint's embeddings times the embedding scale (Gemma: sqrt(D)) and the residual
+        stream scale, in fp32."""
         return self._host_table.table
 
     def norms(self) -> list[tuple[str, RMSNorm]]:
@@ -158,7 +161,8 @@ class BC1LDecoder(nn.Module):
         return out
 
     def run_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> list[torch.Tensor]:
-        """The residual stream after each layer, each (B, D, 1, L)."""
+        """The residual stream after each layer, each (B, D, 1, L), times
+        ``spec.stream_scale`` (divide by it to compare with the checkpoint's)."""
         h = self.embed_bc1l(x)
         masks = self.masks(key_mask)
         states = []

@@ -192,6 +192,9 @@ class TransformerSpec:
     tied_embeddings: bool
     # Embedding rows are multiplied by this (Gemma: sqrt(D)); the LM head reads the raw table.
     embed_scale: float = 1.0
+    # The residual stream is carried as this power of two times the checkpoint's (folded into
+    # the weights and norms by `graph_passes.stream_scale`; 1 for the checkpoint as read).
+    stream_scale: float = 1.0
 
     @property
     def num_layers(self) -> int:

@@ -58,6 +58,7 @@ class ProfileRun:
     logits_rel_error: float  # worst over fixtures, real positions the program returns
     finite: bool  # every layer output and logit, padded positions included
     positions: list[PositionRow] = field(default_factory=list)  # against the reference only
+    non_finite_values: list[str] = field(default_factory=list)  # any op's output, first seen
     seconds: float = 0.0  # time spent evaluating the program (all batches)
 
     def summary(self) -> Summary:
@@ -304,6 +305,7 @@ def _run_against_reference(
     layers = [0.0] * len(module.layers)
     logits_err = 0.0
     finite = True
+    non_finite: list[str] = []
     rows: list[PositionRow] = []
     seconds = 0.0
     for batch in batches:
@@ -311,6 +313,7 @@ def _run_against_reference(
         start = time.perf_counter()
         result = evaluator.run(inputs, capture=markers)
         seconds += time.perf_counter() - start
+        non_finite += [name for name in result.non_finite if name not in non_finite]
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all()) and all(
             bool(np.isfinite(result.captured[m]).all()) for m in markers
@@ -320,7 +323,7 @@ def _run_against_reference(
             n = len(fixture.token_ids)
             real = slice(length - n, length)
             for i, marker in enumerate(markers):
-                h = result.captured[marker][r, :, 0, real].T
+                h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
                 layers[i] = max(layers[i], _rel(h, ref.hidden[i].numpy()))
             positions, out_slice = _logit_slots(n, length, n_logits)
             cand = logits[r, :, 0, out_slice].T
@@ -338,6 +341,7 @@ def _run_against_reference(
         logits_rel_error=logits_err,
         finite=finite,
         positions=rows,
+        non_finite_values=non_finite,
         seconds=seconds,
     )
 
@@ -385,6 +389,11 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
             gate("mil-fp16", "finite_outputs").check(
                 float(gated.finite),
                 detail="every layer output and logit, padded positions included",
+            ),
+            gate("mil-fp16", "finite_values").check(
+                float(len(gated.non_finite_values)),
+                where=first_few(gated.non_finite_values),
+                detail="values computed by any op of the program, padded positions included",
             ),
         ]
     return gates

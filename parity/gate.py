@@ -227,6 +227,9 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("fp16_min_cosine", "mil-fp16", _GE, "encoders: " + _COSINE,
          "encoder.fp16_min_cosine"),
     Gate("finite_outputs", "mil-fp16", _EQ, _FINITE, fixed=1.0),
+    Gate("finite_values", "mil-fp16", _EQ,
+         "decoders: values of the program (every op's output, not only the outputs) that "
+         "hold an inf or NaN, padded positions included", fixed=0.0),
     Gate("deterministic", "mil-fp16", _EQ, "encoders: two runs give identical bits", fixed=1.0),
     # a compressed variant, each gate at torch fp16 and in the MIL evaluator
     Gate("min_top1_agreement", "compression", _GE,

@@ -21,6 +21,7 @@ import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
+from graph_passes.stream_scale import StreamScaling
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
 from parity.reference import ReferenceRun
@@ -49,8 +50,8 @@ class LayerRow:
     layer: int
     fp32_rel_error: float = 0.0
     fp16_rel_error: float = 0.0
-    fp32_max_abs: float = 0.0
-    fp16_max_abs: float = 0.0  # over every position, padding included
+    fp32_max_abs: float = 0.0  # the checkpoint's |h| (stream scale divided out), real positions
+    fp16_max_abs: float = 0.0  # as the fp16 module stores it, every position (padding included)
 
     @property
     def fp16_overflow_margin(self) -> float:
@@ -81,6 +82,8 @@ class ParityReport:
     fixtures: list[FixtureRow]
     first_diverging_layer: int | None
     implementations: dict[str, str] = field(default_factory=dict)
+    # Decoders: the measured ranges and the power-of-two scales chosen from them.
+    stream: StreamScaling | None = None
 
     @property
     def passed(self) -> bool:
@@ -135,6 +138,7 @@ def check_decoder(
     worst_layer, worst_logits, worst_dprob = Worst(0.0), Worst(0.0), Worst(0.0)
     flipped: list[str] = []  # fixtures where the fp16 argmax moved
     length = module.io.length
+    stream_scale = module.spec.stream_scale
 
     for batch in batches:
         x32, m32 = module_inputs(module, batch, embed_table, torch.float32)
@@ -159,8 +163,9 @@ def check_decoder(
             real = slice(length - n, length)
             for i in range(n_layers):
                 ref_h = ref.hidden[i]
-                h32 = states32[i][r, :, 0, real].T
-                h16 = states16[i][r, :, 0, real].T.float()
+                # The module carries the stream times its (power-of-two) stream scale.
+                h32 = states32[i][r, :, 0, real].T / stream_scale
+                h16 = states16[i][r, :, 0, real].T.float() / stream_scale
                 row = layers[i]
                 err32 = rel_error(h32, ref_h)
                 worst_layer.see(err32, f"layer {i}, {fixture.name}")

@@ -7,6 +7,7 @@ import math
 from html import escape
 from typing import Any
 
+from parity.stream_report import RANGE_SERIES
 from parity.svg import layer_chart, margin_chart
 
 # The gates whose thresholds the per-layer chart draws (parity.gate's names).
@@ -62,6 +63,27 @@ def _layer_series(doc: dict[str, Any]) -> dict[str, list[float]]:
             )
             series[label] = [_num(v) for v in run["layer_rel_error"]]
     return series
+
+
+def _stream_section(stream: dict[str, Any]) -> list[str]:
+    series = {
+        label: [_num(row[key]) for row in stream["layers"]] for key, label in RANGE_SERIES.items()
+    }
+    branches = ", ".join(f"{b['scale']:g} at {b['where']}" for b in stream["branch_scales"])
+    return [
+        "<h2>Residual stream range</h2>",
+        f"<p class='note'>{escape(stream['measured_on'])}. Stream scale "
+        f"s = {stream['scale']:g}; branch scales: {escape(branches or 'none')}; scaled weights "
+        f"pushed into fp16 subnormals: {stream['weights_to_fp16_subnormal']}, to zero: "
+        f"{stream['weights_to_fp16_zero']}.</p>",
+        layer_chart(
+            series,
+            {"fp16 max": _num(stream["fp16_max"]), "scaling limit": _num(stream["limit"])},
+            "largest |value| per layer",
+            floor=1e-3,
+            y_label="max |value|",
+        ),
+    ]
 
 
 def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> str:
@@ -120,6 +142,8 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
             "Hollow points are clamped to the axis (0, inf or NaN).</p>"
         )
         parts.append(layer_chart(series, thresholds, "per-layer relative error"))
+    if "stream" in doc:
+        parts += _stream_section(doc["stream"])
     runs = [
         run
         for run in [*doc.get("conversion", {}).get("runs", []), doc.get("runtime", {})]

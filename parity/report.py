@@ -8,6 +8,7 @@ from typing import Any
 
 from parity.gate import GateResult
 from parity.gates import ParityReport
+from parity.stream_report import stream_to_json, stream_to_text
 
 SCHEMA_VERSION = 1
 
@@ -42,6 +43,7 @@ def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) ->
             }
             for row in report.fixtures
         ],
+        **({"stream": stream_to_json(report.stream)} if report.stream else {}),
         **(extra or {}),
     }
 
@@ -67,6 +69,8 @@ def report_to_text(report: ParityReport) -> str:
             f"{row.layer:>5}  {row.fp32_rel_error:>12.3g}  {row.fp16_rel_error:>12.3g}  "
             f"{row.fp16_max_abs:>11.1f}  {row.fp16_overflow_margin:>14.1f}x"
         )
+    if report.stream is not None:
+        lines += ["", stream_to_text(report.stream)]
     if not report.fixtures:
         return "\n".join(lines)  # an encoder report: its own fixture table follows
     lines.append("")

@@ -95,7 +95,11 @@ def _svg(parts: list[str], title: str) -> str:
 
 
 def layer_chart(
-    series: dict[str, list[float]], thresholds: dict[str, float], title: str, floor: float = 1e-9
+    series: dict[str, list[float]],
+    thresholds: dict[str, float],
+    title: str,
+    floor: float = 1e-9,
+    y_label: str = "relative error",
 ) -> str:
     """Per-layer values (one line per series) on a log y axis, thresholds as dashed lines."""
     values = [v for s in series.values() for v in s] + list(thresholds.values())
@@ -107,7 +111,7 @@ def layer_chart(
         return LEFT + (i + 0.5) * span / n
 
     ticks = [(x(i), str(i)) for i in range(n) if n <= 16 or i % max(1, n // 10) == 0]
-    parts = axes.frame("layer", "relative error", ticks)
+    parts = axes.frame("layer", y_label, ticks)
     for i, (name, value) in enumerate(thresholds.items()):
         y, _ = axes.y(value)
         parts.append(

@@ -63,7 +63,8 @@ def test_published_parity_covers_every_level(artifact: Path) -> None:
     assert set(runs["mil-fp16-acc"]["slices"]) >= {"narrow-margin", "padded", "full-window"}
     assert {r["implementation"] for r in doc["conversion"]["runs"]} <= set(doc["implementations"])
     html = (artifact / "parity.html").read_text()
-    assert html.count("<svg") == 2 and "not run on this platform" in html
+    assert html.count("<svg") == 3 and "not run on this platform" in html  # errors, range, margins
+    assert "Residual stream range" in html
     assert "Conversion level" in (artifact / "parity.txt").read_text()
 
 

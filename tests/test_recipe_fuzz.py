@@ -180,4 +180,6 @@ def test_hostile_yaml_is_a_clean_error_and_fast(tmp_path: Path, text: str, expec
     start = time.perf_counter()
     with pytest.raises(RecipeError, match=expected):
         load_recipe(path)
-    assert time.perf_counter() - start < 5.0
+    # Not a speed target: expanding the aliases would take hours; a loaded 2-core machine
+    # took 5.2 s for the deep nesting (measured), so the bound only separates the two.
+    assert time.perf_counter() - start < 60.0

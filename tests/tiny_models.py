@@ -19,7 +19,7 @@ import transformers
 from click.testing import CliRunner, Result
 from torch import nn
 
-from converter.tasks.text_generation import choose_scales
+from converter.tasks import text_generation
 from graph_passes.adapters import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
 from graph_passes.prescale import NormScale
@@ -231,7 +231,7 @@ def set_prescales(
     module: BC1LDecoder, batches: list[Batch], embed_table: torch.Tensor
 ) -> list[NormScale]:
     """Measure norm inputs on the batches and set power-of-two prescales, as the pipeline does."""
-    return choose_scales(module, batches, embed_table)
+    return text_generation.set_prescales(module, batches)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.masks import MASKED
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
+from graph_passes.stream_scale import LIMIT, StreamScaling
 
 
 def decoder_io(recipe: DecoderRecipe, canonical: CanonicalModel) -> DecoderIO:
@@ -64,7 +65,7 @@ def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], li
     return [first, key_mask], outputs
 
 
-def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
+def deviations(scales: list[NormScale], scaling: StreamScaling, precision: str) -> list[Deviation]:
     """Every numeric change the program forces, grouped by value."""
     out = [
         Deviation(
@@ -102,6 +103,59 @@ def deviations(scales: list[NormScale], precision: str) -> list[Deviation]:
                     why="fp16 cannot hold the value; the fp16 parity gates measure its effect",
                 )
             )
+    return out + stream_deviations(scaling)
+
+
+def stream_deviations(scaling: StreamScaling) -> list[Deviation]:
+    """The residual stream and branch scales with the ranges they were chosen from (recorded
+    when nothing was scaled too: the measured margin is part of the contract)."""
+    peaks = ", ".join(f"{row.stream:.0f}" for row in scaling.layers)
+    measured = (
+        f"per-layer max |h| on the fixtures (fp32, padding included): [{peaks}]; peak "
+        f"{scaling.peak:.1f}, limit {LIMIT:g}"
+    )
+    s = scaling.scale
+    if s == 1.0:
+        return [
+            Deviation(
+                where="residual stream",
+                what="no scale needed: every measured value within the limit",
+                original=1.0,
+                effective=1.0,
+                why=measured,
+            )
+        ]
+    out = [
+        Deviation(
+            where="residual stream: embeddings (embeddings.npy and the program's table), "
+            "the output and down projections (pre-norm layers) or the post-norm gains, "
+            "stored as the effective gain s * (offset + w) (layers with post-norms)",
+            what=f"the residual stream is carried as {s:g} (power of two) times the checkpoint's",
+            original=1.0,
+            effective=s,
+            why=f"exact: keeps every stream value within fp16; {measured}; "
+            f"{scaling.to_subnormal} weights moved into fp16 subnormals and {scaling.to_zero} "
+            "to zero by the scale (hardware that flushes subnormals zeroes them)",
+        ),
+        Deviation(
+            where="every norm reading the residual stream (attention, MLP and final norms)",
+            what="epsilon multiplied by s^2",
+            original=1.0,
+            effective=s * s,
+            why="exact: (s x) / sqrt(mean((s x)^2) + s^2 eps) = x / sqrt(mean(x^2) + eps)",
+        ),
+    ]
+    for b in scaling.branches:
+        out.append(
+            Deviation(
+                where=b.where,
+                what=f"layer {b.layer} {b.branch} branch scaled by {b.scale:g} (power of two); "
+                "its post-norm epsilon times the square, or its output projection times 1/scale",
+                original=1.0,
+                effective=b.scale,
+                why=f"exact: {b.measured:.1f} inside the branch would exceed the limit {LIMIT:g}",
+            )
+        )
     return out
 
 
@@ -110,6 +164,7 @@ def decoder_manifest(
     ckpt: Checkpoint,
     module: BC1LDecoder,
     scales: list[NormScale],
+    scaling: StreamScaling,
     program: Program,
     embeddings: FileEntry | None,
     tokenizer: FileEntry | None,
@@ -148,5 +203,5 @@ def decoder_manifest(
         vocab_size=spec.vocab_size,
         lm_head_chunks=module.chunk_sizes,
         embeddings=embeddings,
-        deviations=deviations(scales, recipe.precision),
+        deviations=deviations(scales, scaling, recipe.precision),
     )

@@ -1,6 +1,6 @@
 """The text-generation task (draft decoders): its state and its step list.
 
-    load -> rewrite to BC1L (+ prescales) -> reference -> torch parity (fp32, fp16)
+    load -> rewrite to BC1L (+ power-of-two scales) -> reference -> torch parity (fp32, fp16)
         -> convert (trace with layer markers, ML Program, save) -> MIL parity (fp32 per layer,
         fp16 gated, fp16-acc reported) -> manifest -> plan (static)
 
@@ -9,6 +9,7 @@ The I/O contract, deviations and manifest fields are in `converter.tasks.decoder
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,15 @@ from converter.steps import Advance, Step, Stop
 from converter.tasks.base import TaskRun, emit_program, load, need, plan
 from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
 from graph_passes.adapters import adapt
-from graph_passes.decoder import BC1LDecoder
+from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
-from graph_passes.spec import TransformerSpec
+from graph_passes.spec import CanonicalModel, TransformerSpec
+from graph_passes.stream_scale import (
+    StreamScaling,
+    apply_stream_scaling,
+    plan_stream_scaling,
+    recording_ranges,
+)
 from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversion
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.gates import Thresholds, check_decoder, module_inputs
@@ -50,6 +57,7 @@ class Rewrite:
     fixtures: list[Fixture]
     batches: list[Batch]
     scales: list[NormScale]
+    scaling: StreamScaling
 
 
 @dataclass
@@ -79,26 +87,43 @@ def thresholds(recipe: Recipe) -> Thresholds:
     return Thresholds(**recipe.gates.parity_thresholds())
 
 
-def choose_scales(
-    module: BC1LDecoder, batches: list[Batch], embed_table: torch.Tensor
-) -> list[NormScale]:
-    """Measure every norm's input range on the fixtures (fp32) and set power-of-two prescales."""
-    norms = module.norms()
-
+def _run_fixtures(module: BC1LDecoder, batches: list[Batch]) -> Callable[[], None]:
     def run_all() -> None:
         for batch in batches:
-            x, mask = module_inputs(module, batch, embed_table, torch.float32)
+            x, mask = module_inputs(module, batch, module.host_embedding_table(), torch.float32)
             module.head(module.run_layers(x, mask)[-1])
 
-    return apply_prescales(norms, measure_norm_inputs(norms, run_all))
+    return run_all
+
+
+def choose_scales(
+    canonical: CanonicalModel, io: DecoderIO, batches: list[Batch]
+) -> tuple[BC1LDecoder, StreamScaling, list[NormScale]]:
+    """The BC1L module with its power-of-two scales chosen from fp32 ranges on the fixtures:
+    the residual stream and branch scales (`graph_passes.stream_scale`), then each norm's
+    prescale. One pass measures both; a second runs only when the stream had to be scaled."""
+    module = BC1LDecoder(canonical, io).eval()
+    norms = module.norms()
+    with recording_ranges(module.decoder_layers()) as ranges:
+        maxima = measure_norm_inputs(norms, _run_fixtures(module, batches))
+    scaling = plan_stream_scaling(canonical.spec.layers, ranges)
+    if scaling.identity:
+        return module, scaling, apply_prescales(norms, maxima)
+    canonical, scaling = apply_stream_scaling(canonical, scaling)
+    module = BC1LDecoder(canonical, io).eval()
+    return module, scaling, set_prescales(module, batches)
+
+
+def set_prescales(module: BC1LDecoder, batches: list[Batch]) -> list[NormScale]:
+    """Measure every norm's input range on the fixtures (fp32) and set its prescale."""
+    norms = module.norms()
+    return apply_prescales(norms, measure_norm_inputs(norms, _run_fixtures(module, batches)))
 
 
 def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
-    """Adapt the checkpoint, build the BC1L module and set its prescales from the fixtures."""
+    """Adapt the checkpoint, build the BC1L module and set its scales from the fixtures."""
     canonical = adapt(ckpt.config, ckpt.model.state_dict())
     io = decoder_io(recipe, canonical)
-    module = BC1LDecoder(canonical, io).eval()
-    embed_table = module.host_embedding_table()
     fixtures = build_fixtures(
         recipe.fixtures.prompts,
         recipe.fixtures.token_ids,
@@ -108,8 +133,10 @@ def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
         recipe.fixtures.padded_variants,
     )
     batches = make_batches(fixtures, io.batch, io.length, pad_id(ckpt.tokenizer, ckpt.config))
-    scales = choose_scales(module, batches, embed_table)
-    return Rewrite(canonical.spec, module, embed_table, fixtures, batches, scales)
+    module, scaling, scales = choose_scales(canonical, io, batches)
+    return Rewrite(
+        module.spec, module, module.host_embedding_table(), fixtures, batches, scales, scaling
+    )
 
 
 def reference_runs(
@@ -146,6 +173,7 @@ def torch_parity(run: DecoderRun, advance: Advance) -> Stop | None:
     run.report = check_decoder(
         rw.module, rw.batches, run.references, rw.embed_table, thresholds(run.recipe), advance
     )
+    run.report.stream = rw.scaling
     write_parity_reports(run.job.directory, run.report, None, {"recipe": run.recipe.name})
     return None if run.report.passed else Stop("parity")
 
@@ -201,7 +229,7 @@ def manifest(run: DecoderRun, advance: Advance) -> None:
         "its target's",
     )
     run.manifest = decoder_manifest(
-        run.job, ckpt, rw.module, rw.scales, run.main, embeddings, tokenizer
+        run.job, ckpt, rw.module, rw.scales, rw.scaling, run.main, embeddings, tokenizer
     )
     write_json_atomic(directory / "manifest.json", run.manifest.model_dump(mode="json"))
 

@@ -61,6 +61,9 @@ class Evaluation:
 
     outputs: dict[str, np.ndarray]
     captured: dict[str, np.ndarray]
+    # Float values (any op's output, in program order) holding an inf or NaN: an overflow
+    # anywhere in the program, even one a later op hides (a max, a masked softmax).
+    non_finite: list[str] = field(default_factory=list)
 
 
 @contextmanager
@@ -259,15 +262,19 @@ class Evaluator:
             raise MILError(f"unknown inputs {sorted(extra)}; expected {sorted(self.inputs)}")
 
         captured: dict[str, np.ndarray] = {n: env[n] for n in wanted if n in self.inputs}
+        non_finite: list[str] = []
         with blas_threads(self.threads):
             for step in self._steps:
                 self._execute(step, env)
-                for name, _, _ in step.outputs:
+                for name, dtype, _ in step.outputs:
                     if name in wanted:
                         captured[name] = env[name]
+                    if dtype in FLOAT_TYPES and not np.isfinite(env[name]).all():
+                        non_finite.append(name)
                 for name in step.free:
                     env.pop(name, None)
-        return Evaluation({name: env[name] for name in self.output_names}, captured)
+        outputs = {name: env[name] for name in self.output_names}
+        return Evaluation(outputs, captured, non_finite)
 
     def _execute(self, step: _Step, env: dict[str, Any]) -> None:
         op = step.op
