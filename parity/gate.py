@@ -203,12 +203,12 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("fp32_logits_rel_error", "torch-fp32", _LE,
          "worst ||y' - y|| / ||y|| of the task output per fixture (logits; an encoder's "
          "hidden state or logits), real positions", "gates.fp32_logits_rel_error"),
-    Gate("fp32_min_cosine", "torch-fp32", _GE, _COSINE32, "encoder.fp32_min_cosine"),
+    Gate("fp32_min_cosine", "torch-fp32", _GE, _COSINE32, "gates.fp32_min_cosine"),
     # torch fp16: fp16 storage between ops (a partitioned encoder's pieces too)
     Gate("fp16_argmax_agreement", "torch-fp16", _GE, _ARGMAX, "gates.fp16_argmax_agreement"),
     Gate("fp16_max_abs_dprob", "torch-fp16", _LE, _DPROB, "gates.fp16_max_abs_dprob"),
     Gate("fp16_min_cosine", "torch-fp16", _GE, "encoders: " + _COSINE,
-         "encoder.fp16_min_cosine"),
+         "gates.fp16_min_cosine"),
     Gate("finite_outputs", "torch-fp16", _EQ, _FINITE, fixed=1.0),
     Gate("deterministic", "torch-fp16", _EQ, "two runs give identical bits", fixed=1.0),
     # the emitted program in the MIL evaluator
@@ -225,7 +225,7 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("fp16_argmax_agreement", "mil-fp16", _GE, _ARGMAX, "gates.fp16_argmax_agreement"),
     Gate("fp16_max_abs_dprob", "mil-fp16", _LE, _DPROB, "gates.fp16_max_abs_dprob"),
     Gate("fp16_min_cosine", "mil-fp16", _GE, "encoders: " + _COSINE,
-         "encoder.fp16_min_cosine"),
+         "gates.fp16_min_cosine"),
     Gate("finite_outputs", "mil-fp16", _EQ, _FINITE, fixed=1.0),
     Gate("finite_values", "mil-fp16", _EQ,
          "decoders: values of the program (every op's output, not only the outputs) that "

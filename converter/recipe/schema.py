@@ -270,5 +270,21 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     the task record with their defaults. Raises pydantic's ValidationError.
     """
     model = schema_for(data)
-    fields = {k: v for k, v in data.items() if k in model.model_fields}
+    fields = {k: v for k, v in _moved_to_gates(data).items() if k in model.model_fields}
     return validate_recipe(without_misplaced(data.get("task"), fields))
+
+
+# Keys a manifest written before they moved under ``gates:`` records under ``encoder:``.
+_COSINE_GATES = ("fp32_min_cosine", "fp16_min_cosine")
+
+
+def _moved_to_gates(data: dict[str, Any]) -> dict[str, Any]:
+    encoder = data.get("encoder")
+    if not isinstance(encoder, dict) or not any(k in encoder for k in _COSINE_GATES):
+        return data
+    gates = dict(data.get("gates") or {})
+    for key in _COSINE_GATES:
+        if key in encoder:
+            gates.setdefault(key, encoder[key])
+    kept = {k: v for k, v in encoder.items() if k not in _COSINE_GATES}
+    return {**data, "encoder": kept, "gates": gates}

@@ -68,10 +68,21 @@ class Gates(StrictModel):
     # target's platform (anec plan-inspect); None = not required. Checked before publishing.
     plan_min_ne_flop_share: float | None = Field(default=None, ge=0, le=1, strict=True)
     plan_max_ne_segments: int | None = Field(default=None, ge=1, strict=True)
+    # Encoders: cosine to the original's sentence embeddings (fp32) and, in fp16, to its
+    # sentence embeddings or per-token hidden states.
+    fp32_min_cosine: float = Field(default=0.99999, gt=0, le=1, strict=True)
+    fp16_min_cosine: float = Field(default=0.9995, gt=0, le=1, strict=True)
 
     def parity_thresholds(self) -> dict[str, float]:
-        """The parity gates alone (the keyword arguments of ``parity.gates.Thresholds``)."""
-        return self.model_dump(exclude={"plan_min_ne_flop_share", "plan_max_ne_segments"})
+        """A decoder's parity gates alone (the keyword arguments of ``parity.gates.Thresholds``)."""
+        return self.model_dump(
+            exclude={
+                "plan_min_ne_flop_share",
+                "plan_max_ne_segments",
+                "fp32_min_cosine",
+                "fp16_min_cosine",
+            }
+        )
 
 
 class Fixtures(StrictModel):
@@ -111,10 +122,6 @@ class EncoderOptions(StrictModel):
     # checkpoint's own pooling.
     pooling: Literal["mean"] = "mean"
     normalize: bool = Field(default=True, strict=True)
-    # Gates on sentence embeddings (and, in fp16, on per-token hidden states): fixed here,
-    # before anything is measured.
-    fp32_min_cosine: float = Field(default=0.99999, gt=0, le=1, strict=True)
-    fp16_min_cosine: float = Field(default=0.9995, gt=0, le=1, strict=True)
 
     @field_validator("normalize")
     @classmethod

@@ -57,7 +57,7 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         ("gates", "fp32_logits_rel_error"),
         ("text-generation", "feature-extraction", "text-classification"),
         "relative error of logits or hidden states (a sentence embedding is gated on "
-        "encoder.fp32_min_cosine)",
+        "gates.fp32_min_cosine)",
     ),
     TaskKey(("gates", "fp16_argmax_agreement"), _LOGIT_TASKS, "argmax agreement of logits"),
     TaskKey(
@@ -65,16 +65,16 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         _LOGIT_TASKS,
         "the largest change of a softmax probability",
     ),
-    TaskKey(("encoder",), ENCODER_TASKS, "partition, pooling and cosine gates of an encoder"),
+    TaskKey(("encoder",), ENCODER_TASKS, "partition and pooling of an encoder"),
     TaskKey(("encoder", "pooling"), ("sentence-similarity",), "how tokens become a sentence"),
     TaskKey(("encoder", "normalize"), ("sentence-similarity",), "L2 normalisation of a sentence"),
     TaskKey(
-        ("encoder", "fp32_min_cosine"),
+        ("gates", "fp32_min_cosine"),
         ("sentence-similarity",),
         "the fp32 gate on sentence embeddings",
     ),
     TaskKey(
-        ("encoder", "fp16_min_cosine"),
+        ("gates", "fp16_min_cosine"),
         ("feature-extraction", "sentence-similarity"),
         "the fp16 gate on hidden states or sentence embeddings",
     ),

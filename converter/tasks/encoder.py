@@ -198,14 +198,14 @@ def partitioned_runner(module: BC1LEncoder, host: HostEmbedding) -> Runner:
     return run
 
 
-def thresholds(recipe: Recipe, options: EncoderOptions) -> EncoderThresholds:
+def thresholds(recipe: Recipe) -> EncoderThresholds:
     """The recipe's gates for an encoder (fixed in the recipe before measuring)."""
     g = recipe.gates
     return EncoderThresholds(
         fp32_layer_rel_error=g.fp32_layer_rel_error,
         fp32_output_rel_error=g.fp32_logits_rel_error,
-        fp32_min_cosine=options.fp32_min_cosine,
-        fp16_min_cosine=options.fp16_min_cosine,
+        fp32_min_cosine=g.fp32_min_cosine,
+        fp16_min_cosine=g.fp16_min_cosine,
         fp16_argmax_agreement=g.fp16_argmax_agreement,
         fp16_max_abs_dprob=g.fp16_max_abs_dprob,
     )
@@ -276,7 +276,7 @@ def torch_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         if rw.host.prenormalized:
             run.extra_json["prenormalized_table"] = prenormalized_table_check(rw.canonical, rw.host)
     run.report, run.rows = check_encoder(
-        rw.module, rw.batches, run.references, thresholds(run.recipe, run.options), extra, described
+        rw.module, rw.batches, run.references, thresholds(run.recipe), extra, described
     )
     write_parity(run)
     return None if run.report.passed else Stop("parity")
@@ -350,7 +350,7 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         rw.module,
         rw.batches,
         run.references,
-        thresholds(recipe, run.options),
+        thresholds(recipe),
         {MIL_LEVEL: runner},
         torch_levels=False,
     )
