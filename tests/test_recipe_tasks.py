@@ -155,9 +155,12 @@ def test_gates_the_unified_pipeline_reads_stay_valid_for_encoders(
         ("sentence-similarity", "shapes:\n  batch: 3\n  sequence_length: 8192\n",
          "x.yaml:5: shapes: batch 3 x sequence_length 8192 = 24576 exceeds the Neural Engine's "
          "per-axis limit 16384"),
+        ("feature-extraction",
+         ENCODER_VARIANT.format(extra="", gate="") + "encoder:\n  partition: host-embedding\n",
+         "x.yaml:5: compression: variants of a partitioned encoder"),
     ],
     ids=["heads-batched", "heads-batched-encoder", "normalize-false", "prenormalize-single",
-         "folded-batch"],
+         "folded-batch", "variants-of-a-partition"],
 )  # fmt: skip
 def test_refused_at_validation_not_at_convert_time(
     write_file: WriteFile, task: str, text: str, expected: str

@@ -199,6 +199,16 @@ class EncoderRecipe(RecipeBase):
     io: EncoderIOSpec = Field(default_factory=EncoderIOSpec)
     encoder: EncoderOptions = Field(default_factory=EncoderOptions)
 
+    @model_validator(mode="after")
+    def _variants_of_one_program(self) -> EncoderRecipe:
+        if self.compression is not None and self.encoder.partition != "single":
+            problem = (
+                "variants of a partitioned encoder (encoder.partition: host-embedding) are not "
+                "implemented; use encoder.partition: single"
+            )
+            raise_rules("Recipe", [(("compression",), problem)])
+        return self
+
 
 Recipe = DecoderRecipe | EncoderRecipe
 RECIPE_MODELS: tuple[type[DecoderRecipe] | type[EncoderRecipe], ...] = (
