@@ -116,7 +116,7 @@ def test_apple_layer_norm_order_fails_the_gates(
     minilm: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recipe, rw, refs = minilm
-    thresholds_ = thresholds(recipe, recipe.encoder)
+    thresholds_ = thresholds(recipe)
     monkeypatch.setattr(LayerNorm, "forward", apple_order_forward)
     report, _ = check_encoder(rw.module, rw.batches[:2], refs, thresholds_)  # 6 sentences
     assert not report.passed
@@ -137,7 +137,7 @@ def test_partitioned_minilm_matches(minilm: tuple[Any, Any, Any]) -> None:
     runner = partitioned_runner(rw.module, host)
     batches = rw.batches[-3:]  # 9 sentences, the longest among them: CI budget
     report, rows = check_encoder(
-        rw.module, batches, refs, thresholds(recipe, recipe.encoder), {PARTITIONED: runner}
+        rw.module, batches, refs, thresholds(recipe), {PARTITIONED: runner}
     )
     assert report.passed
     worst = min(row.cosine[PARTITIONED] for row in rows)
