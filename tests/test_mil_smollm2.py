@@ -54,4 +54,5 @@ def test_every_level_is_in_the_report(doc: dict[str, Any], smollm2_artifact: Pat
     assert levels["coreml-cpu-and-ne"]["status"].startswith("not run on this platform")
     acc = _run(doc, "mil-fp16-acc")
     assert all(math.isfinite(float(e)) for e in acc["layer_rel_error"])
-    assert (smollm2_artifact / "parity.html").read_text().count("<svg") == 2
+    html = (smollm2_artifact / "parity.html").read_text()
+    assert html.count("<svg") == 3 and "Residual stream range" in html  # errors, range, margins
