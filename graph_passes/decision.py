@@ -22,11 +22,11 @@ from typing import cast
 import torch
 from torch import nn
 
+from graph_passes.decision_spec import DecisionHead, MlpHeadSpec
 from graph_passes.encoder import BC1LEncoder, EncoderIO, build_layer_norm, fold
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.model import Block
 from graph_passes.spec import EncoderModel
-from graph_passes.decision_spec import DecisionHead, MlpHeadSpec
 
 OUTPUT_NAMES = ("marker_rows", "scorer_logits", "raw_probs", "calibrated_probs", "action_probs")
 
@@ -76,7 +76,11 @@ class DecisionEncoder(BC1LEncoder):
         """Every LayerNorm in execution order, the encoder's final norm included."""
         named = super().norms()
         first_head = next(
-            (i for i, (n, _) in enumerate(named) if n.startswith(f"layers.{self.num_encoder_layers}.")),
+            (
+                i
+                for i, (n, _) in enumerate(named)
+                if n.startswith(f"layers.{self.num_encoder_layers}.")
+            ),
             len(named),
         )
         return [*named[:first_head], ("encoder_norm", self.encoder_norm), *named[first_head:]]

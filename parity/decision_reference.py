@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,17 +73,17 @@ class DecisionHeadReference(nn.Module):
         from transformers.models.modernbert.modeling_modernbert import ModernBertEncoderLayer
 
         self.spec = spec
-        config = copy.deepcopy(encoder_config)
+        config: Any = copy.deepcopy(encoder_config)
         # Layer index j + 1: a head layer is global and keeps its attention norm (index 0 is
         # transformers' identity-norm layer right after the embeddings).
-        config.layer_types = ["full_attention"] * (spec.num_layers + 1)  # type: ignore[attr-defined]
-        config._attn_implementation = "eager"  # type: ignore[attr-defined]
+        config.layer_types = ["full_attention"] * (spec.num_layers + 1)
+        config._attn_implementation = "eager"
         self.layers = nn.ModuleList(
-            ModernBertEncoderLayer(config, j + 1) for j in range(spec.num_layers)  # type: ignore[arg-type]
+            ModernBertEncoderLayer(config, j + 1) for j in range(spec.num_layers)
         )
         norm = spec.norm
         self.norm = (
-            nn.LayerNorm(config.hidden_size, eps=norm.eps, bias=norm.bias)  # type: ignore[attr-defined]
+            nn.LayerNorm(config.hidden_size, eps=norm.eps, bias=norm.bias)
             if norm is not None
             else None
         )
@@ -93,9 +94,7 @@ class DecisionHeadReference(nn.Module):
         """Load the head file's tensors by name (every name must match, both ways)."""
         self.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
 
-    def decide(
-        self, h: torch.Tensor, token_ids: tuple[int, ...], request: str
-    ) -> DecisionOutputs:
+    def decide(self, h: torch.Tensor, token_ids: tuple[int, ...], request: str) -> DecisionOutputs:
         """From the head norm's output (n, D) of one request to every decision output."""
         spec = self.spec
         positions = candidate_positions(token_ids, spec, request)

@@ -79,10 +79,12 @@ def _int(data: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int
 def _mlp(data: Any, key: str, where: str, first: int, last: int) -> MlpHeadSpec:
     if not isinstance(data, Mapping) or set(data) - {"widths", "activation", "inputs"}:
         raise _fail(where, key, f"expected a mapping with widths and activation, got {data!r}")
-    widths = data.get("widths")
+    widths: Any = data.get("widths")
     ok = isinstance(widths, list) and len(widths) >= 2
     if not ok or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
-        raise _fail(where, f"{key}.widths", f"expected at least two positive widths, got {widths!r}")
+        raise _fail(
+            where, f"{key}.widths", f"expected at least two positive widths, got {widths!r}"
+        )
     if widths[0] != first or widths[-1] != last:
         raise _fail(
             where, f"{key}.widths", f"expected {first} first and {last} last, got {widths!r}"
@@ -105,7 +107,9 @@ def _candidates(data: Any, where: str) -> CandidateSpec:
         return CandidateSpec("cls")
     ids = data.get("marker_token_ids")
     if set(data) != {"kind", "marker_token_ids"} or not isinstance(ids, list) or not ids:
-        raise _fail(where, "candidates.marker_token_ids", f"expected a list of token ids, got {ids!r}")
+        raise _fail(
+            where, "candidates.marker_token_ids", f"expected a list of token ids, got {ids!r}"
+        )
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise _fail(where, "candidates.marker_token_ids", f"expected token ids >= 0, got {ids!r}")
     return CandidateSpec("markers", tuple(ids))
@@ -151,17 +155,29 @@ def read_head_spec(source: HeadSource) -> DecisionHeadSpec:
     action_data = data.get("action")
     inputs = action_data.get("inputs") if isinstance(action_data, Mapping) else None
     if not isinstance(inputs, list) or not inputs or inputs[0] != "raw_probs":
-        raise _fail(where, "action.inputs", f"expected a list starting with raw_probs, got {inputs!r}")
+        raise _fail(
+            where, "action.inputs", f"expected a list starting with raw_probs, got {inputs!r}"
+        )
     bad = [i for i in inputs if i not in ACTION_INPUTS]
     if bad or len(set(inputs)) != len(inputs):
-        raise _fail(where, "action.inputs", f"expected distinct items of {ACTION_INPUTS}, got {inputs!r}")
+        raise _fail(
+            where, "action.inputs", f"expected distinct items of {ACTION_INPUTS}, got {inputs!r}"
+        )
     actions = data.get("actions")
-    if not isinstance(actions, list) or len(actions) < 2 or not all(isinstance(a, str) for a in actions):
+    if (
+        not isinstance(actions, list)
+        or len(actions) < 2
+        or not all(isinstance(a, str) for a in actions)
+    ):
         raise _fail(where, "actions", f"expected at least two action names, got {actions!r}")
     width = sum(_input_width(i, k, d) for i in inputs)
     action = _mlp(action_data, "action", where, width, len(actions))
     temperature = data.get("temperature")
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not temperature > 0:
+    if (
+        not isinstance(temperature, int | float)
+        or isinstance(temperature, bool)
+        or not temperature > 0
+    ):
         raise _fail(where, "temperature", f"expected a number > 0, got {temperature!r}")
     block = head_layer_spec(enc)
     return DecisionHeadSpec(
@@ -237,8 +253,7 @@ ARCH = Architecture(
         "attention other than global in head layers",
         "candidates other than marker token ids or the CLS row",
         "scorer / action activations other than gelu (erf), tanh, relu",
-        "action.inputs not starting with raw_probs, or items outside "
-        + ", ".join(ACTION_INPUTS),
+        "action.inputs not starting with raw_probs, or items outside " + ", ".join(ACTION_INPUTS),
         "a request whose number of markers differs from num_candidates",
     ),
     adapt=_adapt,
