@@ -159,6 +159,7 @@ class DecisionTail(nn.Module):
         self.scorer = _linears(spec.scorer, head.weights, "scorer")
         self.action = _linears(spec.action, head.weights, "action")
         self.inv_temperature = 1.0 / spec.temperature
+        self.hidden_size = spec.scorer.widths[0]  # D: a constant, not a traced shape read
         # Slot of sample b's position p is b*L + p: a constant offset per sample.
         self.register_buffer("offsets", (torch.arange(io.batch) * io.length).reshape(-1, 1))
 
@@ -171,7 +172,7 @@ class DecisionTail(nn.Module):
         if positions is None:
             return rows[:: self.io.length].unsqueeze(1)
         slots = (positions.long() + self.offsets).reshape(-1)
-        return rows.index_select(0, slots).reshape(self.io.batch, -1, rows.shape[1])
+        return rows.index_select(0, slots).reshape(self.io.batch, -1, self.hidden_size)
 
     def action_features(
         self, raw: torch.Tensor, calibrated: torch.Tensor, logits: torch.Tensor, cls: torch.Tensor

@@ -25,20 +25,20 @@ HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
 
 
-def head_files(directory: Path) -> tuple[Path, Path]:
+def head_files(directory: Path, head_dir: str = HEAD_DIR) -> tuple[Path, Path]:
     """The head's config and weights files under a checkpoint directory."""
-    return directory / HEAD_DIR / HEAD_CONFIG, directory / HEAD_DIR / HEAD_WEIGHTS
+    return directory / head_dir / HEAD_CONFIG, directory / head_dir / HEAD_WEIGHTS
 
 
 def load_head(
-    directory: Path, encoder: EncoderSpec
+    directory: Path, encoder: EncoderSpec, head_dir: str = HEAD_DIR
 ) -> tuple[DecisionHead, dict[str, torch.Tensor], str]:
     """The mapped head, the file's tensors as stored (the reference loads those) and the
     sha256 of the two files."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config_path, weights_path = head_files(directory)
+    config_path, weights_path = head_files(directory, head_dir)
     for path, what in ((config_path, "the head's JSON config"), (weights_path, "its tensors")):
         if not path.is_file():
             raise InputError(f"{path}: missing; a decision checkpoint holds {what} there "
