@@ -10,8 +10,12 @@ folded states (or None) and the tail's outputs by name (`graph_passes.decision.O
   probabilities); the first output over its threshold is named;
 * fp16 candidates (``torch-fp16``, ``partitioned-fp16``, the MIL program as ``mil-fp16``):
   candidate and action argmax agreement, max |dp| of calibrated and of action probabilities,
-  finite, deterministic, and the temperature certificate ``||p' - p||_inf <= delta / (2T)``
-  (``delta`` the largest scorer-logit error) checked as a ratio <= 1.
+  finite, deterministic, and the temperature certificate: ``||p' - p||_inf <= delta / (2T)``
+  for ``p' = softmax(z' / T)`` (``delta`` the largest scorer-logit error; softmax moves by at
+  most half the largest logit change), plus ``rho``, the tail's own rounding of its output
+  (``||p'_out - softmax(z'_out / T)||_inf``, measured): a bound that proves the calibrated
+  probabilities' deviation from the logit error alone, gated against the recipe's
+  ``decision.temperature_certificate``; each request's observed |dp| must lie inside it.
 
 Slices (each gate's detail gives the worst value per slice): ``padded`` / ``full-window``,
 ``narrow-margin`` (reference top1 - top2 scorer logit below the recipe's margin) and
@@ -52,6 +56,7 @@ class DecisionThresholds:
     action_argmax_agreement: float
     max_abs_dprob_calibrated: float
     max_abs_dprob_action: float
+    temperature_certificate: float = 0.02
     narrow_margin: float = 1.0  # scorer logits: top1 - top2 below this is the narrow slice
 
 
@@ -69,7 +74,8 @@ class DecisionRow:
     dprob_calibrated: dict[str, float] = field(default_factory=dict)
     dprob_action: dict[str, float] = field(default_factory=dict)
     logit_delta: dict[str, float] = field(default_factory=dict)
-    certificate: dict[str, float] = field(default_factory=dict)  # ||dp||_inf / (delta / 2T)
+    certificate: dict[str, float] = field(default_factory=dict)  # delta / (2T) + rho
+    inside_certificate: dict[str, bool] = field(default_factory=dict)  # observed |dp| <= it
     certified: dict[str, bool] = field(default_factory=dict)  # margin > 2 delta
     first_diverging_output: dict[str, str | None] = field(default_factory=dict)
 
@@ -157,8 +163,12 @@ def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResu
     row.dprob_action[name] = float((act - want.action_probs).abs().max()) if finite else inf
     delta = float((got["scorer_logits"] - want.scorer_logits).abs().max()) if finite else inf
     row.logit_delta[name] = delta
-    bound = delta / (2 * spec.temperature)
-    row.certificate[name] = dcal / bound if bound > 0 else (0.0 if dcal == 0 else inf)
+    own = torch.softmax(got["scorer_logits"].double() / spec.temperature, dim=-1)
+    rho = float((cal.double() - own).abs().max()) if finite else inf
+    bound = delta / (2 * spec.temperature) + rho
+    row.certificate[name] = bound
+    # Both sides computed in fp64 from fp32 copies: a relative slack of 1e-6 for that.
+    row.inside_certificate[name] = finite and dcal <= bound * (1 + 1e-6) + 1e-9
     row.certified[name] = finite and row.margin > 2 * delta
     return finite
 
@@ -294,11 +304,15 @@ def _fp16_gates(name: str, rows: list[DecisionRow], finite: bool, deterministic:
     cert = Worst(0.0)
     for row in rows:
         cert.see(row.certificate[name], row.name)
+    inside = sum(r.inside_certificate[name] for r in rows)
     gates.append(
         gate(level, "temperature_certificate").check(
-            cert.value, implementation=name, where=cert.where,
-            detail="max over requests of ||p'-p||_inf / (delta / (2T)), delta = max |dz| of "
-            "the scorer logits, p the calibrated probabilities",
+            cert.value if inside == n else math.inf, t.temperature_certificate,
+            implementation=name, where=cert.where if inside == n else first_few(
+                [r.name for r in rows if not r.inside_certificate[name]]),
+            detail="max over requests of delta / (2T) + rho (delta = max |dz'| of the scorer "
+            "logits, rho = the tail's rounding of softmax(z'/T)); observed |dp| inside the "
+            f"bound for {inside}/{n} requests",
         )
     )  # fmt: skip
     gates.append(gate(level, "finite_outputs").check(float(finite), implementation=name))

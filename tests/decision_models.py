@@ -7,20 +7,36 @@ uniform and |dp| gates, the marker-offset mutant and the temperature mutant have
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from encoder_models import VOCAB, hf_model, tiny_config
+from encoder_models import VOCAB, hf_model, random_sequences, tiny_config
 from safetensors.torch import save_file
 from tiny_models import perturb_
 from torch import nn
 
 from graph_passes.archs.decision_head import HeadSource, adapt_head
+from graph_passes.decision import DecisionEncoder, DecisionTail
 from graph_passes.decision_spec import DecisionHead
-from parity.decision_reference import DecisionHeadReference
+from graph_passes.encoder import EncoderIO
+from parity.decision_gates import (
+    DecisionRow,
+    DecisionThresholds,
+    check_decision,
+    make_decision_batches,
+)
+from parity.decision_reference import (
+    DecisionHeadReference,
+    DecisionReferenceResult,
+    run_decision_reference,
+)
+from parity.encoder_gates import fp16_module
+from parity.fixtures import Batch, build_fixtures
+from parity.gates import ParityReport
 
 MARKER = 7
 K = 4
@@ -45,7 +61,7 @@ def head_config(d: int, **overrides: Any) -> dict[str, Any]:
     return data
 
 
-def make_head(encoder: nn.Module, data: dict[str, Any], seed: int = 5, peak: float = 4.0
+def make_head(encoder: nn.Module, data: dict[str, Any], seed: int = 5, peak: float = 30.0
               ) -> tuple[DecisionHeadReference, dict[str, torch.Tensor]]:  # fmt: skip
     """A perturbed reference head for ``encoder`` and its tensors as the head file holds them."""
     from graph_passes.adapters import adapt_encoder
@@ -97,17 +113,68 @@ class TinyDecision:
     data: dict[str, Any]
 
 
-def tiny_decision(seed: int = 0, **overrides: Any) -> TinyDecision:
+def tiny_decision(seed: int = 0, peak: float = 30.0, **overrides: Any) -> TinyDecision:
     """Tiny ModernBERT (D=64, 4 layers, window 4) and the example head (head_config)."""
     from graph_passes.adapters import adapt_encoder
 
     encoder = hf_model(tiny_config("modernbert"), classify=False, seed=seed)
     data = head_config(64, **overrides)
-    reference, tensors = make_head(encoder, data)
+    reference, tensors = make_head(encoder, data, peak=peak)
     canonical = adapt_encoder(encoder.config, encoder.state_dict())
     head = adapt_head(HeadSource(data, canonical.spec), tensors, canonical.spec.num_layers)
     return TinyDecision(encoder, reference, tensors, head, data)
 
 
-__all__ = ["K", "MARKER", "VOCAB", "TinyDecision", "head_config", "make_head",
-           "save_checkpoint", "tiny_decision", "with_markers"]  # fmt: skip
+THRESHOLDS = DecisionThresholds(
+    fp32_layer_rel_error=1e-4,
+    fp32_output_rel_error=1e-4,
+    fp32_marker_rows_rel_error=1e-4,
+    candidate_argmax_agreement=1.0,
+    action_argmax_agreement=1.0,
+    max_abs_dprob_calibrated=0.02,
+    max_abs_dprob_action=0.02,
+)
+
+
+@dataclass
+class DecisionCase:
+    """The BC1L stack and tail of a TinyDecision, batches (adversarial copies included),
+    slices and references."""
+
+    model: TinyDecision
+    module: DecisionEncoder
+    tail: DecisionTail
+    batches: list[Batch]
+    slices: dict[str, list[str]]
+    references: dict[str, DecisionReferenceResult]
+
+    def check(self, tail: DecisionTail | None = None, module: DecisionEncoder | None = None
+              ) -> tuple[ParityReport, list[DecisionRow]]:  # fmt: skip
+        """Torch fp32 gates (and fp16 of the same pieces) on possibly altered pieces."""
+        m, t = module or self.module, tail or self.tail
+        return check_decision(m, t, self.batches, self.slices, self.references, THRESHOLDS,
+                              fp16=(fp16_module(m), copy.deepcopy(t).half()))  # type: ignore[arg-type]  # fmt: skip
+
+
+def decision_case(model: TinyDecision, batch: int = 3, length: int = 24,
+                  lengths: tuple[int, ...] = (24, 9, 15, 20)) -> DecisionCase:  # fmt: skip
+    """Fixtures with exactly K markers, right-padded batches, prescaled stack, references."""
+    from converter.tasks.decision import set_scales
+    from graph_passes.adapters import adapt_encoder
+
+    canonical = adapt_encoder(model.encoder.config, model.encoder.state_dict())
+    io = EncoderIO(batch, length, "token-ids", "last-hidden-state")
+    module = DecisionEncoder(canonical, model.head, io).eval()
+    tail = DecisionTail(model.head, io).eval()
+    seqs = with_markers(random_sequences(11, lengths, VOCAB, first=1))
+    fixtures = build_fixtures([], seqs, None, length, VOCAB, padded_variants=False)
+    batches, slices = make_decision_batches(fixtures, batch, length, 0, model.head.spec)
+    set_scales(module, batches)
+    refs = {f.name: run_decision_reference(model.encoder, model.reference, f.token_ids, f.name)
+            for f in fixtures}  # fmt: skip
+    return DecisionCase(model, module, tail, batches, slices, refs)
+
+
+__all__ = ["K", "MARKER", "THRESHOLDS", "VOCAB", "DecisionCase", "TinyDecision",
+           "decision_case", "head_config", "make_head", "save_checkpoint", "tiny_decision",
+           "with_markers"]  # fmt: skip

@@ -113,6 +113,7 @@ def thresholds(recipe: DecisionRecipe) -> DecisionThresholds:
         action_argmax_agreement=d.action_argmax_agreement,
         max_abs_dprob_calibrated=d.max_abs_dprob_calibrated,
         max_abs_dprob_action=d.max_abs_dprob_action,
+        temperature_certificate=d.temperature_certificate,
         narrow_margin=d.narrow_margin,
     )
 
@@ -282,10 +283,9 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     report.gates.extend(mil_report.gates)
     report.implementations[MIL_LEVEL] = "anec MIL evaluator, profile fp16, island then tail"
     for row, mil_row in zip(run.rows, mil_rows, strict=True):
-        for name in ("rel_error", "candidate_kept", "action_kept", "dprob_calibrated",
-                     "dprob_action", "logit_delta", "certificate", "certified",
-                     "first_diverging_output"):  # fmt: skip
-            getattr(row, name).update(getattr(mil_row, name))
+        for name, value in vars(mil_row).items():
+            if isinstance(value, dict):  # per-implementation figures: add the MIL level's
+                getattr(row, name).update(value)
     write_parity(run)
     return None if report.passed else Stop("MIL-level")
 
