@@ -247,10 +247,9 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("max_abs_dprob_action", "torch-fp16", _LE,
          "decision: largest |p' - p| of the action probabilities", "decision.max_abs_dprob_action"),
     Gate("temperature_certificate", "torch-fp16", _LE,
-         "decision: certified bound on |p' - p| of the calibrated probabilities, max over "
-         "requests of delta / (2T) + rho (delta: max |dz| of the scorer logits; rho: the "
-         "tail's own rounding); inf when an observed |dp| lies outside it",
-         "decision.temperature_certificate"),
+         "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
+         "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
+         fixed=1.0),
     Gate("candidate_argmax_agreement", "mil-fp16", _GE,
          "decision: share of requests whose chosen candidate matches the original",
          "decision.candidate_argmax_agreement"),
@@ -263,10 +262,9 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("max_abs_dprob_action", "mil-fp16", _LE,
          "decision: largest |p' - p| of the action probabilities", "decision.max_abs_dprob_action"),
     Gate("temperature_certificate", "mil-fp16", _LE,
-         "decision: certified bound on |p' - p| of the calibrated probabilities, max over "
-         "requests of delta / (2T) + rho (delta: max |dz| of the scorer logits; rho: the "
-         "tail's own rounding); inf when an observed |dp| lies outside it",
-         "decision.temperature_certificate"),
+         "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
+         "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
+         fixed=1.0),
     # a compressed variant, each gate at torch fp16 and in the MIL evaluator
     Gate("min_top1_agreement", "compression", _GE,
          "share of held-out positions (an encoder classifier's: sentences) whose argmax "

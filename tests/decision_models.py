@@ -61,9 +61,11 @@ def head_config(d: int, **overrides: Any) -> dict[str, Any]:
     return data
 
 
-def make_head(encoder: nn.Module, data: dict[str, Any], seed: int = 5, peak: float = 30.0
-              ) -> tuple[DecisionHeadReference, dict[str, torch.Tensor]]:  # fmt: skip
-    """A perturbed reference head for ``encoder`` and its tensors as the head file holds them."""
+def make_head(
+    encoder: nn.Module, data: dict[str, Any], seed: int = 5, peak: float = 30.0, scale: float = 0.1
+) -> tuple[DecisionHeadReference, dict[str, torch.Tensor]]:
+    """A perturbed reference head for ``encoder`` (every parameter moved by ``scale`` randn,
+    norm weights by 0.2 randn around 1) and its tensors as the head file holds them."""
     from graph_passes.adapters import adapt_encoder
     from graph_passes.archs.decision_head import read_head_spec
 
@@ -72,7 +74,7 @@ def make_head(encoder: nn.Module, data: dict[str, Any], seed: int = 5, peak: flo
     torch.manual_seed(seed)
     head = DecisionHeadReference(encoder.config, spec).eval()
     with torch.no_grad():
-        perturb_(head)
+        perturb_(head, scale=scale)
         head.scorer[-1].weight.mul_(peak)  # peaked candidate probabilities
         head.action[-1].weight.mul_(peak)
     return head, {k: v.detach().clone().contiguous() for k, v in head.state_dict().items()}
@@ -157,7 +159,8 @@ class DecisionCase:
 
 
 def decision_case(model: TinyDecision, batch: int = 3, length: int = 24,
-                  lengths: tuple[int, ...] = (24, 9, 15, 20)) -> DecisionCase:  # fmt: skip
+                  lengths: tuple[int, ...] = (24, 9, 15, 20), vocab: int = VOCAB
+                  ) -> DecisionCase:  # fmt: skip
     """Fixtures with exactly K markers, right-padded batches, prescaled stack, references."""
     from converter.tasks.decision import set_scales
     from graph_passes.adapters import adapt_encoder
@@ -166,8 +169,8 @@ def decision_case(model: TinyDecision, batch: int = 3, length: int = 24,
     io = EncoderIO(batch, length, "token-ids", "last-hidden-state")
     module = DecisionEncoder(canonical, model.head, io).eval()
     tail = DecisionTail(model.head, io).eval()
-    seqs = with_markers(random_sequences(11, lengths, VOCAB, first=1))
-    fixtures = build_fixtures([], seqs, None, length, VOCAB, padded_variants=False)
+    seqs = with_markers(random_sequences(11, lengths, vocab, first=1))
+    fixtures = build_fixtures([], seqs, None, length, vocab, padded_variants=False)
     batches, slices = make_decision_batches(fixtures, batch, length, 0, model.head.spec)
     set_scales(module, batches)
     refs = {f.name: run_decision_reference(model.encoder, model.reference, f.token_ids, f.name)

@@ -64,9 +64,7 @@ def test_action_head_fed_calibrated_probabilities_fails_at_action_probs(
     case: DecisionCase, temperature: float
 ) -> None:
     c = with_temperature(case, temperature)
-    # The unaltered model passes at fp32 (at T = 0.5 the fp16 temperature certificate, a bound
-    # of 3 x the T = 1.5 one, may exceed 0.02 on this peaked head: not what is tested here).
-    assert all(g.passed for g in c.check()[0].gates if g.level == "torch-fp32")
+    assert c.check()[0].passed
     mutant = CalibratedActionTail(c.model.head, c.tail.io).eval()
     report, rows = c.check(tail=mutant)
     bad = failed(report.gates)
@@ -80,8 +78,25 @@ def test_action_head_fed_calibrated_probabilities_fails_at_action_probs(
 def test_at_temperature_one_the_calibration_mutant_cannot_show(case: DecisionCase) -> None:
     c = with_temperature(case, 1.0)
     report, _ = c.check(tail=CalibratedActionTail(c.model.head, c.tail.io).eval())
-    assert all(g.passed for g in report.gates if g.level == "torch-fp32")
-    assert not failed(report.gates).keys() - {"torch-fp16/temperature_certificate"}
+    assert report.passed
+
+
+class WrongTemperatureTail(DecisionTail):
+    """Mutant: the tail calibrates with 1.1 T instead of the head's T."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.inv_temperature /= 1.1
+
+
+def test_calibration_with_another_temperature_breaks_the_certificate(case: DecisionCase) -> None:
+    report, rows = case.check(tail=WrongTemperatureTail(case.model.head, case.tail.io).eval())
+    bad = failed(report.gates)
+    assert bad["torch-fp16/temperature_certificate"].value > 1
+    assert {r.first_diverging_output["torch-fp32"] for r in rows} == {"calibrated_probs"}
+    # The unaltered tail's certificate holds, with room to spare.
+    good = {f"{g.implementation}/{g.name}": g for g in case.check()[0].gates}
+    assert good["torch-fp16/temperature_certificate"].value < 0.9
 
 
 class OffsetTail(DecisionTail):
@@ -145,7 +160,7 @@ def test_a_fixture_with_another_number_of_markers_is_refused_naming_it(tmp_path:
 def test_tiny_decision_recipe_converts_partitioned_with_one_ne_segment(
     tmp_path: Path, batch: int
 ) -> None:
-    t = tiny_decision(peak=15.0, temperature=2.0)
+    t = tiny_decision()
     path = save_checkpoint(tmp_path / "ckpt", t.encoder, t.data, t.tensors)
     seqs = markers_in(random_sequences(11, (24, 9, 15, 20), VOCAB, first=1))
     recipe = validate_recipe({

@@ -156,8 +156,6 @@ class DecisionOptions(StrictModel):
     action_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
     max_abs_dprob_calibrated: float = Field(default=0.02, gt=0, le=1, strict=True)
     max_abs_dprob_action: float = Field(default=0.02, gt=0, le=1, strict=True)
-    # The certified bound delta / (2T) + rho on calibrated probabilities (parity.decision_gates).
-    temperature_certificate: float = Field(default=0.02, gt=0, le=1, strict=True)
     # Requests whose reference scorer logits have top1 - top2 below this form the
     # narrow-margin slice (reported per slice).
     narrow_margin: float = Field(default=1.0, gt=0, strict=True)

@@ -113,7 +113,6 @@ def thresholds(recipe: DecisionRecipe) -> DecisionThresholds:
         action_argmax_agreement=d.action_argmax_agreement,
         max_abs_dprob_calibrated=d.max_abs_dprob_calibrated,
         max_abs_dprob_action=d.max_abs_dprob_action,
-        temperature_certificate=d.temperature_certificate,
         narrow_margin=d.narrow_margin,
     )
 
