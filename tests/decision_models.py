@@ -62,10 +62,16 @@ def head_config(d: int, **overrides: Any) -> dict[str, Any]:
 
 
 def make_head(
-    encoder: nn.Module, data: dict[str, Any], seed: int = 5, peak: float = 30.0, scale: float = 0.1
+    encoder: nn.Module,
+    data: dict[str, Any],
+    seed: int = 5,
+    peak: float = 30.0,
+    scale: float = 0.1,
+    action_peak: float | None = None,
 ) -> tuple[DecisionHeadReference, dict[str, torch.Tensor]]:
     """A perturbed reference head for ``encoder`` (every parameter moved by ``scale`` randn,
-    norm weights by 0.2 randn around 1) and its tensors as the head file holds them."""
+    norm weights by 0.2 randn around 1; the scorer's and action head's last layers scaled by
+    ``peak`` / ``action_peak``) and its tensors as the head file holds them."""
     from graph_passes.adapters import adapt_encoder
     from graph_passes.archs.decision_head import read_head_spec
 
@@ -76,7 +82,7 @@ def make_head(
     with torch.no_grad():
         perturb_(head, scale=scale)
         head.scorer[-1].weight.mul_(peak)  # peaked candidate probabilities
-        head.action[-1].weight.mul_(peak)
+        head.action[-1].weight.mul_(peak if action_peak is None else action_peak)
     return head, {k: v.detach().clone().contiguous() for k, v in head.state_dict().items()}
 
 

@@ -46,7 +46,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Co
     root = tmp_path_factory.mktemp("decision")
     encoder = mmbert_encoder()
     data = head_config(768, scorer={"widths": [768, 256, 1], "activation": "gelu"})
-    _, tensors = make_head(encoder, data, peak=4.0)
+    # Perturbation at the real init's scale; scorer scaled until the candidates are peaked
+    # (max raw probability about 0.8; reference margins 0.2 to 2.2 logits, narrow ones too).
+    _, tensors = make_head(encoder, data, peak=40.0, scale=0.02, action_peak=8.0)
     path = save_checkpoint(root / "ckpt", encoder, data, tensors)
     results = {}
     for name in RECIPES:
@@ -67,6 +69,11 @@ def test_recipe_converts_with_every_gate_and_one_ne_segment(
     result = converted[name]
     parity = json.loads((result.report_dir / "parity.json").read_text())
     assert result.exit_code == 0, [g for g in parity["gates"] if not g["passed"]]
+    levels = {(g["level"], g["implementation"]) for g in parity["gates"]}
+    assert {("torch-fp32", "torch-fp32"), ("torch-fp16", "partitioned-fp16"),
+            ("mil-fp32", "mil-fp32"), ("mil-fp16", "mil-fp16")} <= levels  # fmt: skip
+    slices = {s for row in parity["decision_requests"] for s in row["slices"]}
+    assert {"padded", "full-window", "adversarial-mask", "narrow-margin"} <= slices
     plan = json.loads((result.report_dir / "plan.json").read_text())
     assert [g["value"] for g in plan["gates"] if g["name"] == "plan_max_ne_segments"] == [1] * 5
     manifest = json.loads((result.report_dir / "manifest.json").read_text())
