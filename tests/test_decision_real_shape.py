@@ -84,3 +84,30 @@ def test_recipe_converts_with_every_gate_and_one_ne_segment(
     # fp16 embeddings: 147,456 bytes at B=1, L=96; 294,912 at B=3, L=64 (+ the key mask).
     assert b * l_ * 768 * 2 == {1: 147_456, 3: 294_912}[b]
     assert crossing[("embedding (host)", "island")]["bytes"] == b * l_ * 768 * 2 + b * l_ * 2
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_plan_inspect_predicts_one_ne_segment_and_counts_the_boundary_copies(
+    converted: dict[str, ConvertResult], name: str
+) -> None:
+    from click.testing import CliRunner
+
+    from converter.cli import main
+
+    island = converted[name].report_dir / f"{name}.island.mlpackage"
+    result = CliRunner().invoke(main, ["plan-inspect", str(island), "--json"])
+    assert result.exit_code == 0, result.output
+    package = json.loads(result.output)["packages"][0]
+    static = package["static"]
+    assert (static["evidence"], static["calibration"]) == ("static", "uncalibrated")
+    summary = static["functions"][0]["summary"]
+    b, length = (1, 96) if "b1" in name else (3, 64)
+    assert summary["ne_segments"] == 1 and summary["boundary_bytes"] == 0
+    # The island's only copies are its endpoints: embedding rows + key mask in, hidden out.
+    assert summary["input_bytes"] == b * length * (768 + 1) * 2
+    assert summary["output_bytes"] == b * length * 768 * 2
+    floors = package["predicted"]["floors"]
+    assert {f["chip"] for f in floors} >= {"M1", "M2", "M3", "M4"}
+    for f in floors:
+        assert f["evidence"] == "predicted"
+        assert f["components_ms"]["copies"] > 0 and f["components_ms"]["outputs"] > 0
