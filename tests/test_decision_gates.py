@@ -189,3 +189,14 @@ def test_tiny_decision_recipe_converts_partitioned_with_one_ne_segment(
     assert ("mil-fp32", "mil_fp32_layer_rel_error", "mil-fp32") in names
     plan = json.loads((out / "plan.json").read_text())
     assert all(g["passed"] for g in plan["gates"]) and plan["gates"]
+    if batch == 1:  # anec parity re-runs every gate; a changed head is refused
+        from converter.recheck import recheck
+
+        again = recheck(out)
+        assert again.report.passed and again.document["gates"]
+        same = [g for g in again.document["gates"] if g["name"] == "same_gate_set"]
+        assert same and same[0]["passed"], same
+        cfg = path / "decision_head" / "config.json"
+        cfg.write_text(cfg.read_text().replace('"temperature": 1.5', '"temperature": 1.25'))
+        with pytest.raises(InputError, match="encoder and decision head"):
+            recheck(out)

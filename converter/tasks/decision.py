@@ -14,22 +14,25 @@ probabilities). Steps shared with the encoder tasks are reused as they are.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from converter.checkpoint import load_checkpoint
 from converter.errors import InputError
+from converter.hashing import sha256_file
 from converter.manifest_fields import write_tokenizer
 from converter.markers import MarkerError
 from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import DecisionRecipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, load, need, plan
+from converter.tasks.base import TaskRun, emit_program, need, plan
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
-from converter.tasks.decision_load import load_head
+from converter.tasks.decision_load import head_files, load_head
 from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
 from graph_passes.adapters import adapt_encoder
@@ -201,6 +204,28 @@ def write_parity(run: DecisionRun) -> None:
 # ---- steps -----------------------------------------------------------------------------------
 
 
+def load_with_head(run: DecisionRun, advance: Advance) -> None:
+    """Load the encoder checkpoint; its recorded sha256 covers the head's two files too, so
+    `anec parity` refuses an artifact whose head changed since it was converted."""
+    job = run.job
+    ckpt = load_checkpoint(job.source, run.recipe.task, allow_pickle=job.allow_pickle)
+    digest = hashlib.sha256(ckpt.sha256.encode())
+    for path in head_files(job.source.directory, run.recipe.decision.head_dir):
+        if not path.is_file():
+            raise InputError(f"{path}: missing; a decision checkpoint holds its head there "
+                             "(see docs/decision-head.md)")  # fmt: skip
+        digest.update(sha256_file(path).encode())
+    ckpt.sha256 = digest.hexdigest()
+    expected = job.expected_checkpoint_sha256
+    if expected is not None and ckpt.sha256 != expected:
+        raise InputError(
+            f"{job.source.directory}: the checkpoint (encoder and decision head) differs from "
+            f"the one the artifact was converted from (sha256 {ckpt.sha256[:12]}..., manifest "
+            f"{expected[:12]}...)"
+        )
+    run.ckpt = ckpt
+
+
 def rewrite(run: DecisionRun, advance: Advance) -> None:
     """Adapt the checkpoint and the head into the BC1L stack, its tail and host step."""
     run.rewrite = build_rewrite(run.recipe, run)
@@ -307,7 +332,7 @@ def _fixture_count(run: DecisionRun) -> int:
 
 
 CONVERT_STEPS: tuple[Step[DecisionRun], ...] = (
-    Step("load checkpoint", load),
+    Step("load checkpoint and head", load_with_head),
     Step("rewrite to BC1L (encoder + decision head)", with_torch_threads(rewrite)),
     Step("reference (original model and head)", with_torch_threads(references), _fixture_count),
     Step("parity (torch fp32, fp16, partitioned)", with_torch_threads(torch_parity)),
