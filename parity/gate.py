@@ -215,6 +215,10 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("fp32_marker_rows_rel_error", "torch-fp32", _LE,
          "decision: worst ||r' - r|| / ||r|| of the gathered candidate rows per request",
          "decision.fp32_marker_rows_rel_error"),
+    Gate("fp32_marker_rows_rel_error", "mil-fp32", _LE,
+         "decision: the tail program (fp32 profile) on the island program's output, its "
+         "gathered rows against the rows at the requests' positions",
+         "decision.fp32_marker_rows_rel_error"),
     # the emitted program in the MIL evaluator
     Gate("layer_markers_present", "mil-fp32", _EQ,
          "decoders: the program keeps layer_0_out..layer_{n-1}_out, so layers can be compared",

@@ -200,3 +200,43 @@ def test_tiny_decision_recipe_converts_partitioned_with_one_ne_segment(
         cfg.write_text(cfg.read_text().replace('"temperature": 1.5', '"temperature": 1.25'))
         with pytest.raises(InputError, match="encoder and decision head"):
             recheck(out)
+
+
+def test_mil_marker_rows_gate_catches_an_emitted_tail_reading_the_wrong_slot(
+    case: DecisionCase, tmp_path: Path
+) -> None:
+    from converter.coreml import save_package, to_mlprogram, trace
+    from converter.targets import TARGETS
+    from converter.tasks.decision_contract import island_contract, tail_contract
+    from converter.tasks.encoder import program_module
+    from graph_passes.decision import DecisionIsland
+    from graph_passes.partition import host_embedding
+    from parity.decision_mil import tail_marker_rows_error
+
+    program = program_module(case.module, "float16")
+    host = host_embedding(_encoder(case), 24, True)
+
+    def emit(module: torch.nn.Module, contract, name: str) -> Path:  # type: ignore[no-untyped-def]
+        inputs, outputs = contract
+        target = TARGETS["macOS14"].ct_target()
+        ml = to_mlprogram(trace(module, inputs), inputs, outputs, target, "float16")
+        return save_package(ml, tmp_path / name)
+
+    island = emit(
+        DecisionIsland(program).eval(), island_contract(program, "float16"), "i.mlpackage"
+    )
+    errors = {}
+    for label, cls in (("right", DecisionTail), ("offset", OffsetTail)):
+        tail = cls(case.model.head, case.tail.io).eval()
+        package = emit(tail, tail_contract(program, tail, "float16"), f"{label}.mlpackage")
+        errors[label] = tail_marker_rows_error(
+            package, island, host, tail.spec, case.batches, "float16"
+        )
+    assert errors["right"][0] < 1e-6
+    assert errors["offset"][0] > 0.1 and errors["offset"][1].startswith("marker_rows")
+
+
+def _encoder(case: DecisionCase):  # type: ignore[no-untyped-def]
+    from graph_passes.adapters import adapt_encoder
+
+    return adapt_encoder(case.model.encoder.config, case.model.encoder.state_dict())

@@ -53,7 +53,7 @@ from parity.decision_gates import (
     make_decision_batches,
     rows_to_json,
 )
-from parity.decision_mil import decision_mil_runner
+from parity.decision_mil import decision_mil_runner, tail_marker_rows_error
 from parity.decision_reference import DecisionHeadReference, run_decision_reference
 from parity.encoder_gates import MIL_LEVEL, fp16_module
 from parity.encoder_mil import layer_level
@@ -300,6 +300,15 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
         )
     )  # fmt: skip
     run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
+    rows_error, rows_where = tail_marker_rows_error(
+        packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches, recipe.io.dtype
+    )
+    report.gates.append(
+        gate("mil-fp32", "fp32_marker_rows_rel_error").check(
+            rows_error, recipe.decision.fp32_marker_rows_rel_error, where=rows_where,
+            detail="the emitted tail's gather at candidate_positions, fp32 profile",
+        )
+    )  # fmt: skip
     mil_report, mil_rows = check_decision(
         rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(recipe),
         extra={MIL_LEVEL: runner}, torch_levels=False,
