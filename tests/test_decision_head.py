@@ -101,3 +101,30 @@ def test_load_head_from_the_documented_layout(tmp_path: Path) -> None:
     (path / "decision_head" / "model.safetensors").unlink()
     with pytest.raises(InputError, match=r"decision_head/model\.safetensors: missing"):
         load_head(path, canonical.spec)
+
+
+def test_a_cls_head_with_extra_action_features_matches_its_reference() -> None:
+    # The scorer reads the CLS row and gives K logits; the action head reads the raw
+    # probabilities, the logits and the CLS row (4 + 4 + 64 inputs).
+    t = tiny_decision(
+        candidates={"kind": "cls"},
+        scorer={"widths": [64, 16, 4], "activation": "tanh"},
+        action={
+            "inputs": ["raw_probs", "scorer_logits", "cls_row"],
+            "widths": [72, 8, 3],
+            "activation": "relu",
+        },  # fmt: skip
+    )
+    canonical = adapt_encoder(t.encoder.config, t.encoder.state_dict())
+    io = EncoderIO(1, 24, "token-ids", "last-hidden-state")
+    module, tail = DecisionEncoder(canonical, t.head, io).eval(), DecisionTail(t.head, io).eval()
+    seq = [1, *range(10, 27)]
+    ref = run_decision_reference(t.encoder, t.reference, tuple(seq), "r0")
+    ids = torch.zeros(1, 24, dtype=torch.long)
+    ids[0, : len(seq)] = torch.tensor(seq)
+    with torch.no_grad():
+        states = module.run_layers(module.embed(ids, None), key_mask_from_padding(ids != 0))
+        out = tail_outputs(tail(module.finish(states[-1]), None))
+    assert out["marker_rows"].shape == (1, 1, 64) and out["scorer_logits"].shape == (1, 4)
+    for name, value in out.items():
+        assert torch.allclose(value[0], getattr(ref.outputs, name), atol=1e-5), name

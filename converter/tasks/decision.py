@@ -36,7 +36,7 @@ from converter.tasks.decision_load import head_files, load_head
 from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
 from graph_passes.adapters import adapt_encoder
-from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail
+from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
 from graph_passes.decision_spec import CandidateError, DecisionHead
 from graph_passes.encoder import EncoderIO
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
@@ -183,8 +183,7 @@ def partitioned_runner(rw: DecisionRewrite) -> DecisionRunner:
         rows = rw.host(batch.input_ids, None).half()
         with torch.no_grad():
             out = tail(island(rows, key_mask), batch_positions(batch, tail.spec))
-        return None, dict(zip(("marker_rows", "scorer_logits", "raw_probs", "calibrated_probs",
-                               "action_probs"), out, strict=True))  # fmt: skip
+        return None, tail_outputs(out)
 
     return run
 

@@ -55,6 +55,8 @@ def load_head(
     try:
         head = adapt_head(source, tensors, first_layer=encoder.num_layers)
     except InputError as e:
-        raise InputError(f"{weights_path}: {e}") from None if "checkpoint tensor" in str(e) else e
+        if "checkpoint tensor" not in str(e):
+            raise  # a config error: it names the config file and key already
+        raise InputError(f"{weights_path}: {e}") from None  # a tensor error: name the file
     digest = sha256_file(config_path) + sha256_file(weights_path)
     return head, tensors, digest
