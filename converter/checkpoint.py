@@ -32,6 +32,7 @@ _ENCODER_TASKS = {
     "feature-extraction": "AutoModel",
     "sentence-similarity": "AutoModel",
     "text-classification": "AutoModelForSequenceClassification",
+    "decision": "AutoModel",  # the encoder; its decision head is read beside it
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 

@@ -211,6 +211,14 @@ _REGISTRY: tuple[Gate, ...] = (
          "gates.fp16_min_cosine"),
     Gate("finite_outputs", "torch-fp16", _EQ, _FINITE, fixed=1.0),
     Gate("deterministic", "torch-fp16", _EQ, "two runs give identical bits", fixed=1.0),
+    # decision models (task decision): the gathered candidate rows, then every output
+    Gate("fp32_marker_rows_rel_error", "torch-fp32", _LE,
+         "decision: worst ||r' - r|| / ||r|| of the gathered candidate rows per request",
+         "decision.fp32_marker_rows_rel_error"),
+    Gate("fp32_marker_rows_rel_error", "mil-fp32", _LE,
+         "decision: the tail program (fp32 profile) on the island program's output, its "
+         "gathered rows against the rows at the requests' positions",
+         "decision.fp32_marker_rows_rel_error"),
     # the emitted program in the MIL evaluator
     Gate("layer_markers_present", "mil-fp32", _EQ,
          "decoders: the program keeps layer_0_out..layer_{n-1}_out, so layers can be compared",
@@ -231,6 +239,36 @@ _REGISTRY: tuple[Gate, ...] = (
          "decoders: values of the program (every op's output, not only the outputs) that "
          "hold an inf or NaN, padded positions included", fixed=0.0),
     Gate("deterministic", "mil-fp16", _EQ, "encoders: two runs give identical bits", fixed=1.0),
+    Gate("candidate_argmax_agreement", "torch-fp16", _GE,
+         "decision: share of requests whose chosen candidate matches the original",
+         "decision.candidate_argmax_agreement"),
+    Gate("action_argmax_agreement", "torch-fp16", _GE,
+         "decision: share of requests whose chosen action matches the original",
+         "decision.action_argmax_agreement"),
+    Gate("max_abs_dprob_calibrated", "torch-fp16", _LE,
+         "decision: largest |p' - p| of the calibrated candidate probabilities softmax(z / T)",
+         "decision.max_abs_dprob_calibrated"),
+    Gate("max_abs_dprob_action", "torch-fp16", _LE,
+         "decision: largest |p' - p| of the action probabilities", "decision.max_abs_dprob_action"),
+    Gate("temperature_certificate", "torch-fp16", _LE,
+         "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
+         "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
+         fixed=1.0),
+    Gate("candidate_argmax_agreement", "mil-fp16", _GE,
+         "decision: share of requests whose chosen candidate matches the original",
+         "decision.candidate_argmax_agreement"),
+    Gate("action_argmax_agreement", "mil-fp16", _GE,
+         "decision: share of requests whose chosen action matches the original",
+         "decision.action_argmax_agreement"),
+    Gate("max_abs_dprob_calibrated", "mil-fp16", _LE,
+         "decision: largest |p' - p| of the calibrated candidate probabilities softmax(z / T)",
+         "decision.max_abs_dprob_calibrated"),
+    Gate("max_abs_dprob_action", "mil-fp16", _LE,
+         "decision: largest |p' - p| of the action probabilities", "decision.max_abs_dprob_action"),
+    Gate("temperature_certificate", "mil-fp16", _LE,
+         "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
+         "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
+         fixed=1.0),
     # a compressed variant, each gate at torch fp16 and in the MIL evaluator
     Gate("min_top1_agreement", "compression", _GE,
          "share of held-out positions (an encoder classifier's: sentences) whose argmax "

@@ -13,7 +13,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from converter.recipe import DecoderRecipe, EncoderRecipe
+from converter.recipe import DecisionRecipe, DecoderRecipe, EncoderRecipe
 from parity.gate import Gate, registered
 
 
@@ -35,7 +35,7 @@ def recipe_field(key: str) -> FieldInfo:
     """The recipe schema's field at dotted ``key`` ("[]" steps into a list's items), in the
     schema of any task that has it; KeyError naming the step that does not exist."""
     problems = []
-    for recipe in (DecoderRecipe, EncoderRecipe):
+    for recipe in (DecoderRecipe, EncoderRecipe, DecisionRecipe):
         try:
             return _field(recipe, key)
         except KeyError as e:

@@ -134,6 +134,37 @@ def encoder(
     return Built(name, package, None, None, precision, mlmodel, None, "encoder")
 
 
+def decision(out: Path, piece: str) -> Built:
+    """The tiny decision model's NE island (encoder + head layers) or its CPU tail (gather at
+    run-time positions, scorer, softmaxes, action head), as the decision task emits them."""
+    from decision_models import tiny_decision
+
+    from converter.tasks.decision_contract import island_contract as decision_island
+    from converter.tasks.decision_contract import tail_contract as decision_tail
+    from graph_passes.adapters import adapt_encoder
+    from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail
+    from graph_passes.encoder import EncoderIO
+
+    t = tiny_decision()
+    canonical = adapt_encoder(t.encoder.config, t.encoder.state_dict())
+    io = EncoderIO(3, LENGTH, "token-ids", "last-hidden-state")
+    module = program_module(DecisionEncoder(canonical, t.head, io).eval(), "float16")
+    assert isinstance(module, DecisionEncoder)
+    tail = DecisionTail(t.head, io).eval()
+    part, (ins, outs) = (
+        (DecisionIsland(module), decision_island(module, "float16"))
+        if piece == "island"
+        else (tail, decision_tail(module, tail, "float16"))
+    )
+    mlmodel = to_mlprogram(
+        trace(part.eval(), ins), ins, outs, TARGETS["macOS14"].ct_target(), "float16"
+    )
+    name = f"modernbert-decision-{piece}"
+    package = out / f"{name}.mlpackage"
+    mlmodel.save(str(package))
+    return Built(name, package, None, None, "float16", mlmodel, None, "encoder")
+
+
 Builder = Callable[[Path, "Programs"], Built]
 
 
@@ -164,6 +195,8 @@ PROGRAMS: dict[str, Builder] = {
     "modernbert-hidden": lambda out, _: encoder(out, "modernbert", "last-hidden-state"),
     "modernbert-island": lambda out, _: encoder(out, "modernbert", "logits", "island"),
     "modernbert-tail": lambda out, _: encoder(out, "modernbert", "logits", "tail"),
+    "modernbert-decision-island": lambda out, _: decision(out, "island"),
+    "modernbert-decision-tail": lambda out, _: decision(out, "tail"),
 }
 
 

@@ -27,7 +27,15 @@ from tiny_models import (
 )
 
 from converter.errors import InputError
-from graph_passes.archs import ADAPTERS, ENCODER_ADAPTERS, REGISTRY, adapt, architectures, find
+from graph_passes.archs import (
+    ADAPTERS,
+    ENCODER_ADAPTERS,
+    HEAD_ADAPTERS,
+    REGISTRY,
+    adapt,
+    architectures,
+    find,
+)
 from graph_passes.archs.table import Row, Skip, map_weights
 from graph_passes.archs.weights import WeightReader
 from parity.gates import module_inputs
@@ -50,7 +58,9 @@ def test_every_architecture_is_registered_by_model_type_and_class() -> None:
         for cls in arch.classes:
             assert find(SimpleNamespace(model_type="unknown", architectures=[cls])) is arch
         assert arch.tasks and arch.refuses
-        table = ADAPTERS if arch.family == "decoder" else ENCODER_ADAPTERS
+        table = {"decoder": ADAPTERS, "encoder": ENCODER_ADAPTERS, "head": HEAD_ADAPTERS}[
+            arch.family
+        ]
         assert all(table[t] is arch.adapt for t in arch.model_types)
     assert set(DECODERS) <= {a.name for a in architectures() if a.family == "decoder"}
 

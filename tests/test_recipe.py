@@ -97,7 +97,7 @@ ERROR_CASES = [
      "shapes", "expected a mapping with keys batch, sequence_length, got 8"),
     ("task", edit("task: text-generation", "task: chat"), 2,
      "task", "expected one of text-generation, feature-extraction, text-classification, "
-     "sentence-similarity, got 'chat'"),
+     "sentence-similarity, decision, got 'chat'"),
     ("source-kind", edit("kind: gguf", "kind: onnx"), 4,
      "source.kind", "expected one of hf-dir, gguf, python-package, got 'onnx'"),
     ("missing-source", edit("source:\n  kind: gguf\n  path: model.gguf", "\n\n"), 1,

@@ -254,6 +254,7 @@ def test_every_task_key_is_a_field_of_each_task_that_reads_it() -> None:
     assert {recipe_model(t) for t in TASKS} == {
         recipe_model("text-generation"),
         recipe_model("feature-extraction"),
+        recipe_model("decision"),
     }
     for key in TASK_KEYS:
         assert key.tasks and set(key.tasks) <= set(TASKS), key

@@ -241,8 +241,49 @@ def _fmt(value: Any) -> str:
     show_default=True,
     help="Sample 'ANE Power' with sudo -n powermetrics while the NE runs (where permitted).",
 )
+@click.option(
+    "--energy",
+    is_flag=True,
+    help="Record energy per decision against --baseline (see anec energy-report).",
+)
+@click.option(
+    "--baseline",
+    type=_PATH,
+    default=None,
+    help="--energy: the baseline package or artifact (run with CPU_AND_GPU).",
+)
+@click.option(
+    "--blocks",
+    type=click.IntRange(min=5),
+    default=5,
+    show_default=True,
+    help="--energy: sustained blocks per arm, alternating baseline and candidate.",
+)
+@click.option(
+    "--block-seconds",
+    type=click.FloatRange(min=1.0),
+    default=20.0,
+    show_default=True,
+    help="--energy: length of each sustained block.",
+)
+@click.option(
+    "--tick-hz",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="--energy: equal offered load at this decision rate (default: saturated).",
+)
 def bench_device(
-    artifact: Path, out_file: Path, runs: int, warmup: int, units: tuple[str, ...], power: bool
+    artifact: Path,
+    out_file: Path,
+    runs: int,
+    warmup: int,
+    units: tuple[str, ...],
+    power: bool,
+    energy: bool,
+    baseline: Path | None,
+    blocks: int,
+    block_seconds: float,
+    tick_hz: float | None,
 ) -> None:
     """Measure prediction latency (and NE power) of ARTIFACT on this Mac (evidence: observed).
 
@@ -250,11 +291,24 @@ def bench_device(
     then times repeated predictions: median, p10/p90, IQR, min, max. Writes a JSON that
     `anec plan-inspect --observed FILE` reads. Needs macOS; it has never run on the Linux
     machines anec is developed on, so treat its first results with care.
+
+    With --energy: energy per decision of ARTIFACT against --baseline in alternating
+    sustained blocks, power from powermetrics (CPU + GPU + ANE); `anec energy-report FILE`
+    analyses the result (also never run on a Mac yet).
     """
     from converter.plan.device_bench import bench_package
     from converter.publish import write_json_atomic
 
     package = _single_package(artifact)
+    if energy:
+        from converter.plan.energy_run import record_energy
+
+        if baseline is None:
+            raise click.UsageError("--energy needs --baseline")
+        doc = record_energy(package, _single_package(baseline), blocks, block_seconds, tick_hz)
+        write_json_atomic(out_file, doc)
+        click.echo(f"wrote {out_file}")
+        return
     doc = bench_package(package, runs, warmup, units, power)
     write_json_atomic(out_file, doc)
     click.echo(f"wrote {out_file}")
@@ -279,6 +333,23 @@ def plan_baseline(recipe_ref: str, out_dir: Path | None, force: bool) -> None:
     click.echo(f"baseline: {path}")
 
 
+@click.command("energy-report")
+@click.argument("run_file", metavar="FILE", type=_PATH)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def energy_report_command(run_file: Path, as_json: bool) -> None:
+    """Energy per decision from a recorded `bench-device --energy` FILE: t, P, E = P x t (raw
+    and idle-subtracted), S, R and S x R with 95 % bootstrap intervals over the paired
+    blocks, P50/P95 latency, missed deadlines; an N-fold claim only when the interval's lower
+    bound reaches N."""
+    import json
+
+    from converter.plan.energy import read_energy
+    from converter.plan.energy_report import energy_report, report_text
+
+    doc = energy_report(read_energy(run_file))
+    click.echo(json.dumps(doc, indent=2) if as_json else report_text(doc))
+
+
 def plan_commands() -> list[click.Command]:
     """The commands this package adds to ``anec``."""
-    return [plan_inspect, bench_device, plan_baseline]
+    return [plan_inspect, bench_device, plan_baseline, energy_report_command]

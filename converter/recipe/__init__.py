@@ -21,6 +21,7 @@ from converter.recipe.loader import (
 from converter.recipe.schema import (
     MAX_NAME_LENGTH,
     AttentionForm,
+    DecisionRecipe,
     DecoderRecipe,
     EncoderRecipe,
     Recipe,
@@ -32,6 +33,7 @@ from converter.recipe.schema import (
 )
 from converter.recipe.sections import (
     MAX_AXIS,
+    DecisionOptions,
     DType,
     EncoderIOSpec,
     EncoderOptions,
@@ -64,6 +66,8 @@ __all__ = [
     "TASKS",
     "TASK_KEYS",
     "AttentionForm",
+    "DecisionOptions",
+    "DecisionRecipe",
     "DType",
     "DecoderRecipe",
     "DecoderTask",

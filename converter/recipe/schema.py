@@ -20,6 +20,7 @@ from converter.compress.config import Compression, compression_problems
 from converter.errors import InputError
 from converter.recipe.sections import (
     MAX_AXIS,
+    DecisionOptions,
     DType,
     EncoderIOSpec,
     EncoderOptions,
@@ -30,8 +31,10 @@ from converter.recipe.sections import (
 )
 from converter.recipe.sources import ModelSource, ResolvedSource
 from converter.recipe.tasks import (
+    DECISION_TASKS,
     DECODER_TASKS,
     ENCODER_TASKS,
+    DecisionTask,
     DecoderTask,
     EncoderTask,
     Task,
@@ -85,7 +88,7 @@ def cross_field_problems(
         reason = f"asks for the last {io.logits} positions but shapes.sequence_length is {length}"
         problems.append((("io", "logits"), reason))
     folded = shapes.batch * length
-    if task in ENCODER_TASKS and folded > MAX_AXIS:
+    if (task in ENCODER_TASKS or task in DECISION_TASKS) and folded > MAX_AXIS:
         # An encoder folds the batch into the sequence axis (one [1, D, 1, B*L] program).
         reason = (
             f"batch {shapes.batch} x sequence_length {length} = {folded} exceeds the Neural "
@@ -210,19 +213,35 @@ class EncoderRecipe(RecipeBase):
         return self
 
 
-Recipe = DecoderRecipe | EncoderRecipe
-RECIPE_MODELS: tuple[type[DecoderRecipe] | type[EncoderRecipe], ...] = (
-    DecoderRecipe,
-    EncoderRecipe,
-)
+class DecisionRecipe(RecipeBase):
+    """A decision recipe: a ModernBERT encoder with a decision head (docs/decision-head.md),
+    partitioned host embedding | NE island | CPU tail."""
+
+    task: DecisionTask
+    io: EncoderIOSpec = Field(default_factory=EncoderIOSpec)
+    decision: DecisionOptions = Field(default_factory=DecisionOptions)
+
+    @model_validator(mode="after")
+    def _no_compression(self) -> DecisionRecipe:
+        if self.compression is not None:
+            problem = "compressed variants of a decision model are not implemented"
+            raise_rules("Recipe", [(("compression",), problem)])
+        return self
 
 
-def recipe_model(task: Any) -> type[DecoderRecipe] | type[EncoderRecipe] | None:
+Recipe = DecoderRecipe | EncoderRecipe | DecisionRecipe
+RecipeModel = type[DecoderRecipe] | type[EncoderRecipe] | type[DecisionRecipe]
+RECIPE_MODELS: tuple[RecipeModel, ...] = (DecoderRecipe, EncoderRecipe, DecisionRecipe)
+
+
+def recipe_model(task: Any) -> RecipeModel | None:
     """The schema for ``task``, or None for a task that is not one of anec's tasks."""
     if task in DECODER_TASKS:
         return DecoderRecipe
     if task in ENCODER_TASKS:
         return EncoderRecipe
+    if task in DECISION_TASKS:
+        return DecisionRecipe
     return None
 
 
@@ -252,7 +271,7 @@ def validate_recipe(data: Any) -> Recipe:
         RecipeBase.model_validate(common_part(data) if isinstance(data, dict) else data)
         raise AssertionError("a recipe without a known task validated")  # pragma: no cover
     recipe = model.model_validate(data)
-    assert isinstance(recipe, DecoderRecipe | EncoderRecipe)
+    assert isinstance(recipe, DecoderRecipe | EncoderRecipe | DecisionRecipe)
     return recipe
 
 

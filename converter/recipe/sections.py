@@ -139,3 +139,30 @@ class EncoderOptions(StrictModel):
             problem = "needs partition: host-embedding (the table is normalised on the host)"
             raise_rules("EncoderOptions", [(("prenormalize_embeddings",), problem)])
         return self
+
+
+class DecisionOptions(StrictModel):
+    """Decision models only (task decision): where the head is and its gates
+    (docs/decision-head.md). The partition is fixed: host embedding | NE island (encoder and
+    head layers) | CPU tail (selection, scorer, calibration, action head)."""
+
+    # The head's folder inside the checkpoint directory (config.json + model.safetensors).
+    head_dir: str = Field(default="decision_head", min_length=1)
+    # Ship the token table already normalised (ModernBERT's norm reads the token row alone).
+    prenormalize_embeddings: bool = Field(default=True, strict=True)
+    # Gates (SPEC section 4), fixed here before anything is measured.
+    fp32_marker_rows_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
+    candidate_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
+    action_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
+    max_abs_dprob_calibrated: float = Field(default=0.02, gt=0, le=1, strict=True)
+    max_abs_dprob_action: float = Field(default=0.02, gt=0, le=1, strict=True)
+    # Requests whose reference scorer logits have top1 - top2 below this form the
+    # narrow-margin slice (reported per slice).
+    narrow_margin: float = Field(default=1.0, gt=0, strict=True)
+
+    @field_validator("head_dir")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if value.startswith(("/", "~")) or ".." in value.split("/"):
+            raise rule(f"expected a folder inside the checkpoint directory, got {got(value)}")
+        return value

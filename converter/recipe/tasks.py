@@ -21,14 +21,18 @@ from typing import Any, Literal, get_args
 from converter.yaml_errors import Loc
 
 Task = Literal[
-    "text-generation", "feature-extraction", "text-classification", "sentence-similarity"
-]
+    "text-generation", "feature-extraction", "text-classification", "sentence-similarity",
+    "decision",
+]  # fmt: skip
 DecoderTask = Literal["text-generation"]
 EncoderTask = Literal["feature-extraction", "text-classification", "sentence-similarity"]
+# An encoder with a decision head (docs/decision-head.md): its own schema, `DecisionRecipe`.
+DecisionTask = Literal["decision"]
 
 TASKS: tuple[str, ...] = get_args(Task)
 DECODER_TASKS: tuple[str, ...] = get_args(DecoderTask)
 ENCODER_TASKS: tuple[str, ...] = get_args(EncoderTask)
+DECISION_TASKS: tuple[str, ...] = get_args(DecisionTask)
 
 _LOGIT_TASKS = ("text-generation", "text-classification")
 EACH = "*"  # in a key path: every item of a list
@@ -55,7 +59,7 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     TaskKey(("io", "lm_head_chunk"), DECODER_TASKS, "the LM head's vocabulary chunk"),
     TaskKey(
         ("gates", "fp32_logits_rel_error"),
-        ("text-generation", "feature-extraction", "text-classification"),
+        ("text-generation", "feature-extraction", "text-classification", "decision"),
         "relative error of logits or hidden states (a sentence embedding is gated on "
         "gates.fp32_min_cosine)",
     ),

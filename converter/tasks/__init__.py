@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from converter.errors import InputError
 from converter.progress import Steps
 from converter.steps import Step
-from converter.tasks import encoder, text_generation
+from converter.tasks import decision, encoder, text_generation
 from converter.tasks.base import Job, TaskRun
 
 R = TypeVar("R", bound=TaskRun)
@@ -46,11 +46,20 @@ _ENCODER = Task(
     "encoder", encoder.EncoderRun, encoder.CONVERT_STEPS, encoder.RECHECK_STEPS, encoder.compress
 )
 
+_DECISION = Task(
+    "decision",
+    decision.DecisionRun,
+    decision.CONVERT_STEPS,
+    decision.RECHECK_STEPS,
+    decision.compress,
+)
+
 TASKS: dict[str, Task[Any]] = {
     "text-generation": _DECODER,
     "feature-extraction": _ENCODER,
     "sentence-similarity": _ENCODER,
     "text-classification": _ENCODER,
+    "decision": _DECISION,
 }
 
 

@@ -59,6 +59,8 @@ ADAPTERS: dict[str, Adapter] = {
 ENCODER_ADAPTERS: dict[str, EncoderAdapter] = {
     t: cast(EncoderAdapter, a.adapt) for t, a in REGISTRY.items() if a.family == "encoder"
 }
+# Parts adapted with their encoder (the decision head: `archs.decision_head.HeadSource`).
+HEAD_ADAPTERS = {t: a.adapt for t, a in REGISTRY.items() if a.family == "head"}
 
 
 def architectures() -> tuple[Architecture, ...]:

@@ -8,9 +8,11 @@ from typing import Literal
 
 import torch
 
+from graph_passes.decision_spec import DecisionHead
 from graph_passes.spec import CanonicalModel, EncoderModel
 
-Family = Literal["decoder", "encoder"]
+# "head": a part that sits on an encoder (the decision head), adapted with its encoder.
+Family = Literal["decoder", "encoder", "head"]
 
 
 @dataclass(frozen=True)
@@ -28,4 +30,6 @@ class Architecture:
     classes: tuple[str, ...]  # Hugging Face architecture class names (config.architectures)
     tasks: tuple[str, ...]
     refuses: tuple[str, ...]
-    adapt: Callable[[object, Mapping[str, torch.Tensor]], CanonicalModel | EncoderModel]
+    adapt: Callable[
+        [object, Mapping[str, torch.Tensor]], CanonicalModel | EncoderModel | DecisionHead
+    ]

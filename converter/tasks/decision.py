@@ -1,0 +1,359 @@
+"""The decision task: a ModernBERT encoder with a decision head (docs/decision-head.md).
+
+    load -> rewrite (encoder + head stack, tail, prenormalised host table, prescales) ->
+    reference (transformers encoder + reference head) -> torch parity (fp32 per layer and per
+    output; fp16 and the partitioned pieces) -> convert (NE island, CPU tail; layer markers)
+    -> MIL parity (island fp32 per layer; island + tail fp16 gated) -> manifest -> plan
+
+The partition is fixed: host embedding rows (pre-normalised table) | NE island (every encoder
+layer, the encoder's final norm, every head layer, the head norm) | CPU tail (gather at the
+run-time candidate positions, scorer, raw and calibrated probabilities, action head on the raw
+probabilities). Steps shared with the encoder tasks are reused as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converter.checkpoint import load_checkpoint
+from converter.errors import InputError
+from converter.hashing import sha256_file
+from converter.manifest_fields import write_tokenizer
+from converter.markers import MarkerError
+from converter.progress import Steps
+from converter.publish import write_json_atomic, write_text_atomic
+from converter.recipe import DecisionRecipe
+from converter.steps import Advance, Step, Stop
+from converter.tasks.base import TaskRun, emit_program, need, plan
+from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
+from converter.tasks.decision_load import head_files, load_head
+from converter.tasks.encoder import program_module
+from converter.tasks.encoder_contract import encoder_deviations, write_host_files
+from graph_passes.adapters import adapt_encoder
+from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
+from graph_passes.decision_spec import CandidateError, DecisionHead
+from graph_passes.encoder import EncoderIO
+from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
+from graph_passes.masks import key_mask_from_padding
+from graph_passes.partition import HostEmbedding, host_embedding
+from graph_passes.prescale import NormScale
+from graph_passes.spec import EncoderModel
+from parity.decision_gates import (
+    DecisionRow,
+    DecisionRunner,
+    DecisionThresholds,
+    batch_positions,
+    check_decision,
+    make_decision_batches,
+    rows_to_json,
+)
+from parity.decision_mil import decision_mil_runner, tail_marker_rows_error
+from parity.decision_reference import DecisionHeadReference, run_decision_reference
+from parity.encoder_gates import MIL_LEVEL, fp16_module
+from parity.encoder_mil import layer_level
+from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
+from parity.gate import Worst, gate
+from parity.html_report import report_to_html
+from parity.mil.errors import MILError
+from parity.report import report_to_json, report_to_text
+from parity.threads import with_torch_threads
+
+PARTITIONED = "partitioned-fp16"
+
+
+@dataclass
+class DecisionRewrite:
+    """The BC1L decision model for a recipe, its fixtures, prescales and host step."""
+
+    encoder: EncoderModel
+    head: DecisionHead
+    head_tensors: dict[str, torch.Tensor]
+    head_sha256: str
+    module: DecisionEncoder
+    tail: DecisionTail
+    fixtures: list[Fixture]
+    batches: list[Batch]
+    slices: dict[str, list[str]]
+    scales: list[NormScale]
+    host: HostEmbedding
+
+
+@dataclass
+class DecisionRun(TaskRun):
+    """A decision conversion in progress."""
+
+    rewrite: DecisionRewrite | None = None
+    references: dict[str, Any] = field(default_factory=dict)
+    rows: list[DecisionRow] = field(default_factory=list)
+    extra_json: dict[str, Any] = field(default_factory=dict)
+
+    def num_layers(self) -> int:
+        """Encoder and head layers of the island."""
+        return len(need(self.rewrite, "the rewrite").module.layers)
+
+    @property
+    def recipe(self) -> DecisionRecipe:
+        """The recipe being converted (a decision recipe: the task registry says so)."""
+        recipe = self.job.recipe
+        assert isinstance(recipe, DecisionRecipe)
+        return recipe
+
+
+def thresholds(recipe: DecisionRecipe) -> DecisionThresholds:
+    """The recipe's decision gates (fixed in the recipe before measuring)."""
+    g, d = recipe.gates, recipe.decision
+    return DecisionThresholds(
+        fp32_layer_rel_error=g.fp32_layer_rel_error,
+        fp32_output_rel_error=g.fp32_logits_rel_error,
+        fp32_marker_rows_rel_error=d.fp32_marker_rows_rel_error,
+        candidate_argmax_agreement=d.candidate_argmax_agreement,
+        action_argmax_agreement=d.action_argmax_agreement,
+        max_abs_dprob_calibrated=d.max_abs_dprob_calibrated,
+        max_abs_dprob_action=d.max_abs_dprob_action,
+        narrow_margin=d.narrow_margin,
+    )
+
+
+def set_scales(module: DecisionEncoder, batches: list[Batch]) -> list[NormScale]:
+    """Measure every LayerNorm input (encoder, encoder norm, head) on the fixtures in fp32 and
+    set power-of-two prescales."""
+    norms = module.norms()
+
+    def run_all() -> None:
+        for batch in batches:
+            key_mask = key_mask_from_padding(batch.attention_mask).float()
+            module.finish(module.run_layers(module.embed(batch.input_ids, None), key_mask)[-1])
+
+    return apply_layer_norm_prescales(norms, measure_centred_l2(norms, run_all), FP16_EPS_FLOOR)
+
+
+def build_rewrite(recipe: DecisionRecipe, run: DecisionRun) -> DecisionRewrite:
+    """Adapt the encoder, read the head, build the stack, tail, fixtures and host step."""
+    ckpt = need(run.ckpt, "the checkpoint")
+    encoder = adapt_encoder(ckpt.config, ckpt.model.state_dict())
+    if encoder.spec.architecture != "modernbert":
+        raise InputError(
+            f"task decision: the encoder must be ModernBERT-family (ModernBERT, mmBERT), got "
+            f"{encoder.spec.architecture}"
+        )
+    head, tensors, digest = load_head(
+        run.job.source.directory, encoder.spec, recipe.decision.head_dir
+    )
+    length, batch = recipe.shapes.sequence_length, recipe.shapes.batch
+    io = EncoderIO(batch, length, "token-ids", "last-hidden-state")
+    module = DecisionEncoder(encoder, head, io).eval()
+    tail = DecisionTail(head, io).eval()
+    fixtures = build_fixtures(
+        recipe.fixtures.prompts, recipe.fixtures.token_ids, ckpt.tokenizer, length,
+        encoder.spec.embedding.vocab_size, recipe.fixtures.padded_variants,
+    )  # fmt: skip
+    try:
+        batches, slices = make_decision_batches(
+            fixtures, batch, length, pad_id(ckpt.tokenizer, ckpt.config), head.spec
+        )
+    except CandidateError as e:
+        raise InputError(f"fixtures: {e}") from None
+    scales = set_scales(module, batches)
+    dtype = torch.float16 if recipe.io.dtype == "float16" else torch.float32
+    host = host_embedding(encoder, length, recipe.decision.prenormalize_embeddings, dtype)
+    return DecisionRewrite(encoder, head, tensors, digest, module, tail, fixtures, batches,
+                           slices, scales, host)  # fmt: skip
+
+
+def fp16_pieces(rw: DecisionRewrite) -> tuple[DecisionEncoder, DecisionTail]:
+    """The stack with fp16 epsilon floors and the tail, cast to fp16 (what the program stores)."""
+    half = fp16_module(rw.module)
+    assert isinstance(half, DecisionEncoder)
+    return half, copy.deepcopy(rw.tail).half().eval()
+
+
+def partitioned_runner(rw: DecisionRewrite) -> DecisionRunner:
+    """Host embedding -> island (fp16) -> tail (fp16), as the runtime calls them."""
+    half, tail = fp16_pieces(rw)
+    island = DecisionIsland(half).eval()
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
+        key_mask = key_mask_from_padding(batch.attention_mask).half()
+        rows = rw.host(batch.input_ids, None).half()
+        with torch.no_grad():
+            out = tail(island(rows, key_mask), batch_positions(batch, tail.spec))
+        return None, tail_outputs(out)
+
+    return run
+
+
+def write_parity(run: DecisionRun) -> None:
+    """parity.json, parity.txt and parity.html of the report so far."""
+    report, directory = need(run.report, "the torch report"), run.job.directory
+    extra = {"recipe": run.recipe.name, "decision_requests": rows_to_json(run.rows)}
+    doc = report_to_json(report, {**extra, **run.extra_json})
+    write_json_atomic(directory / "parity.json", doc)
+    write_text_atomic(directory / "parity.txt", report_to_text(report) + "\n")
+    write_text_atomic(
+        directory / "parity.html", report_to_html(doc, f"anec parity report: {run.recipe.name}")
+    )
+
+
+# ---- steps -----------------------------------------------------------------------------------
+
+
+def load_with_head(run: DecisionRun, advance: Advance) -> None:
+    """Load the encoder checkpoint; its recorded sha256 covers the head's two files too, so
+    `anec parity` refuses an artifact whose head changed since it was converted."""
+    job = run.job
+    ckpt = load_checkpoint(job.source, run.recipe.task, allow_pickle=job.allow_pickle)
+    digest = hashlib.sha256(ckpt.sha256.encode())
+    for path in head_files(job.source.directory, run.recipe.decision.head_dir):
+        if not path.is_file():
+            raise InputError(f"{path}: missing; a decision checkpoint holds its head there "
+                             "(see docs/decision-head.md)")  # fmt: skip
+        digest.update(sha256_file(path).encode())
+    ckpt.sha256 = digest.hexdigest()
+    expected = job.expected_checkpoint_sha256
+    if expected is not None and ckpt.sha256 != expected:
+        raise InputError(
+            f"{job.source.directory}: the checkpoint (encoder and decision head) differs from "
+            f"the one the artifact was converted from (sha256 {ckpt.sha256[:12]}..., manifest "
+            f"{expected[:12]}...)"
+        )
+    run.ckpt = ckpt
+
+
+def rewrite(run: DecisionRun, advance: Advance) -> None:
+    """Adapt the checkpoint and the head into the BC1L stack, its tail and host step."""
+    run.rewrite = build_rewrite(run.recipe, run)
+
+
+def references(run: DecisionRun, advance: Advance) -> None:
+    """The original function on every fixture, unpadded; then the encoder's memory is freed."""
+    ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
+    head = DecisionHeadReference(ckpt.config, rw.head.spec).eval()
+    head.load_head(rw.head_tensors)
+    for fixture in rw.fixtures:
+        run.references[fixture.name] = run_decision_reference(
+            ckpt.model, head, fixture.token_ids, fixture.name
+        )
+        advance()
+    del ckpt.model
+
+
+def torch_parity(run: DecisionRun, advance: Advance) -> Stop | None:
+    """The stack in fp32 and fp16 and the partitioned pieces against the reference."""
+    rw = need(run.rewrite, "the rewrite")
+    run.report, run.rows = check_decision(
+        rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(run.recipe),
+        extra={PARTITIONED: partitioned_runner(rw)}, fp16=fp16_pieces(rw),
+    )  # fmt: skip
+    run.report.implementations[PARTITIONED] = (
+        "host embedding from the shipped pre-normalised table -> island -> tail, each the fp16 "
+        "torch module"
+    )
+    write_parity(run)
+    return None if run.report.passed else Stop("parity")
+
+
+def convert(run: DecisionRun, advance: Advance) -> None:
+    """Trace (layer outputs marked), convert and save the island and the tail."""
+    rw, recipe = need(run.rewrite, "the rewrite"), run.recipe
+    program = program_module(rw.module, recipe.precision)
+    assert isinstance(program, DecisionEncoder)
+    dtype, n = recipe.io.dtype, len(program.layers)
+    island = DecisionIsland(program).eval()
+    emit_program(run, "island", island, island_contract(program, dtype),
+                 f"{recipe.name}.island.mlpackage", n)  # fmt: skip
+    emit_program(run, "tail", copy.deepcopy(rw.tail).eval(), tail_contract(program, rw.tail, dtype),
+                 f"{recipe.name}.tail.mlpackage")  # fmt: skip
+
+
+def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
+    """The island in the MIL evaluator's fp32 profile, layer by layer, against the stack; the
+    island + tail in the fp16 profile, gated against the reference."""
+    rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
+    packages = {p.piece: p.path for p in run.programs}
+    try:
+        level = layer_level(
+            packages["island"], rw.module, rw.host, rw.batches, recipe.io.dtype, recipe.precision
+        )
+        runner = decision_mil_runner(packages, rw.host, rw.tail.spec, recipe.io.dtype)
+    except (MILError, MarkerError) as e:
+        report.gates.append(gate("mil-fp32", "evaluator_runs_program").check(
+            0.0, detail=f"cannot run the program: {e}"))  # fmt: skip
+        write_parity(run)
+        return Stop("MIL-level")
+    report.gates.append(gate("mil-fp32", "evaluator_runs_program").check(
+        1.0, detail=f"{len(packages)} program(s) prepared; layer markers found"))  # fmt: skip
+    worst = Worst(0.0)
+    for i, err in enumerate(level.layer_rel_error):
+        worst.see(err, rw.module.layer_name(i))
+    report.gates.append(
+        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
+            worst.value, recipe.gates.mil_fp32_layer_rel_error, where=worst.where,
+            detail="max over encoder and head layers and requests of ||h'-h||/||h|| at real "
+            "slots, against the stack with the program's constants in fp64",
+        )
+    )  # fmt: skip
+    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
+    rows_error, rows_where = tail_marker_rows_error(
+        packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches, recipe.io.dtype
+    )
+    report.gates.append(
+        gate("mil-fp32", "fp32_marker_rows_rel_error").check(
+            rows_error, recipe.decision.fp32_marker_rows_rel_error, where=rows_where,
+            detail="the emitted tail's gather at candidate_positions, fp32 profile",
+        )
+    )  # fmt: skip
+    mil_report, mil_rows = check_decision(
+        rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(recipe),
+        extra={MIL_LEVEL: runner}, torch_levels=False,
+    )  # fmt: skip
+    report.gates.extend(mil_report.gates)
+    report.implementations[MIL_LEVEL] = "anec MIL evaluator, profile fp16, island then tail"
+    for row, mil_row in zip(run.rows, mil_rows, strict=True):
+        for name, value in vars(mil_row).items():
+            if isinstance(value, dict):  # per-implementation figures: add the MIL level's
+                getattr(row, name).update(value)
+    write_parity(run)
+    return None if report.passed else Stop("MIL-level")
+
+
+def manifest(run: DecisionRun, advance: Advance) -> None:
+    """Write the host table, the tokenizer and manifest.json."""
+    rw, ckpt, directory = need(run.rewrite, "rewrite"), need(run.ckpt, "ckpt"), run.job.directory
+    host_files = write_host_files(directory, rw.host)
+    tokenizer = write_tokenizer(directory, ckpt.tokenizer, "the checkpoint's tokenizer")
+    deviations = encoder_deviations(rw.module, rw.scales, 1.0, rw.host, run.recipe.precision)
+    run.manifest = decision_manifest(
+        run.job, ckpt, rw.module, rw.head, rw.head_sha256, run.programs, host_files, tokenizer,
+        deviations, rw.host,
+    )  # fmt: skip
+    write_json_atomic(directory / "manifest.json", run.manifest.model_dump(mode="json"))
+
+
+def _fixture_count(run: DecisionRun) -> int:
+    return len(need(run.rewrite, "the rewrite").fixtures)
+
+
+CONVERT_STEPS: tuple[Step[DecisionRun], ...] = (
+    Step("load checkpoint and head", load_with_head),
+    Step("rewrite to BC1L (encoder + decision head)", with_torch_threads(rewrite)),
+    Step("reference (original model and head)", with_torch_threads(references), _fixture_count),
+    Step("parity (torch fp32, fp16, partitioned)", with_torch_threads(torch_parity)),
+    Step("convert island and tail", convert),
+    Step("parity (MIL: fp32, fp16)", with_torch_threads(mil_parity)),
+    Step("write manifest", manifest),
+    Step("plan (static)", plan),
+)
+RECHECK_STEPS = tuple(s for s in CONVERT_STEPS if s.run not in (convert, manifest, plan))
+
+
+def compress(
+    run: DecisionRun, published: Path, out_dir: Path, force: bool, progress: Steps
+) -> list[Any]:
+    """No compressed variants for decision models (the recipe refuses a compression section)."""
+    return []
