@@ -196,7 +196,9 @@ class CachedDecoder(nn.Module):
             return (*logits, rows)
         slots = named["write_slots"]
         keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
-        self.kv_cache.copy_(raw * keep + torch.matmul(slots, rows))
+        # One state write of the whole cache (the assignment coremltools reads as a state
+        # update; converter.mil_passes folds its whole-tensor slice_update away).
+        self.kv_cache[:, :, :, :] = raw * keep + torch.matmul(slots, rows)
         return logits
 
     def _layer(

@@ -108,3 +108,24 @@ def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Runne
         return result
 
     return run
+
+
+def mil_runner(
+    program: object, profile: str, functions: list[str], cache_shape: tuple[int, ...]
+) -> tuple[Runner, dict[str, np.ndarray]]:
+    """Run the functions of a multifunction program in the MIL evaluator under ``profile``;
+    returns the runner and the state values it keeps between calls (empty for ``io``)."""
+    from parity.mil import Evaluator
+
+    evaluators = {name: Evaluator(program, profile, name) for name in functions}
+    states: dict[str, np.ndarray] = {}
+    first = evaluators[functions[0]]
+    for name in first.states:
+        states[name] = np.zeros(cache_shape, dtype=np.float32)
+
+    def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        evaluator = evaluators[function]
+        result = evaluator.run(inputs, states=states if evaluator.states else None)
+        return result.outputs
+
+    return run, states
