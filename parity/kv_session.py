@@ -42,6 +42,8 @@ class CacheSession:
     embed: Callable[[list[int]], np.ndarray] | None = None  # ids -> (n, D) rows
     position: int = 0
     cache: np.ndarray | None = field(default=None, repr=False)  # io style only
+    # The runner's state values (style state, MIL evaluator), for `poison`.
+    states: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         style = next(iter(self.functions.values())).shape.style
@@ -68,6 +70,28 @@ class CacheSession:
         self.position += n
         chunks = sorted((k for k in out if k.startswith("logits_")), key=lambda k: int(k[7:]))
         return np.concatenate([out[k][0, :, 0, :] for k in chunks], axis=0)
+
+    def poison(self, start: int, value: float) -> None:
+        """Write ``value`` into every cache slot from ``start`` on (a test of the rule that
+        slots beyond the position change no output)."""
+        caches = [self.cache] if self.cache is not None else list((self.states or {}).values())
+        if not caches:
+            raise ValueError("no cache to write into: this session's runner keeps it")
+        for cache in caches:
+            cache[:, :, start:, :] = value
+
+    def prefill(self, function: str, ids: list[int]) -> np.ndarray:
+        """Run a prompt of any length through ``function`` in calls of its T tokens (the
+        first call left-padded, so every later call is full); returns the logits (V,) at the
+        prompt's last position."""
+        t = self.functions[function].shape.tokens
+        logits = None
+        first = len(ids) % t or t
+        chunks = [ids[:first]] + [ids[i : i + t] for i in range(first, len(ids), t)]
+        for chunk in chunks:
+            logits = self.call(function, chunk)
+        assert logits is not None
+        return logits[:, -1]
 
     def rollback(self, position: int) -> None:
         """Forget every token from ``position`` on (rejected drafts): they become stale."""
@@ -110,22 +134,29 @@ def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Runne
     return run
 
 
-def mil_runner(
-    program: object, profile: str, functions: list[str], cache_shape: tuple[int, ...]
-) -> tuple[Runner, dict[str, np.ndarray]]:
-    """Run the functions of a multifunction program in the MIL evaluator under ``profile``;
-    returns the runner and the state values it keeps between calls (empty for ``io``)."""
-    from parity.mil import Evaluator
+class MilFunctions:
+    """The functions of a multifunction program prepared once in the MIL evaluator under one
+    profile; `session` gives a runner with a fresh (zero) state, as ``make_state()`` does."""
 
-    evaluators = {name: Evaluator(program, profile, name) for name in functions}
-    states: dict[str, np.ndarray] = {}
-    first = evaluators[functions[0]]
-    for name in first.states:
-        states[name] = np.zeros(cache_shape, dtype=np.float32)
+    def __init__(
+        self, program: object, profile: str, functions: list[str], cache_shape: tuple[int, ...]
+    ) -> None:
+        from parity.mil import Evaluator
 
-    def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        evaluator = evaluators[function]
-        result = evaluator.run(inputs, states=states if evaluator.states else None)
-        return result.outputs
+        self.evaluators = {name: Evaluator(program, profile, name) for name in functions}
+        self.cache_shape = cache_shape
 
-    return run, states
+    def session(self) -> tuple[Runner, dict[str, np.ndarray]]:
+        """A runner over the functions and the state values it keeps between calls (empty
+        for the ``io`` style, whose cache the host keeps)."""
+        states: dict[str, np.ndarray] = {}
+        for evaluator in self.evaluators.values():
+            for name in evaluator.states:
+                states[name] = np.zeros(self.cache_shape, dtype=np.float32)
+
+        def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            evaluator = self.evaluators[function]
+            result = evaluator.run(inputs, states=states if evaluator.states else None)
+            return result.outputs
+
+        return run, states
