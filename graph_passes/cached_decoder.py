@@ -194,12 +194,16 @@ class CachedDecoder(nn.Module):
         logits = tuple(self.window.head(h))
         if self.io.style == "io":
             return (*logits, rows)
-        slots = named["write_slots"]
-        keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
         # One state write of the whole cache (the assignment coremltools reads as a state
         # update; converter.mil_passes folds its whole-tensor slice_update away).
-        self.kv_cache[:, :, :, :] = raw * keep + torch.matmul(slots, rows)
+        self.kv_cache[:, :, :, :] = self.updated(raw, named["write_slots"], rows)
         return logits
+
+    def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The cache with each token's rows written at its slot: ``slots`` (1, 1, S, T)
+        one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values exactly."""
+        keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
+        return cache * keep + torch.matmul(slots, rows)
 
     def _layer(
         self,

@@ -38,9 +38,7 @@ def greedy_ids(model: nn.Module, prompt: tuple[int, ...], steps: int) -> list[in
     for _ in range(steps):
         token = int(out.logits[0, -1].argmax())
         chosen.append(token)
-        out = model(
-            input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-        )
+        out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return chosen
 
 

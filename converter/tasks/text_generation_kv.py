@@ -101,49 +101,72 @@ def cache_reference(run: KvRun, advance: Advance) -> None:
         advance()
 
 
+@dataclass
+class Emitted:
+    """The multifunction package and what was measured while building it."""
+
+    package: Path
+    sizes: dict[str, Any]
+    decode: Program  # the default function's contract and converted model
+
+
+def emit_functions(
+    functions: dict[str, CachedDecoder],
+    dtype: Any,
+    precision: Any,
+    target: Any,
+    package: Path,
+    advance: Advance = lambda: None,
+) -> Emitted:
+    """Trace and convert each function (a state for the ``state`` style), save each as its
+    own package in a scratch folder beside ``package``, combine them into the multifunction
+    ``package`` (weights stored once) and measure both; the scratch folder is removed."""
+    from converter.coreml import to_mlprogram, trace
+
+    scratch = package.parent / SCRATCH
+    scratch.mkdir()
+    singles: dict[str, Path] = {}
+    decode: Program | None = None
+    for name, module in functions.items():
+        inputs, outputs = function_contract(module, dtype)
+        traced = trace(module, inputs)
+        mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
+        singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
+        if name == DEFAULT_FUNCTION:
+            decode = Program(name, inputs, outputs, package, mlmodel, live_ops(mlmodel))
+        advance()
+    combine_functions(singles, package, DEFAULT_FUNCTION)
+    single = {name: package_bytes(p) for name, p in singles.items()}
+    single_weights = {name: (p / WEIGHTS).stat().st_size for name, p in singles.items()}
+    sizes: dict[str, Any] = {
+        "single_function_package_bytes": single,
+        "single_function_weight_bytes": single_weights,
+        "multifunction_package_bytes": package_bytes(package),
+        "multifunction_weight_bytes": (package / WEIGHTS).stat().st_size,
+    }
+    sizes["package_ratio"] = sizes["multifunction_package_bytes"] / max(single.values())
+    sizes["weight_ratio"] = sizes["multifunction_weight_bytes"] / max(single_weights.values())
+    shutil.rmtree(scratch)
+    return Emitted(package, sizes, need(decode, "the decode function"))
+
+
 def convert_functions(run: KvRun, advance: Advance) -> None:
-    """Trace and convert each function, then combine them into one multifunction package."""
+    """Convert prefill, decode and extend and combine them into one multifunction package."""
     rw = need(run.rewrite, "the rewrite")
     cache = run.cache
     run.functions = cached_functions(
         rw.module, cache.style, cache.length, function_calls(cache.prefill, cache.extend)
     )
-    scratch = run.job.directory / SCRATCH
-    scratch.mkdir()
-    singles: dict[str, Path] = {}
-    target = TARGETS[run.recipe.target].ct_target()
-    from converter.coreml import to_mlprogram, trace
-
-    decode: Any = None
-    for name, module in run.functions.items():
-        inputs, outputs = function_contract(module, run.recipe.io.dtype)
-        traced = trace(module, inputs)
-        mlmodel = to_mlprogram(
-            traced, inputs, outputs, target, run.recipe.precision, state_contract(module)
-        )
-        singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
-        if name == DEFAULT_FUNCTION:
-            decode = (inputs, outputs, mlmodel)
-        advance()
-    combined = run.job.directory / f"{run.recipe.name}.mlpackage"
-    combine_functions(singles, combined, DEFAULT_FUNCTION)
-    single = {name: package_bytes(p) for name, p in singles.items()}
-    single_weights = {name: (p / WEIGHTS).stat().st_size for name, p in singles.items()}
-    run.sizes = {
-        "single_function_package_bytes": single,
-        "single_function_weight_bytes": single_weights,
-        "multifunction_package_bytes": package_bytes(combined),
-        "multifunction_weight_bytes": (combined / WEIGHTS).stat().st_size,
-    }
-    run.sizes["package_ratio"] = run.sizes["multifunction_package_bytes"] / max(single.values())
-    run.sizes["weight_ratio"] = run.sizes["multifunction_weight_bytes"] / max(
-        single_weights.values()
+    emitted = emit_functions(
+        run.functions,
+        run.recipe.io.dtype,
+        run.recipe.precision,
+        TARGETS[run.recipe.target].ct_target(),
+        run.job.directory / f"{run.recipe.name}.mlpackage",
+        advance,
     )
-    shutil.rmtree(scratch)
-    inputs, outputs, mlmodel = decode
-    run.programs.append(
-        Program(DEFAULT_FUNCTION, inputs, outputs, combined, mlmodel, live_ops(mlmodel))
-    )
+    run.sizes = emitted.sizes
+    run.programs.append(emitted.decode)
 
 
 def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
