@@ -73,6 +73,22 @@ def test_the_manifest_describes_every_function_and_the_cache(artifact: Path) -> 
     assert rope.shape == (1, 2, 16, 96)
 
 
+def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Path) -> None:
+    from converter.generate import Runtime, greedy, mil_backend
+    from parity.kv_reference import greedy_ids
+    from tests.tiny_models import tiny_hf_model
+
+    runtime = Runtime.from_artifact(artifact)
+    make = mil_backend(runtime)
+    prompt = [1, 2, 3, 4, 5]
+    got = greedy(make, prompt, 40)
+    assert got.new_ids == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 40)
+    assert got.evictions == 0
+    # Past the 96 slots the host evicts (keeps the last 88 tokens, prefills them again).
+    long = greedy(make, prompt, 100)
+    assert long.evictions >= 1 and len(long.new_ids) == 100
+
+
 RECIPE = """name: r
 task: text-generation
 source: {{kind: hf-dir, path: .}}
