@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 import click
 
 
-def reference_ids(directory: Path, prompt_ids: list[int], steps: int) -> list[int]:
-    """transformers' greedy continuation (fp32) of the checkpoint the manifest names."""
-    from converter.checkpoint import load_checkpoint
-    from converter.errors import InputError
+def artifact_source(directory: Path) -> tuple[Any, str]:
+    """Where the checkpoint an artifact was converted from is (from its manifest), and its task."""
     from converter.recipe import recipe_from_dict
     from converter.recipe.sources import ResolvedSource
-    from parity.kv_reference import greedy_ids
 
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     recipe = recipe_from_dict(manifest["recipe"])
@@ -25,7 +23,18 @@ def reference_ids(directory: Path, prompt_ids: list[int], steps: int) -> list[in
         if resolved
         else recipe.resolve_source()
     )
-    ckpt = load_checkpoint(source, recipe.task)
+    return source, recipe.task
+
+
+def reference_ids(directory: Path, prompt_ids: list[int], steps: int) -> list[int]:
+    """transformers' greedy continuation (fp32) of the checkpoint the manifest names."""
+    from converter.checkpoint import load_checkpoint
+    from converter.errors import InputError
+    from parity.kv_reference import greedy_ids
+
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    source, task = artifact_source(directory)
+    ckpt = load_checkpoint(source, task)
     if ckpt.sha256 != manifest["checkpoint"]["sha256"]:
         raise InputError(f"{source.directory}: not the checkpoint the artifact was made from")
     return greedy_ids(ckpt.model.float().eval(), tuple(prompt_ids), steps)
