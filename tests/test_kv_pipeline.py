@@ -43,6 +43,14 @@ def test_every_cache_gate_ran_and_passed(artifact: Path) -> None:
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64, 64]
 
 
+def test_anec_parity_reruns_every_published_gate(artifact: Path, tmp_path: Path) -> None:
+    result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
+    assert result.exit_code == 0, result.output
+    gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
+    names = {g["name"] for g in gates}
+    assert "same_gate_set" in names and "kv_stale_max_abs_diff" in names
+
+
 def test_one_package_holds_every_function_and_stores_weights_once(artifact: Path) -> None:
     program = load_package(artifact / "tiny-kv.mlpackage")
     assert sorted(program.functions) == ["decode", "extend", "prefill"]
