@@ -29,11 +29,11 @@ Position-dependent values are host inputs, so the program has no integer arithme
 Cache styles (`CacheStyle`):
 
 * ``state``: the cache is a Core ML state (``ct.StateType``, macOS 15 / iOS 18). The update is
-  ``cache * (1 - sum_t write_slots) + write_slots @ rows``: fp16 elementwise ops and one
-  matmul, no ``slice_update`` with run-time indices (which ANE compilers reject or send to the
-  CPU: coreai-torch #6, Anemll #27, anemll-profile's "Cannot support standalone
-  slice_update") and no int32 tensor. Its cost is one pass over the cache per call, which the
-  attention reads anyway.
+  ``cache * (1 - sum_t write_slots) + sum_t write_slots[t] * rows[t]``: fp16 elementwise
+  ops (a matmul for a T above `ELEMENTWISE_WRITE`: the prefill), no ``slice_update`` with
+  run-time indices (which ANE compilers reject or send to the CPU: coreai-torch #6, Anemll
+  #27, anemll-profile's "Cannot support standalone slice_update") and no int32 tensor. Its
+  cost is a pass over the cache per token written.
 * ``io``: the cache is an input and only the new rows come out, ``new_kv`` (2N, KV, T, d); the
   host writes them at their slots (macOS 14 / iOS 17).
 
@@ -61,6 +61,8 @@ from graph_passes.spec import AttentionSpec
 CacheStyle = Literal["state", "io"]
 LogitPositions = Literal["last", "all"]
 CACHE_NAME = "kv_cache"
+# Up to this many tokens per call the state write is elementwise (see `CachedDecoder.updated`).
+ELEMENTWISE_WRITE = 8
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,20 @@ class CachedDecoder(nn.Module):
 
     def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The cache with each token's rows written at its slot: ``slots`` (1, 1, S, T)
-        one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values exactly."""
+        one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values exactly.
+
+        Up to `ELEMENTWISE_WRITE` tokens the write is a sum of broadcast products (one mul and
+        one add per token, all elementwise on the NE); beyond it one matmul, whose 2N x KV
+        batch anec's plan rules place on the CPU (R-BATCH): a prefill's write, once a prompt.
+        """
         keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
-        return cache * keep + torch.matmul(slots, rows)
+        t = self.io.tokens
+        if t > ELEMENTWISE_WRITE:
+            return cache * keep + torch.matmul(slots, rows)
+        out = cache * keep
+        for u in range(t):
+            out = out + slots[:, :, :, u : u + 1] * rows[:, :, u : u + 1, :]
+        return out
 
     def _layer(
         self,
