@@ -89,17 +89,15 @@ def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Pa
     runtime = Runtime.from_artifact(artifact)
     make = mil_backend(runtime)
     prompt = [1, 2, 3, 4, 5]
-    got = greedy(make, prompt, 40)
-    assert got.new_ids == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 40)
-    assert got.evictions == 0
-    # Past the 96 slots the host evicts (keeps the last 88 tokens, prefills them again).
-    long = greedy(make, prompt, 100)
-    assert long.evictions >= 1 and len(long.new_ids) == 100
+    got = greedy(make, prompt, 100)
+    # The first 91 tokens fit the 96 slots; then the host evicts (keeps the last 88 tokens
+    # and prefills them again), after which the context differs from transformers' own.
+    assert got.new_ids[:91] == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 91)
+    assert got.evictions == 1 and len(got.new_ids) == 100
 
 
-@pytest.mark.parametrize("k", [1, 3])
 def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
-    artifact: Path, k: int
+    artifact: Path,
 ) -> None:
     from converter.generate import Runtime, mil_backend
     from converter.speculate import Acceptance, speculate
@@ -108,6 +106,7 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
 
     target = tiny_hf_model("llama")
     make = mil_backend(Runtime.from_artifact(artifact))
+    k = 3
     stats = Acceptance(k)
     prompt = [7, 8, 9, 10]
     new = speculate(make, target, prompt, k, 20, stats)
