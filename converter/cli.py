@@ -17,7 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from converter.cli_archs import archs_command
+from converter.cli_generate import generate_command
 from converter.cli_parity import parity_command
+from converter.cli_speculate import speculate_command
 from converter.errors import AnecError, InputError, report_error
 from converter.plan.cli import plan_commands
 from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
@@ -224,6 +226,8 @@ for _command in plan_commands():  # plan-inspect, bench-device, plan-baseline
     main.add_command(_command)
 main.add_command(parity_command)  # anec parity ARTIFACT_DIR
 main.add_command(archs_command)  # anec archs
+main.add_command(generate_command)  # anec generate ARTIFACT --prompt TEXT
+main.add_command(speculate_command)  # anec speculate --draft ARTIFACT [--target DIR] --k 1..8
 
 
 if __name__ == "__main__":

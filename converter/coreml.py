@@ -65,21 +65,36 @@ def to_mlprogram(
     outputs: Sequence[TensorIO],
     target: Any,
     precision: Literal["float16", "float32"],
+    states: Sequence[TensorIO] = (),
 ) -> Any:
-    """Convert a traced module to an ML Program; returns a ``ct.models.MLModel`` (not loaded)."""
+    """Convert a traced module to an ML Program; returns a ``ct.models.MLModel`` (not loaded).
+
+    ``states`` name registered buffers that become Core ML states (``ct.StateType``, macOS 15
+    / iOS 18); anec's own passes (`converter.mil_passes`) run after coremltools' defaults.
+    """
     import coremltools as ct
 
+    from converter.mil_passes import FOLD_WHOLE_SLICE_UPDATE
+
     compute_precision = ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32
+    pipeline = ct.PassPipeline.DEFAULT
+    pipeline.append_pass(FOLD_WHOLE_SLICE_UPDATE)
+    state_types = [
+        ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=_NP[s.dtype]), name=s.name)
+        for s in states
+    ]
     _restart_mil_names()
     with warnings_to_log("ct.convert"):
         return ct.convert(
             traced,
             inputs=[ct.TensorType(name=i.name, shape=i.shape, dtype=_NP[i.dtype]) for i in inputs],
             outputs=[ct.TensorType(name=o.name, dtype=_NP[o.dtype]) for o in outputs],
+            states=state_types or None,
             convert_to="mlprogram",
             compute_precision=compute_precision,
             minimum_deployment_target=target,
             skip_model_load=True,
+            pass_pipeline=pipeline,
         )
 
 
@@ -109,6 +124,22 @@ def save_package(mlmodel: Any, package: Path) -> Path:
     UUIDs and is outside the content hash.
     """
     mlmodel.save(str(package))
+    canonicalize_spec(package)
+    return package
+
+
+def combine_functions(packages: dict[str, Path], package: Path, default: str) -> Path:
+    """One multifunction package from single-function ones (function name -> package whose
+    ``main`` it becomes), saved as ``package``; coremltools stores a weight blob that several
+    functions hold byte for byte once (``ct.utils.save_multifunction``)."""
+    import coremltools as ct
+
+    descriptor = ct.utils.MultiFunctionDescriptor()
+    for name, path in packages.items():
+        descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
+    descriptor.default_function_name = default
+    with warnings_to_log("ct.utils.save_multifunction"):
+        ct.utils.save_multifunction(descriptor, str(package))
     canonicalize_spec(package)
     return package
 

@@ -111,3 +111,7 @@ class Manifest(_Strict):
     # Compressed variants (optional, absent for an fp16 artifact): the variant, how every
     # weight was compressed, the size report and what stays fp16 (converter.compress).
     compression: dict[str, Any] | None = None
+    # A cached decoder (recipe cache.style state or io; absent otherwise): its functions with
+    # their tensors, the cache, the RoPE tables and the host conventions
+    # (converter.tasks.kv_contract).
+    kv_cache: dict[str, Any] | None = None

@@ -20,7 +20,7 @@ from converter.publish import ArtifactStage, clean_leftovers, stage_artifact
 from converter.recipe import Recipe
 from converter.runlog import write_log_into
 from converter.steps import Stop, run_steps
-from converter.tasks import task_for
+from converter.tasks import task_of
 from converter.tasks.base import Job, TaskRun
 from parity.gates import ParityReport
 
@@ -68,7 +68,7 @@ def convert(
     """Run the recipe's task pipeline; publishes ``<out>/<name>/`` only if every gate passes."""
     progress = steps or Steps(quiet=True)
     out_dir = out_dir or recipe.output_dir
-    task = task_for(recipe.task)
+    task = task_of(recipe)
     # Bad input fails here, in about a second, before the output directory is touched.
     with progress.step("check inputs"):
         source = recipe.resolve_source()

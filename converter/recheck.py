@@ -23,7 +23,7 @@ from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
 from converter.steps import run_steps
-from converter.tasks import task_for
+from converter.tasks import task_of
 from converter.tasks.base import Job, Program
 from converter.tasks.text_generation import DecoderRun
 from parity.conversion import DEFAULT_PROFILES
@@ -166,7 +166,7 @@ def recheck(
             f"{artifact}: manifest recipe: task {recipe.task} disagrees with the manifest's "
             f"task {manifest.task}"
         )
-    task = task_for(recipe.task)
+    task = task_of(recipe)
     programs = _packages(artifact, manifest)
     report_dir = out or artifact.parent / f"{artifact.name}.parity"
     report_dir.mkdir(parents=True, exist_ok=True)

@@ -90,15 +90,29 @@ class Rope(nn.Module):
         self.register_buffer("sin", sin)
 
     def forward(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        # Python ints, not x.shape: traced shape reads become int casts coremltools rejects.
-        d, r, length = self.head_dim, self.rotary_dim, self.length
-        heads = x.reshape(-1, num_heads, d, length)
-        passed = None
-        if r < d:
-            heads, passed = heads.split([r, d - r], dim=2)
-        first, second = heads.split(r // 2, dim=2)
-        swapped = torch.cat([second, first], dim=2)
-        rotated = heads * self.cos + swapped * self.sin
-        if passed is not None:
-            rotated = torch.cat([rotated, passed], dim=2)
-        return rotated.reshape(-1, num_heads * d, 1, length)
+        return rotate(x, num_heads, self.head_dim, self.rotary_dim, self.length, self.cos, self.sin)
+
+
+def rotate(
+    x: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    length: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on ``x[b, n*d, 0, l]`` with tables ``cos`` / ``sin`` (1, 1, rotary_dim, length) as
+    `rope_tables` makes them: module constants (`Rope`) or host inputs (the cached decoder)."""
+    # Python ints, not x.shape: traced shape reads become int casts coremltools rejects.
+    d, r = head_dim, rotary_dim
+    heads = x.reshape(-1, num_heads, d, length)
+    passed = None
+    if r < d:
+        heads, passed = heads.split([r, d - r], dim=2)
+    first, second = heads.split(r // 2, dim=2)
+    swapped = torch.cat([second, first], dim=2)
+    rotated = heads * cos + swapped * sin
+    if passed is not None:
+        rotated = torch.cat([rotated, passed], dim=2)
+    return rotated.reshape(-1, num_heads * d, 1, length)

@@ -23,7 +23,14 @@ from enum import Enum
 from typing import Any, Literal, get_args
 
 Level = Literal[
-    "torch-fp32", "torch-fp16", "mil-fp32", "mil-fp16", "compression", "plan", "recheck"
+    "torch-fp32",
+    "torch-fp16",
+    "mil-fp32",
+    "mil-fp16",
+    "kv-cache",
+    "compression",
+    "plan",
+    "recheck",
 ]
 LEVELS: tuple[Level, ...] = get_args(Level)
 
@@ -269,6 +276,30 @@ _REGISTRY: tuple[Gate, ...] = (
          "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
          "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
          fixed=1.0),
+    # a cached decoder's package (cache style state / io) through the host loop, in the MIL
+    # evaluator's fp16 profile; thresholds fixed by issue 11
+    Gate("kv_max_abs_logit_error", "kv-cache", _LE,
+         "prefill then >= 64 sequential decode steps through the cache: largest |logit "
+         "error| against the original model's full recompute in fp32", fixed=0.25),
+    Gate("kv_max_abs_dprob", "kv-cache", _LE,
+         "the same positions: largest |p' - p|, softmax at T=1", fixed=0.02),
+    Gate("kv_finite_outputs", "kv-cache", _EQ,
+         "every logit of every call (prefill, decode, extend) is finite", fixed=1.0),
+    Gate("kv_argmax_flips", "kv-cache", _EQ,
+         "positions whose argmax differs from the reference's where its top1 - top2 > 0.5 "
+         "(listed in kv_parity.json)", fixed=0.0),
+    Gate("kv_extend_max_abs_diff", "kv-cache", _LE,
+         "K-token extend against K single-token decode steps of the same program: largest "
+         "|logit difference|", fixed=0.25),
+    Gate("kv_extend_argmax_flips", "kv-cache", _EQ,
+         "extend positions whose argmax differs from the decode step's where its margin "
+         "> 0.5", fixed=0.0),
+    Gate("kv_stale_max_abs_diff", "kv-cache", _EQ,
+         "decode steps after a rejected draft and 3e4 written into every slot beyond the "
+         "position, against the clean run: largest |difference| (bits)", fixed=0.0),
+    Gate("kv_weights_stored_once", "kv-cache", _LE,
+         "weight bytes of the multifunction package / of its largest single-function "
+         "package", fixed=1.05),
     # a compressed variant, each gate at torch fp16 and in the MIL evaluator
     Gate("min_top1_agreement", "compression", _GE,
          "share of held-out positions (an encoder classifier's: sentences) whose argmax "

@@ -45,7 +45,8 @@ class Built:
     precision: str
     mlmodel: Any  # the in-memory coremltools model (compression starts from it)
     base: Built | None = None  # the uncompressed program a compressed one started from
-    kind: str = "decoder"  # "decoder", "compressed" or "encoder"
+    kind: str = "decoder"  # "decoder", "compressed", "encoder" or "kv"
+    functions: dict[str, Any] | None = None  # kv: the cached torch modules per function
 
 
 def decoder(
@@ -165,6 +166,27 @@ def decision(out: Path, piece: str) -> Built:
     return Built(name, package, None, None, "float16", mlmodel, None, "encoder")
 
 
+def cached(out: Path, arch: str, style: str) -> Built:
+    """A tiny cached decoder's multifunction package (prefill 8, decode, extend 4 over a
+    32-slot cache), emitted as the cached text-generation task emits it."""
+    from converter.tasks.kv_contract import function_calls
+    from converter.tasks.text_generation_kv import emit_functions
+    from graph_passes.cached_decoder import cached_functions
+
+    torch.manual_seed(0)
+    tiny = build_tiny(arch, "embeddings", batch=1)
+    functions = cached_functions(tiny.module, style, 32, function_calls(8, 4))  # type: ignore[arg-type]
+    name = f"{arch}-kv-{style}"
+    folder = out / name
+    folder.mkdir()
+    target = TARGETS["macOS15"].ct_target()
+    emitted = emit_functions(functions, "float16", "float16", target, folder / f"{name}.mlpackage")
+    return Built(
+        name, emitted.package, tiny, None, "float16", emitted.decode.mlmodel, None, "kv",
+        functions,
+    )  # fmt: skip
+
+
 Builder = Callable[[Path, "Programs"], Built]
 
 
@@ -190,6 +212,8 @@ PROGRAMS: dict[str, Builder] = {
     ),
     "llama-macos15-lut6": _on("llama-macos15", Scheme("lut", 6, "per-tensor")),
     "llama-macos15-int8": _on("llama-macos15", Scheme("int8", 8, "per-channel")),
+    "llama-kv-state": lambda out, _: cached(out, "llama", "state"),
+    "gemma3-kv-io": lambda out, _: cached(out, "gemma3", "io"),
     "bert-embedding": lambda out, _: encoder(out, "bert", "sentence-embedding"),
     "bert-logits-fp32": lambda out, _: encoder(out, "bert", "logits", precision="float32"),
     "modernbert-hidden": lambda out, _: encoder(out, "modernbert", "last-hidden-state"),

@@ -28,12 +28,13 @@ REQUIRED = {
     "tanh", "sigmoid", "relu", "reshape", "transpose", "concat", "split", "slice_by_index",
     "slice_by_size", "squeeze", "expand_dims", "tile", "pad", "gather", "cast", "select",
     "quantize", "dequantize", "constexpr_lut_to_dense", "constexpr_affine_dequantize",
-    "constexpr_blockwise_shift_scale",
+    "constexpr_blockwise_shift_scale", "read_state", "coreml_update_state", "slice_update",
 }  # fmt: skip
 COMPRESSION = ("lut", "int8", "w8a8")
 ENCODERS = [name for name in PROGRAMS if "bert" in name]
 COMPRESSED = [name for name in PROGRAMS if any(k in name for k in COMPRESSION)]
-DECODERS = [name for name in PROGRAMS if name not in ENCODERS + COMPRESSED]
+CACHED = [name for name in PROGRAMS if "-kv-" in name]
+DECODERS = [name for name in PROGRAMS if name not in ENCODERS + COMPRESSED + CACHED]
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,8 @@ def test_every_op_and_attribute_value_in_the_program_has_a_kernel(
         if reason is not None:
             missing.append(f"{signature(op)} (op {op.name!r}): {reason}")
     assert not missing, "\n".join(missing)
-    assert programs[name].kind == (
-        "encoder" if name in ENCODERS else "compressed" if name in COMPRESSED else "decoder"
-    )
+    kinds = {**dict.fromkeys(ENCODERS, "encoder"), **dict.fromkeys(COMPRESSED, "compressed")}
+    assert programs[name].kind == {**kinds, **dict.fromkeys(CACHED, "kv")}.get(name, "decoder")
 
 
 def test_the_programs_exercise_every_form_anec_emits(programs: Programs) -> None:
@@ -75,6 +75,7 @@ def test_the_programs_exercise_every_form_anec_emits(programs: Programs) -> None
     types = {s.split("(")[0] for s in forms}
     assert {"constexpr_affine_dequantize", "constexpr_blockwise_shift_scale"} <= types
     assert {"quantize", "dequantize"} <= types  # w8a8 activations
+    assert {"read_state", "coreml_update_state"} <= types  # a cached decoder's state
 
 
 @pytest.mark.parametrize("name", DECODERS)
@@ -120,3 +121,30 @@ def test_compressed_weights_decode_as_coremltools_decodes_them(
         }
     )
     assert all(np.isfinite(v).all() for v in result.outputs.values())
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_every_function_of_a_cached_package_runs_and_passes_the_cache_gates(
+    programs: Programs, name: str
+) -> None:
+    from converter.tasks.text_generation_kv import session_for
+    from parity.kv_gates import check_kv
+    from parity.kv_reference import continuation
+    from parity.kv_session import MilFunctions
+
+    built = programs[name]
+    assert built.tiny is not None and built.functions is not None
+    program = load_package(built.package)
+    assert sorted(program.functions) == ["decode", "extend", "prefill"]
+    first = built.functions["decode"]
+    mil = MilFunctions(program, "fp16", list(built.functions), first.cache_shape())
+    table = built.tiny.embed_table.numpy()
+
+    def make_session():  # type: ignore[no-untyped-def]
+        runner, states = mil.session()
+        return session_for(built.functions, runner, states, lambda ids: table[ids])
+
+    fixture = built.tiny.fixtures[0]
+    result = check_kv(make_session, [continuation(built.tiny.model, fixture, 16)], "prefill", 4,
+                      "mil-fp16")  # fmt: skip
+    assert result.passed, [g.text() for g in result.gates if not g.passed]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 
 from converter.compress.config import Compression, compression_problems
 from converter.errors import InputError
+from converter.recipe.cache import CacheSpec, cache_problems
 from converter.recipe.sections import (
     MAX_AXIS,
     DecisionOptions,
@@ -184,6 +185,16 @@ class DecoderRecipe(RecipeBase):
 
     task: DecoderTask
     io: IOSpec = Field(default_factory=IOSpec)
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+
+    @model_validator(mode="after")
+    def _cache_checks(self) -> DecoderRecipe:
+        problems = cache_problems(
+            self.cache, self.target, self.shapes.batch, self.compression is not None,
+            self.precision,
+        )  # fmt: skip
+        raise_rules("Recipe", problems)
+        return self
 
     @property
     def logits_positions(self) -> int:

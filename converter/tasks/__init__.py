@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from converter.errors import InputError
 from converter.progress import Steps
 from converter.steps import Step
-from converter.tasks import decision, encoder, text_generation
+from converter.tasks import decision, encoder, text_generation, text_generation_kv
 from converter.tasks.base import Job, TaskRun
 
 R = TypeVar("R", bound=TaskRun)
@@ -42,6 +42,14 @@ _DECODER = Task(
     text_generation.RECHECK_STEPS,
     text_generation.compress,
 )
+# text-generation with a KV cache (recipe cache.style state or io): the same task, other steps.
+_DECODER_KV = Task(
+    "text-generation",
+    text_generation_kv.KvRun,
+    text_generation_kv.CONVERT_STEPS,
+    text_generation_kv.RECHECK_STEPS,
+    text_generation.compress,
+)
 _ENCODER = Task(
     "encoder", encoder.EncoderRun, encoder.CONVERT_STEPS, encoder.RECHECK_STEPS, encoder.compress
 )
@@ -61,6 +69,15 @@ TASKS: dict[str, Task[Any]] = {
     "text-classification": _ENCODER,
     "decision": _DECISION,
 }
+
+
+def task_of(recipe: Any) -> Task[Any]:
+    """The task a recipe runs: its ``task``, with the cached decoder's steps when a
+    text-generation recipe asks for a KV cache."""
+    cache = getattr(recipe, "cache", None)
+    if cache is not None and cache.style != "none":
+        return _DECODER_KV
+    return task_for(recipe.task)
 
 
 def task_for(name: str) -> Task[Any]:

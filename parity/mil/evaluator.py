@@ -17,6 +17,7 @@ import numpy as np
 
 import parity.mil.kernels  # noqa: F401  (registers every kernel)
 from parity.mil.errors import MILError, OpEvaluationError, UnsupportedOpError
+from parity.mil.kernels.state import StateSlot
 from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16
 from parity.mil.profiles import Profile, get_profile
 from parity.mil.program import const_array, dtype_name, is_constant
@@ -85,6 +86,12 @@ def blas_threads(count: int | None) -> Iterator[None]:
         yield
 
 
+def _is_state(var: Any) -> bool:
+    from coremltools.converters.mil.mil import types
+
+    return bool(types.is_state(var.sym_type))
+
+
 def _static_shape(var: Any) -> tuple[int, ...] | None:
     shape = var.shape
     if all(isinstance(d, int | np.integer) for d in shape):
@@ -127,9 +134,17 @@ class Evaluator:
             )
         self.function_name = function
         self.function = program.functions[function]
+        # States (ct.StateType) are passed to `run` apart from the inputs: their values
+        # persist between runs, as a runtime's MLState does.
+        self.states = {
+            name: (dtype_name(var), _static_shape(var))
+            for name, var in self.function.inputs.items()
+            if _is_state(var)
+        }
         self.inputs = {
             name: (dtype_name(var), _static_shape(var))
             for name, var in self.function.inputs.items()
+            if name not in self.states
         }
         self.output_names = [var.name for var in self.function.outputs]
         self._constants: dict[str, Any] = {}
@@ -241,13 +256,24 @@ class Evaluator:
         """Names of every value the function computes, in program order."""
         return [name for step in self._steps for name, _, _ in step.outputs]
 
-    def run(self, inputs: dict[str, np.ndarray], capture: Iterable[str] = ()) -> Evaluation:
-        """Evaluate the function; ``capture`` names intermediate values to return as well."""
+    def run(
+        self,
+        inputs: dict[str, np.ndarray],
+        capture: Iterable[str] = (),
+        states: dict[str, np.ndarray] | None = None,
+    ) -> Evaluation:
+        """Evaluate the function; ``capture`` names intermediate values to return as well.
+
+        ``states`` holds the value of every state the function declares; the run replaces
+        each with the state's value after the run (a state the function never writes keeps
+        its value)."""
         wanted = set(capture)
         unknown = wanted - set(self.var_names()) - set(self.inputs)
         if unknown:
             raise MILError(f"cannot capture {sorted(unknown)}: no such values in the function")
         env: dict[str, Any] = dict(self._constants)
+        slots = self._state_slots(states or {})
+        env.update(slots)
         for name, (dtype, shape) in self.inputs.items():
             if name not in inputs:
                 raise MILError(f"missing input {name!r}")
@@ -273,8 +299,27 @@ class Evaluator:
                         non_finite.append(name)
                 for name in step.free:
                     env.pop(name, None)
+        if states is not None:
+            for name, slot in slots.items():
+                states[name] = slot.value
         outputs = {name: env[name] for name in self.output_names}
         return Evaluation(outputs, captured, non_finite)
+
+    def _state_slots(self, states: dict[str, np.ndarray]) -> dict[str, StateSlot]:
+        slots = {}
+        for name, (dtype, shape) in self.states.items():
+            if name not in states:
+                raise MILError(f"missing state {name!r} (shape {shape}, {dtype})")
+            value = np.asarray(states[name])
+            if shape is not None and value.shape != shape:
+                raise MILError(f"state {name!r}: shape {value.shape}, expected {shape}")
+            if dtype == "fp16":
+                value = round_fp16(value.astype(np.float32))  # the runtime holds fp16
+            slots[name] = StateSlot(name, coerce(value, dtype, self.arith))
+        extra = set(states) - set(self.states)
+        if extra:
+            raise MILError(f"unknown states {sorted(extra)}; expected {sorted(self.states)}")
+        return slots
 
     def _execute(self, step: _Step, env: dict[str, Any]) -> None:
         op = step.op

@@ -9,4 +9,5 @@ from parity.mil.kernels import (  # noqa: F401
     normalization,
     reductions,
     shape,
+    state,
 )

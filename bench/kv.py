@@ -1,0 +1,186 @@
+"""Cached draft decoders against the window program, per model shape, in one run.
+
+    python bench/kv.py                       # SmolLM2 (packaged checkpoint), Qwen2.5-0.5B and
+                                             # Qwen3-0.6B shapes (random weights), full depth
+    python bench/kv.py --layers 2 --case smollm2 --json /tmp/kv.json
+
+For each case it builds the window module (64-token window, host embeddings, one logit) and
+the cached functions (state style, cache 512, prefill 64, extend 4), converts all four, and
+prints:
+
+* package bytes: each single-function package and the multifunction one (measured on disk);
+* output bytes per call for each output choice (computed from the shapes: fp16 logits, or an
+  int32 index and an fp16 value per LM-head chunk and position for in-model argmax, or k of
+  each for top-k; the io style adds the new K/V rows), with the NE's 64-byte row per value of
+  today's (1, V_k, 1, n) layout beside the packed size;
+* live MIL ops per layer of the decode function and of the window program (measured);
+* predicted per-token floors per chip (`converter.plan.cost`, static placement: a model, not a
+  measurement) for the decode function and the window program's per-call floor.
+
+Random weights are fine for sizes, ops and floors (nothing here depends on their values); the
+parity of real weights is `anec convert recipes/smollm2-135m-draft-kv.yaml`'s job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = ROOT / "tests" / "data" / "configs"
+CASES = ("smollm2", "qwen2.5-0.5b", "qwen3-0.6b")
+CACHE, PREFILL, EXTEND, WINDOW, TOP_K = 512, 64, 4, 64, 8
+
+
+def load_model(case: str, layers: int | None) -> Any:
+    """The transformers model of a case (SmolLM2 from its package; Qwen shapes random)."""
+    import torch
+    import transformers
+
+    if case == "smollm2":
+        from converter.checkpoint import load_checkpoint
+        from converter.recipe import load_recipe, locate_recipe
+
+        recipe = load_recipe(locate_recipe("smollm2-135m-draft"))
+        model = load_checkpoint(recipe.resolve_source(), recipe.task).model
+        if layers:
+            model.model.layers = model.model.layers[:layers]
+            model.config.num_hidden_layers = layers
+        return model.float().eval()
+    data = json.loads((CONFIGS / f"{case}.json").read_text())
+    if layers:
+        data["num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(**data)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def output_bytes(vocab: int, chunks: list[int], positions: int, rows: int) -> dict[str, Any]:
+    """Bytes one call returns for each output choice (computed from shapes, fp16 values)."""
+    n = len(chunks)
+    return {
+        "logits": 2 * vocab * positions + rows,
+        "logits_ne_rows_64B": 64 * vocab * positions + rows,
+        "argmax_per_chunk": (4 + 2) * n * positions + rows,
+        f"top{TOP_K}_per_chunk": (4 + 2) * TOP_K * n * positions + rows,
+    }
+
+
+def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
+    """Convert the window program and the cached functions of one case; measure them."""
+    import coremltools as ct
+    import torch
+
+    from converter.coreml import live_ops, load_program, to_mlprogram, trace
+    from converter.plan.chips import chips_for
+    from converter.plan.cost import floor
+    from converter.plan.ops import op_table
+    from converter.plan.static import static_report
+    from converter.tasks.decoder_contract import tensor_contract
+    from converter.tasks.kv_contract import function_calls
+    from converter.tasks.text_generation_kv import emit_functions
+    from graph_passes.adapters import adapt
+    from graph_passes.cached_decoder import cached_functions
+    from graph_passes.decoder import BC1LDecoder, DecoderIO
+
+    torch.set_num_threads(1)
+    started = time.time()
+    model = load_model(case, layers)
+    canonical = adapt(model.config, model.state_dict())
+    spec = canonical.spec
+    window = BC1LDecoder(canonical, DecoderIO(1, WINDOW, "embeddings", 1, 16384)).eval()
+    target = ct.target.macOS15
+    ins, outs = tensor_contract(window, "float16")
+    window_ml = to_mlprogram(trace(window, ins), ins, outs, target, "float16")
+    window_ops = sum(live_ops(window_ml).values())
+    calls = function_calls(PREFILL, EXTEND)
+    functions = cached_functions(window, "state", CACHE, calls)
+    folder = out / case
+    folder.mkdir(parents=True)
+    emitted = emit_functions(functions, "float16", "float16", target, folder / f"{case}.mlpackage")
+    program = load_program(emitted.package)
+    n = spec.num_layers
+    decode_ops = sum(1 for op in program.functions["decode"].operations if op.op_type != "const")
+    chunks = window.chunk_sizes
+    first = functions["decode"]
+    row_bytes = {name: 2 * m.rows_shape()[0] * m.rows_shape()[1] * m.io.tokens * m.rows_shape()[3]
+                 for name, m in functions.items()}  # fmt: skip
+    outputs = {
+        name: {
+            "state": output_bytes(spec.vocab_size, chunks, t if lg == "all" else 1, 0),
+            "io": output_bytes(spec.vocab_size, chunks, t if lg == "all" else 1, row_bytes[name]),
+        }
+        for name, (t, lg) in calls.items()
+    }
+    floors: dict[str, dict[str, float]] = {}
+    table = op_table(program)
+    window_table = op_table(window_ml._mil_program)
+    for chip in chips_for("macOS") + chips_for("iOS"):
+        report = static_report(table, emitted.package.name, "-", chip.name)
+        window_report = static_report(window_table, "window", "-", chip.name)
+        by_name = {f.name: f for f in report.functions}
+        floors[chip.name] = {
+            "decode_ms": floor(by_name["decode"], chip).ms,
+            "extend_ms_per_call": floor(by_name["extend"], chip).ms,
+            "window_ms_per_call": floor(window_report.functions[0], chip).ms,
+        }
+    return {
+        "case": case,
+        "layers": n,
+        "cache_shape": list(first.cache_shape()),
+        "sizes": emitted.sizes,
+        "ops_per_layer": {"decode": decode_ops / n, "window": window_ops / n},
+        "output_bytes_per_call": outputs,
+        "predicted_floors": floors,
+        "seconds": time.time() - started,
+    }
+
+
+def print_case(r: dict[str, Any]) -> None:
+    """The case's figures as plain lines."""
+    s = r["sizes"]
+    print(
+        f"\n== {r['case']} ({r['layers']} layers, cache {r['cache_shape']}, {r['seconds']:.0f} s)"
+    )
+    singles = ", ".join(f"{k} {v:,}" for k, v in s["single_function_package_bytes"].items())
+    multi = s["multifunction_package_bytes"]
+    print(f"package bytes (measured): single {singles}; multifunction {multi:,}")
+    print(f"  multifunction / largest single: {s['package_ratio']:.4f}")
+    ops = r["ops_per_layer"]
+    print(f"live ops per layer (measured): decode {ops['decode']:.1f}, window {ops['window']:.1f}")
+    print("output bytes per call (computed from shapes):")
+    for name, styles in r["output_bytes_per_call"].items():
+        for style, choices in styles.items():
+            text = ", ".join(f"{k} {v:,}" for k, v in choices.items())
+            print(f"  {name:8s} {style:5s} {text}")
+    print("predicted per-token floors, ms (cost model, static placement; not measured):")
+    for chip, f in r["predicted_floors"].items():
+        extend, window = f["extend_ms_per_call"], f["window_ms_per_call"]
+        print(f"  {chip:10s} decode {f['decode_ms']:.3f}  extend(K={EXTEND}) {extend:.3f}/call"
+              f"  window(64) {window:.3f}/call")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--case", action="append", choices=CASES)
+    parser.add_argument("--layers", type=int, default=None, help="truncate every model")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.case or CASES:
+            results.append(run_case(case, args.layers, Path(tmp)))
+            print_case(results[-1])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

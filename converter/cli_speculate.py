@@ -1,0 +1,136 @@
+"""The ``anec speculate`` command: greedy speculative decoding with a cached draft artifact."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from converter.errors import InputError
+
+
+def parse_depths(text: str) -> list[int]:
+    """``1..8`` or ``4`` or ``1,2,4`` -> the depths, each 1..8."""
+    if ".." in text:
+        low, high = (int(x) for x in text.split(".."))
+        depths = list(range(low, high + 1))
+    else:
+        depths = [int(x) for x in text.split(",")]
+    if not depths or any(not 1 <= k <= 8 for k in depths):
+        raise InputError(f"--k {text!r}: expected depths between 1 and 8, e.g. 1..8")
+    return depths
+
+
+def vocab_hash(vocab: dict[str, int], ids: int) -> str:
+    """sha256 of the (id, token) pairs below ``ids``: the vocabulary both models use."""
+    pairs = sorted((i, t) for t, i in vocab.items() if i < ids)
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
+
+
+def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
+    """The target model (fp32), whether it is the draft's own checkpoint, and its name."""
+    from converter.checkpoint import load_checkpoint
+    from converter.cli_generate import artifact_source
+    from converter.recipe.sources import ResolvedSource
+
+    manifest = draft.manifest
+    if target is None:
+        source, task = artifact_source(draft.directory)
+        ckpt = load_checkpoint(source, task)
+        return ckpt.model.float().eval(), True, f"{source.directory} (the draft's own)"
+    ckpt = load_checkpoint(ResolvedSource("hf-dir", target, None), "text-generation")
+    if ckpt.sha256 == manifest["checkpoint"]["sha256"]:
+        return ckpt.model.float().eval(), True, f"{target} (the draft's own)"
+    if draft.tokenizer is None or ckpt.tokenizer is None:
+        raise InputError(f"{target}: a vocabulary check needs both tokenizers")
+    shared = min(manifest["vocab_size"], len(ckpt.tokenizer.get_vocab()))
+    if vocab_hash(draft.tokenizer.get_vocab(), shared) != vocab_hash(
+        ckpt.tokenizer.get_vocab(), shared
+    ):
+        raise InputError(
+            f"{target}: its vocabulary differs from the draft's on ids 0..{shared - 1}"
+        )
+    return ckpt.model.float().eval(), False, str(target)
+
+
+@click.command("speculate")
+@click.option("--draft", "draft_dir", required=True,
+              type=click.Path(path_type=Path, exists=True, file_okay=False))  # fmt: skip
+@click.option("--target", "target_dir", default=None,
+              type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="A Hugging Face checkpoint directory (default: the draft's own checkpoint: "
+              "self-acceptance, a fidelity measure).")  # fmt: skip
+@click.option("--k", "depths", default="1..8", show_default=True, help="Draft depths.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 1024), default=48, show_default=True)
+@click.option("--texts", type=int, default=None, help="Use the first N built-in texts.")
+@click.option("--draft-ms", type=float, default=None, help="Draft time per token (ms).")
+@click.option("--verify-ms", type=float, default=None, help="Target time to verify K tokens.")
+@click.option("--target-ms", type=float, default=None, help="Target time per token alone.")
+@click.option("--json", "as_json", is_flag=True)
+def speculate_command(
+    draft_dir: Path,
+    target_dir: Path | None,
+    depths: str,
+    max_new_tokens: int,
+    texts: int | None,
+    draft_ms: float | None,
+    verify_ms: float | None,
+    target_ms: float | None,
+    as_json: bool,
+) -> None:
+    """Greedy speculative decoding on held-out human-written text: the draft (a cached
+    decoder artifact) run by the MIL evaluator, the target by transformers in fp32. Prints
+    acceptance per draft position, mean accepted drafts per cycle and tokens per target call
+    for each K; with --draft-ms, --verify-ms and --target-ms, a predicted speed-up (never for
+    the draft's own checkpoint, whose figure is self-acceptance)."""
+    from converter.generate import Runtime, mil_backend
+    from converter.speculate import TEXTS, Acceptance, speculate, speedup
+
+    draft = Runtime.from_artifact(draft_dir)
+    if draft.tokenizer is None:
+        raise InputError(f"{draft_dir}: the draft ships no tokenizer.json")
+    model, own, target_name = load_target(draft, target_dir)
+    make = mil_backend(draft)
+    prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[:texts]]
+    rows = []
+    for k in parse_depths(depths):
+        stats = Acceptance(k)
+        for prompt in prompts:
+            speculate(make, model, prompt, k, max_new_tokens, stats)
+        row: dict[str, Any] = {
+            "k": k,
+            "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
+            "mean_accepted_per_cycle": round(stats.mean_accepted, 4),
+            "tokens_per_target_call": round(stats.tokens_per_call, 4),
+            "cycles": stats.cycles,
+        }
+        if not own and None not in (draft_ms, verify_ms, target_ms):
+            assert draft_ms is not None and verify_ms is not None and target_ms is not None
+            row["predicted_speedup"] = speedup(
+                stats.mean_accepted, k, draft_ms, verify_ms, target_ms
+            )
+        rows.append(row)
+        if not as_json:
+            rates = " ".join(f"{r:.2f}" for r in row["acceptance_per_position"])
+            click.echo(
+                f"K={k}: acceptance per position [{rates}]  mean accepted "
+                f"{row['mean_accepted_per_cycle']:.2f}  tokens/target call "
+                f"{row['tokens_per_target_call']:.2f}"
+                + (f"  predicted {row['predicted_speedup']}" if "predicted_speedup" in row else "")
+            )
+    label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
+    doc = {"draft": str(draft_dir), "target": target_name, "label": label, "rows": rows,
+           "texts": len(prompts), "max_new_tokens": max_new_tokens}  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        click.echo(f"{label}; target {target_name}; {len(prompts)} texts x {max_new_tokens} tokens")
+        if not own:
+            click.echo(
+                "predicted speed-up: sequential = (mean accepted + 1) * target_ms / "
+                "(K * draft_ms + verify_ms); pipelined = (mean accepted + 1) * target_ms / "
+                "max(K * draft_ms, verify_ms)"
+            )

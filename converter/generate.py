@@ -1,0 +1,191 @@
+"""A reference host loop for a cached draft decoder, driven by its manifest alone.
+
+`Runtime.from_artifact` reads ``manifest.json`` (its ``kv_cache`` section: functions and
+their tensors, cache shape and style, windows), ``rope.npy``, ``embeddings.npy`` and
+``tokenizer.json``; nothing of anec's conversion code or the checkpoint is needed. Greedy
+generation prefills the prompt (in calls of the prefill function's T tokens) and then decodes
+one token per call. Backends:
+
+* ``mil``: anec's MIL evaluator (numpy; Linux and macOS), fp16 profile by default;
+* ``coreml``: Core ML on macOS (``MLModel(function_name=...)`` per function, one
+  ``make_state()`` shared by them). NEVER RUN HERE: written against coremltools' documented
+  API (stateful-models, multifunction-models) and untested until someone runs it on a Mac.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converter.errors import InputError
+from graph_passes.cache_host import CallShape
+from parity.kv_session import CacheSession, FunctionShape, MilFunctions, Runner
+
+
+@dataclass
+class Runtime:
+    """Everything the host loop needs, read from an artifact directory."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    functions: dict[str, FunctionShape]
+    rope: list[tuple[np.ndarray, np.ndarray]]
+    embeddings: np.ndarray | None
+    tokenizer: Any
+    package: Path
+
+    @property
+    def kv(self) -> dict[str, Any]:
+        """The manifest's kv_cache section."""
+        return dict(self.manifest["kv_cache"])
+
+    @classmethod
+    def from_artifact(cls, directory: Path) -> Runtime:
+        """Read the artifact's manifest and host files; InputError naming what is missing."""
+        path = directory / "manifest.json"
+        if not path.is_file():
+            raise InputError(f"{directory}: no manifest.json (not an anec artifact)")
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        kv = manifest.get("kv_cache")
+        if not kv:
+            raise InputError(
+                f"{path}: no kv_cache section; anec generate runs a cached decoder "
+                "(a recipe with cache.style state or io)"
+            )
+        functions = {
+            name: FunctionShape(
+                name,
+                CallShape(kv["cache_length"], f["tokens"], tuple(kv["windows"]), kv["style"]),
+                f["logits"],
+            )
+            for name, f in kv["functions"].items()
+        }
+        tables = np.load(directory / kv["rope"]["file"])
+        rope = [(tables[g, 0], tables[g, 1]) for g in range(tables.shape[0])]
+        embeddings = None
+        if manifest.get("embeddings"):
+            embeddings = np.load(directory / manifest["embeddings"]["file"])
+        tokenizer = None  # an artifact without a tokenizer runs on token ids only
+        if manifest.get("tokenizer"):
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(directory / manifest["tokenizer"]["file"]))
+        package = directory / manifest["package"]["file"]
+        return cls(directory, manifest, functions, rope, embeddings, tokenizer, package)
+
+    def token_input(self) -> str:
+        """``input_ids`` or ``inputs_embeds``: the first input of the decode function."""
+        return str(self.kv["functions"]["decode"]["inputs"][0]["name"])
+
+    def session(self, runner: Runner, states: dict[str, np.ndarray] | None) -> CacheSession:
+        """A host loop over this artifact's functions run by ``runner``."""
+        table = self.embeddings
+
+        def embed(ids: list[int]) -> np.ndarray:
+            assert table is not None
+            return np.asarray(table[ids], dtype=np.float32)
+
+        return CacheSession(
+            self.functions,
+            self.rope,
+            tuple(self.kv["cache"]["shape"]),
+            runner,
+            self.token_input(),
+            embed if table is not None else None,
+            states=states,
+        )
+
+
+def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:
+    """Sessions run by the MIL evaluator (functions prepared once, a fresh state each)."""
+    from converter.coreml import load_program
+
+    program = load_program(runtime.package)
+    mil = MilFunctions(
+        program, profile, list(runtime.functions), tuple(runtime.kv["cache"]["shape"])
+    )
+
+    def make() -> CacheSession:
+        runner, states = mil.session()
+        return runtime.session(runner, states)
+
+    return make
+
+
+def coreml_backend(runtime: Runtime) -> Callable[[], CacheSession]:  # pragma: no cover
+    """Sessions run by Core ML on macOS. NEVER RUN HERE (no macOS on this machine)."""
+    import coremltools as ct
+
+    models = {
+        name: ct.models.MLModel(
+            str(runtime.package), function_name=name, compute_units=ct.ComputeUnit.CPU_AND_NE
+        )
+        for name in runtime.functions
+    }
+
+    def make() -> CacheSession:
+        state = models["decode"].make_state() if runtime.kv["style"] == "state" else None
+
+        def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            feed = {
+                k: v.astype(np.int32 if k == "input_ids" else np.float16) for k, v in inputs.items()
+            }
+            model = models[function]
+            out = model.predict(feed, state=state) if state else model.predict(feed)
+            return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+
+        return runtime.session(run, None)
+
+    return make
+
+
+@dataclass
+class Generation:
+    """What a greedy run produced."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    evictions: int
+
+    def text(self, tokenizer: Any) -> str:
+        """The generated continuation as text."""
+        return str(tokenizer.decode(self.new_ids))
+
+
+def greedy(
+    make_session: Callable[[], CacheSession],
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: int | None = None,
+) -> Generation:
+    """Prefill the prompt, then decode greedily; evicts as the manifest's convention says
+    (keep the last tokens that fit, start again at position 0, prefill them)."""
+    session = make_session()
+    prefill = session.functions["prefill"].shape
+    capacity = prefill.cache_length
+    if not prompt_ids:
+        raise InputError("the prompt tokenizes to no tokens")
+    context = list(prompt_ids)
+    if len(context) > capacity - prefill.tokens:
+        context = context[-(capacity - prefill.tokens) :]
+    logits = session.prefill("prefill", context)
+    new: list[int] = []
+    evictions = 0
+    while len(new) < max_new_tokens:
+        token = int(np.argmax(logits))
+        new.append(token)
+        if token == eos or len(new) == max_new_tokens:
+            break
+        context.append(token)
+        if session.position + 1 > capacity:
+            evictions += 1
+            context = context[-(capacity - prefill.tokens) :]
+            session = make_session()
+            logits = session.prefill("prefill", context[:-1])
+        logits = session.call("decode", [token])[:, -1]
+    return Generation(list(prompt_ids), new, evictions)

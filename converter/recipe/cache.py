@@ -1,0 +1,69 @@
+"""The ``cache:`` section of a text-generation recipe: a stateful draft decoder's KV cache.
+
+``style: none`` (the default) is today's window program. ``state`` and ``io`` emit one
+multifunction package (``prefill``, ``decode``, ``extend``) over a KV cache of ``length``
+slots (`graph_passes.cached_decoder`): ``state`` keeps the cache as a Core ML state (macOS 15
+/ iOS 18), ``io`` passes it in and returns only the new rows.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from converter.targets import Feature, check_feature
+from converter.yaml_errors import Loc, StrictModel, raise_rules
+
+CacheStyleName = Literal["none", "state", "io"]
+# A cache's slots are one axis of the state; at most the NE's per-axis limit.
+MAX_CACHE = 16384
+
+
+class CacheSpec(StrictModel):
+    """KV cache shape and functions (text-generation only)."""
+
+    style: CacheStyleName = "none"
+    # Slots (positions) the cache holds; a multiple of 32 (Core AI's shape ladder starts at
+    # 256 and doubles; ../shared/research/anchors_runtime.md section 2).
+    length: int = Field(default=512, ge=32, le=MAX_CACHE, strict=True)
+    prefill: int = Field(default=64, ge=1, le=512, strict=True)  # tokens per prefill call
+    extend: int = Field(default=4, ge=2, le=64, strict=True)  # K: tokens per extend call
+    # Sequential decode steps the parity gates run after each fixture's prompt (>= 64 is the
+    # gate the issue fixes; fewer only for CI-sized recipes, which say so in their comment).
+    decode_steps: int = Field(default=64, ge=1, le=4096, strict=True)
+
+    @model_validator(mode="after")
+    def _fits(self) -> CacheSpec:
+        problems: list[tuple[Loc, str]] = []
+        if self.length % 32:
+            problems.append((("length",), f"expected a multiple of 32, got {self.length}"))
+        for key in ("prefill", "extend"):
+            value = getattr(self, key)
+            if value > self.length:
+                problems.append(((key,), f"{value} tokens exceed the cache length {self.length}"))
+        raise_rules("CacheSpec", problems)
+        return self
+
+
+def cache_problems(
+    cache: CacheSpec, target: str, batch: int, compressed: bool, precision: str
+) -> list[tuple[Loc, str]]:
+    """Rules between the cache section and the rest of a decoder recipe."""
+    if cache.style == "none":
+        return []
+    problems: list[tuple[Loc, str]] = []
+    needs = [Feature.MULTIFUNCTION] + ([Feature.STATES] if cache.style == "state" else [])
+    for feature in needs:
+        reason = check_feature(target, feature)
+        if reason:
+            problems.append((("cache", "style"), f"{reason}; choose target macOS15 or iOS18"))
+    if batch != 1:
+        problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
+    if precision != "float16":
+        problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
+    if compressed:
+        problems.append(
+            (("compression",), "compressed variants of a cached decoder are not implemented")
+        )
+    return problems

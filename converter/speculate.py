@@ -1,0 +1,139 @@
+"""Greedy speculative decoding: a cached draft artifact proposes, a transformers target verifies.
+
+One cycle with depth K: the draft proposes K tokens one ``decode`` call at a time; the target
+runs the context plus the K drafts once (a full recompute, fp32) and takes its own greedy token
+at each of the K + 1 positions; the longest prefix of drafts equal to the target's tokens is
+accepted, followed by the target's token after it (a correction, or a bonus token when all K
+were accepted). The draft then rolls back to the start of the cycle (the manifest's rollback
+convention) and absorbs the accepted tokens and the target's token with ``extend`` calls. The
+output is exactly the target's greedy continuation.
+
+Figures: acceptance per draft position (accepted / reached), mean accepted drafts per cycle,
+tokens per target call. The speed-up is `predicted` from stated inputs only (see `speedup`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from parity.kv_session import CacheSession
+
+# Held-out, human-written text (not the recipes' fixtures or held-out sets): prompts whose
+# continuations the draft and the target both generate.
+TEXTS = (
+    "The old lighthouse keeper climbed the stairs every evening at dusk, carrying a lamp and a",
+    "When the bakery on the corner closed for good, the neighbours gathered outside to",
+    "To repot a houseplant, first water it the day before, then gently loosen the roots and",
+    "The museum's new exhibition traces the history of printing from woodblocks to",
+)
+
+
+@dataclass
+class Acceptance:
+    """What a speculative run measured for one depth K."""
+
+    k: int
+    reached: list[int] = field(default_factory=list)  # cycles that reached draft position i
+    accepted: list[int] = field(default_factory=list)  # of those, cycles that accepted it
+    cycles: int = 0
+    target_calls: int = 0
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.reached = self.reached or [0] * self.k
+        self.accepted = self.accepted or [0] * self.k
+
+    def rate(self, i: int) -> float:
+        """Acceptance rate at draft position i (accepted / reached)."""
+        return self.accepted[i] / self.reached[i] if self.reached[i] else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted drafts per cycle."""
+        return sum(self.accepted) / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens produced per target call."""
+        return self.tokens / self.target_calls if self.target_calls else 0.0
+
+
+@torch.no_grad()
+def target_tokens(target: nn.Module, ids: list[int], start: int) -> list[int]:
+    """The target's greedy token after each position from ``start`` on (full recompute)."""
+    logits = target(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    return [int(t) for t in logits[start:].argmax(dim=-1)]
+
+
+def absorb(session: CacheSession, tokens: list[int], k: int) -> np.ndarray:
+    """Feed ``tokens`` to the draft in extend calls of up to K; the last position's logits."""
+    logits = None
+    for i in range(0, len(tokens), k):
+        chunk = tokens[i : i + k]
+        logits = session.call("extend", chunk)[:, -1]
+    assert logits is not None
+    return logits
+
+
+def speculate(
+    make_session: Callable[[], CacheSession],
+    target: nn.Module,
+    prompt: list[int],
+    k: int,
+    max_new_tokens: int,
+    stats: Acceptance,
+) -> list[int]:
+    """Generate ``max_new_tokens`` greedily with draft depth ``k``; adds to ``stats`` and
+    returns the new tokens (the target's own greedy continuation)."""
+    session = make_session()
+    context = list(prompt)
+    logits = session.prefill("prefill", context)
+    new: list[int] = []
+    while len(new) < max_new_tokens:
+        start = len(context)
+        drafted: list[int] = []
+        for i in range(k):
+            drafted.append(int(np.argmax(logits)))
+            if i < k - 1:
+                logits = session.call("decode", [drafted[-1]])[:, -1]
+        verified = target_tokens(target, context + drafted, start - 1)  # K + 1 tokens
+        stats.target_calls += 1
+        stats.cycles += 1
+        accepted = 0
+        while accepted < k and drafted[accepted] == verified[accepted]:
+            accepted += 1
+        for i in range(k):
+            if i <= accepted:
+                stats.reached[i] += 1
+            if i < accepted:
+                stats.accepted[i] += 1
+        produced = drafted[:accepted] + [verified[accepted]]
+        produced = produced[: max_new_tokens - len(new)]
+        new += produced
+        stats.tokens += len(produced)
+        context += produced
+        session.rollback(start)  # the rejected drafts become stale slots
+        logits = absorb(session, produced, session.functions["extend"].shape.tokens)
+    return new
+
+
+def speedup(
+    mean_accepted: float, k: int, draft_ms: float, verify_ms: float, target_ms: float
+) -> dict[str, float]:
+    """Predicted speed-up over the target alone from stated inputs: draft time per token
+    ``draft_ms``, target time to verify K tokens ``verify_ms``, target time per token alone
+    ``target_ms``. A cycle yields ``mean_accepted + 1`` tokens; sequential cycle time
+    ``k * draft_ms + verify_ms``; pipelined (the next cycle's drafting overlaps verification)
+    ``max(k * draft_ms, verify_ms)``."""
+    tokens = mean_accepted + 1.0
+    sequential = k * draft_ms + verify_ms
+    pipelined = max(k * draft_ms, verify_ms)
+    return {
+        "sequential": tokens * target_ms / sequential,
+        "pipelined": tokens * target_ms / pipelined,
+    }

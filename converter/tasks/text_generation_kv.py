@@ -1,0 +1,283 @@
+"""The text-generation task with a KV cache (``cache.style`` state or io): its steps.
+
+    load -> rewrite to BC1L (the window module, + prescales) -> cache reference (greedy
+        continuations, full recompute in fp32) -> reference -> torch parity (window)
+        -> convert prefill / decode / extend, combine into one multifunction package
+        -> parity through the cache (MIL evaluator fp16) -> manifest -> plan (static)
+
+The cached functions run the window module's own layers (`graph_passes.cached_decoder`), so
+the rewrite's gates (torch fp32 per layer, fp16) cover their weights and norms; the cache
+gates (`parity.kv_gates`) cover what the cache adds, on the emitted program.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converter.coreml import combine_functions, live_ops, load_program, save_package
+from converter.manifest_fields import write_npy
+from converter.publish import write_json_atomic
+from converter.steps import Advance, Step, Stop
+from converter.targets import TARGETS
+from converter.tasks import text_generation as window_task
+from converter.tasks.base import Program, load, need
+from converter.tasks.kv_contract import (
+    DEFAULT_FUNCTION,
+    function_calls,
+    function_contract,
+    kv_manifest_section,
+    state_contract,
+)
+from graph_passes.cache_host import CallShape
+from graph_passes.cached_decoder import CachedDecoder, cached_functions
+from parity.kv_gates import KvParity, check_kv
+from parity.kv_reference import Continuation, continuation, originals
+from parity.kv_session import CacheSession, FunctionShape, MilFunctions, rope_rows
+from parity.report_files import write_parity_reports
+from parity.threads import with_torch_threads
+
+SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
+WEIGHTS = Path("Data") / "com.apple.CoreML" / "weights" / "weight.bin"
+
+
+@dataclass
+class KvRun(window_task.DecoderRun):
+    """A cached decoder conversion in progress."""
+
+    continuations: list[Continuation] = field(default_factory=list)
+    functions: dict[str, CachedDecoder] = field(default_factory=dict)
+    sizes: dict[str, Any] = field(default_factory=dict)
+    kv: KvParity | None = None
+
+    @property
+    def cache(self) -> Any:
+        """The recipe's cache section."""
+        return self.recipe.cache
+
+
+def package_bytes(path: Path) -> int:
+    """Bytes of every file under a package."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def session_for(
+    functions: dict[str, CachedDecoder], runner: Any, states: Any, embed: Any
+) -> CacheSession:
+    """A fresh host loop over ``functions`` run by ``runner``."""
+    first = functions[DEFAULT_FUNCTION]
+    shapes = {
+        name: FunctionShape(
+            name,
+            CallShape(m.io.cache_length, m.io.tokens, tuple(m.windows), m.io.style),
+            m.io.logits,
+        )
+        for name, m in functions.items()
+    }
+    token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
+    return CacheSession(
+        shapes, rope_rows(first), first.cache_shape(), runner, token_input, embed, states=states
+    )
+
+
+# ---- steps -----------------------------------------------------------------------------------
+
+
+def cache_reference(run: KvRun, advance: Advance) -> None:
+    """Greedy continuations of every fixture by the original model and its fp32 logits."""
+    ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
+    steps = run.cache.decode_steps
+    for fixture in originals(rw.fixtures):
+        if len(fixture.token_ids) + steps > run.cache.length:
+            raise ValueError(
+                f"fixtures.{fixture.name}: {len(fixture.token_ids)} tokens + {steps} decode "
+                f"steps exceed cache.length {run.cache.length}"
+            )
+        run.continuations.append(continuation(ckpt.model, fixture, steps))
+        advance()
+
+
+@dataclass
+class Emitted:
+    """The multifunction package and what was measured while building it."""
+
+    package: Path
+    sizes: dict[str, Any]
+    decode: Program  # the default function's contract and converted model
+
+
+def emit_functions(
+    functions: dict[str, CachedDecoder],
+    dtype: Any,
+    precision: Any,
+    target: Any,
+    package: Path,
+    advance: Advance = lambda: None,
+) -> Emitted:
+    """Trace and convert each function (a state for the ``state`` style), save each as its
+    own package in a scratch folder beside ``package``, combine them into the multifunction
+    ``package`` (weights stored once) and measure both; the scratch folder is removed."""
+    from converter.coreml import to_mlprogram, trace
+
+    scratch = package.parent / SCRATCH
+    scratch.mkdir()
+    singles: dict[str, Path] = {}
+    decode: Program | None = None
+    for name, module in functions.items():
+        inputs, outputs = function_contract(module, dtype)
+        traced = trace(module, inputs)
+        mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
+        singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
+        if name == DEFAULT_FUNCTION:
+            decode = Program(name, inputs, outputs, package, mlmodel, live_ops(mlmodel))
+        advance()
+    combine_functions(singles, package, DEFAULT_FUNCTION)
+    single = {name: package_bytes(p) for name, p in singles.items()}
+    single_weights = {name: (p / WEIGHTS).stat().st_size for name, p in singles.items()}
+    sizes: dict[str, Any] = {
+        "single_function_package_bytes": single,
+        "single_function_weight_bytes": single_weights,
+        "multifunction_package_bytes": package_bytes(package),
+        "multifunction_weight_bytes": (package / WEIGHTS).stat().st_size,
+    }
+    sizes["package_ratio"] = sizes["multifunction_package_bytes"] / max(single.values())
+    sizes["weight_ratio"] = sizes["multifunction_weight_bytes"] / max(single_weights.values())
+    shutil.rmtree(scratch)
+    return Emitted(package, sizes, need(decode, "the decode function"))
+
+
+def convert_functions(run: KvRun, advance: Advance) -> None:
+    """Convert prefill, decode and extend and combine them into one multifunction package."""
+    rw = need(run.rewrite, "the rewrite")
+    cache = run.cache
+    run.functions = cached_functions(
+        rw.module, cache.style, cache.length, function_calls(cache.prefill, cache.extend)
+    )
+    emitted = emit_functions(
+        run.functions,
+        run.recipe.io.dtype,
+        run.recipe.precision,
+        TARGETS[run.recipe.target].ct_target(),
+        run.job.directory / f"{run.recipe.name}.mlpackage",
+        advance,
+    )
+    run.sizes = emitted.sizes
+    run.programs.append(emitted.decode)
+
+
+def published_functions(run: KvRun, advance: Advance) -> None:
+    """``anec parity``: the cached modules of the published package, and its sizes (the
+    single-function sizes as the manifest recorded them; the combined package measured)."""
+    import json
+
+    rw = need(run.rewrite, "the rewrite")
+    cache = run.cache
+    run.functions = cached_functions(
+        rw.module, cache.style, cache.length, function_calls(cache.prefill, cache.extend)
+    )
+    package = run.main.path
+    manifest = json.loads((package.parent / "manifest.json").read_text(encoding="utf-8"))
+    recorded = manifest["kv_cache"]["sizes"]
+    sizes = dict(recorded)
+    sizes["multifunction_package_bytes"] = package_bytes(package)
+    sizes["multifunction_weight_bytes"] = (package / WEIGHTS).stat().st_size
+    sizes["package_ratio"] = sizes["multifunction_package_bytes"] / max(
+        recorded["single_function_package_bytes"].values()
+    )
+    sizes["weight_ratio"] = sizes["multifunction_weight_bytes"] / max(
+        recorded["single_function_weight_bytes"].values()
+    )
+    run.sizes = sizes
+
+
+def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
+    """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
+    from parity.gate import gate
+
+    rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
+    program = load_program(run.main.path)
+    first = run.functions[DEFAULT_FUNCTION]
+    mil = MilFunctions(program, "fp16", list(run.functions), first.cache_shape())
+    table = rw.embed_table.numpy()
+
+    def make_session() -> CacheSession:
+        runner, states = mil.session()
+        advance()
+        return session_for(run.functions, runner, states, lambda ids: table[ids])
+
+    run.kv = check_kv(make_session, run.continuations, "prefill", run.cache.extend, "mil-fp16")
+    ratio = run.sizes["weight_ratio"]
+    run.kv.gates.append(
+        gate("kv-cache", "kv_weights_stored_once").check(
+            ratio,
+            implementation="package",
+            detail=f"package bytes ratio {run.sizes['package_ratio']:.4f}",
+        )
+    )
+    report.gates.extend(run.kv.gates)
+    report.implementations["mil-fp16"] = "anec MIL evaluator, fp16 profile, through the cache"
+    write_json_atomic(
+        run.job.directory / "kv_parity.json",
+        {
+            "gates": [g.to_json() for g in run.kv.gates],
+            "flips": run.kv.flips,
+            "fixtures": run.kv.rows,
+            "sizes": run.sizes,
+        },
+    )
+    write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name})
+    return None if report.passed else Stop("kv-cache", run.kv.flips[:10])
+
+
+def manifest(run: KvRun, advance: Advance) -> None:
+    """manifest.json with the kv_cache section, and the host tables (rope.npy)."""
+    first = run.functions[DEFAULT_FUNCTION]
+    tables = np.stack([np.stack(pair) for pair in rope_rows(first)]).astype(np.float32)
+    rope = write_npy(
+        run.job.directory / "rope.npy",
+        tables,
+        "RoPE tables [group, cos|sin, channel, position] for positions 0..cache_length-1 "
+        "(sin sign-folded: rotate_half's minus is in its first half)",
+    )
+    window_task.manifest(run, advance)
+    doc = need(run.manifest, "the manifest")
+    contracts = {
+        name: function_contract(m, run.recipe.io.dtype) for name, m in run.functions.items()
+    }
+    doc.kv_cache = kv_manifest_section(
+        run.functions, contracts, run.sizes, rope.model_dump(mode="json")
+    )
+    write_json_atomic(run.job.directory / "manifest.json", doc.model_dump(mode="json"))
+
+
+def _continuation_count(run: KvRun) -> int:
+    return len(originals(need(run.rewrite, "the rewrite").fixtures))
+
+
+CONVERT_STEPS: tuple[Step[KvRun], ...] = (
+    Step("load checkpoint", load),
+    Step("rewrite to BC1L", with_torch_threads(window_task.rewrite)),
+    Step("reference continuations (original model)", with_torch_threads(cache_reference),
+         _continuation_count),
+    Step("reference (original model)", with_torch_threads(window_task.references),
+         window_task._fixture_count),
+    Step("parity (torch fp32, fp16)", with_torch_threads(window_task.torch_parity),
+         window_task._batch_count),
+    Step("convert prefill, decode, extend", convert_functions, lambda run: 3),
+    Step("parity through the cache (MIL evaluator)", with_torch_threads(kv_parity),
+         lambda run: 3 * _continuation_count(run)),
+    Step("write manifest", manifest),
+    Step("plan (static)", window_task.plan),
+)  # fmt: skip
+# `anec parity`: the same gates on the published package, nothing converted or written into it.
+RECHECK_STEPS = tuple(
+    Step("cached functions of the package", published_functions)
+    if s.run is convert_functions
+    else s
+    for s in CONVERT_STEPS
+    if s.run not in (manifest, window_task.plan)
+)

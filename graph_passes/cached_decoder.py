@@ -1,0 +1,308 @@
+"""The cached BC1L decoder: T new tokens at explicit positions against a KV cache of S slots.
+
+It runs the layers of a window module (`graph_passes.decoder.BC1LDecoder`) itself - the same
+Attention weights, norms (with their prescales), MLPs, final norm and LM head objects - so a
+change to the window module's weights or norms (the residual-stream scale, norm prescales set
+by name) is the cached module's too, and the weights are held once in memory. Only the
+attention differs: the T new keys and values are scored against the cache as well.
+
+Cache: one fp16 tensor ``kv_cache`` (2N, KV, S, d) for N layers of KV kv heads of d channels:
+row ``i`` holds layer i's keys, row ``N + i`` its values, slot ``s`` the token at position
+``s``. Rank 4, the last axis the head dimension (64 or 128: a multiple of 32 fp16 elements),
+fully static (`docs` in the manifest cite the sources, ../shared/research/anchors_runtime.md
+section 2: rank <= 5 with rank 4 safer, last axis a multiple of 32, fp16 only, static shapes).
+
+Position-dependent values are host inputs, so the program has no integer arithmetic:
+
+* ``rope_cos_<g>`` / ``rope_sin_<g>`` (1, 1, r, T): the RoPE rows of the T tokens' positions
+  for each distinct RoPE of the layers (Gemma 3's local and global layers differ);
+* ``mask`` (1, S + T, 1, T) (and ``mask_window_<w>`` for local layers): additive, keys on axis
+  1 - the S cache slots, then the T new tokens - queries on axis 3, 0 visible, ``MASKED`` not;
+* ``cache_valid`` (1, 1, S, 1): 1 for a slot that holds a token before this call, 0 otherwise.
+  The cache is multiplied by it before use, so a stale slot (a rejected draft's K/V) or any
+  finite value written beyond the position contributes exactly 0 to a score and to an output,
+  even where it is large enough that its score would overflow fp16 (a mask alone would not
+  cancel an infinite score);
+* ``write_slots`` (1, 1, S, T), cache style ``state`` only: one-hot, column t is 1 at the slot
+  token t is written to, all 0 for a padding token (written nowhere).
+
+Cache styles (`CacheStyle`):
+
+* ``state``: the cache is a Core ML state (``ct.StateType``, macOS 15 / iOS 18). The update is
+  ``cache * (1 - sum_t write_slots) + sum_t write_slots[t] * rows[t]``: fp16 elementwise
+  ops (a matmul for a T above `ELEMENTWISE_WRITE`: the prefill), no ``slice_update`` with
+  run-time indices (which ANE compilers reject or send to the CPU: coreai-torch #6, Anemll
+  #27, anemll-profile's "Cannot support standalone slice_update") and no int32 tensor. Its
+  cost is a pass over the cache per token written.
+* ``io``: the cache is an input and only the new rows come out, ``new_kv`` (2N, KV, T, d); the
+  host writes them at their slots (macOS 14 / iOS 17).
+
+The scores of the cache and of the new tokens are computed separately and concatenated on the
+key axis (T x (S + T) values per head, not a copy of the cache), so both styles compute the
+same function and the state update does not sit between a layer's keys and its scores.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from graph_passes.attention import Attention
+from graph_passes.decoder import BC1LDecoder, InputKind
+from graph_passes.model import Block
+from graph_passes.norms import HeadRMSNorm
+from graph_passes.rope import inverse_frequencies, rope_tables, rotate
+from graph_passes.spec import AttentionSpec
+
+CacheStyle = Literal["state", "io"]
+LogitPositions = Literal["last", "all"]
+CACHE_NAME = "kv_cache"
+# Up to this many tokens per call the state write is elementwise (see `CachedDecoder.updated`).
+ELEMENTWISE_WRITE = 8
+
+
+@dataclass(frozen=True)
+class CacheIO:
+    """Fixed shapes of one function of a cached decoder (batch 1)."""
+
+    style: CacheStyle
+    cache_length: int  # S slots
+    tokens: int  # T new tokens per call
+    logits: LogitPositions  # "last": slot T - 1 only; "all": every slot
+    inputs: InputKind
+
+
+@dataclass(frozen=True)
+class RopeGroup:
+    """One distinct RoPE of the layers: its rotated channels and frequencies (fp64)."""
+
+    rotary_dim: int
+    inv_freq: torch.Tensor
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (1, 1, r, len(positions)) in fp32, as `Rope` holds them."""
+        return rope_tables(self.rotary_dim, 0.0, positions, self.inv_freq)
+
+
+def rope_groups(specs: list[AttentionSpec]) -> tuple[list[RopeGroup], list[int]]:
+    """The distinct RoPEs of the layers and each layer's index into them."""
+    groups: list[RopeGroup] = []
+    keys: list[tuple[int, float, object]] = []
+    index = []
+    for s in specs:
+        key = (s.rotary_channels, s.rope_theta, s.rope_scaling)
+        if key not in keys:
+            keys.append(key)
+            inv = inverse_frequencies(s.rotary_channels, s.rope_theta, s.rope_scaling)
+            groups.append(RopeGroup(s.rotary_channels, inv))
+        index.append(keys.index(key))
+    return groups, index
+
+
+def _with_length(norm: HeadRMSNorm, length: int) -> HeadRMSNorm:
+    """The same head norm (shared weights, prescale) reshaping ``length`` positions."""
+    twin = copy.copy(norm)
+    twin.length = length
+    return twin
+
+
+class CachedDecoder(nn.Module):
+    """T tokens against a KV cache, with the window module's layers; see the module docstring.
+
+    ``forward(x, *host)`` takes the inputs `input_names` lists, in that order; for style
+    ``io`` the cache comes last. It returns the LM-head chunks (1, V_k, 1, n) and, for
+    ``io``, the new rows (2N, KV, T, d); ``state`` updates the ``kv_cache`` buffer.
+    """
+
+    kv_cache: torch.Tensor
+
+    def __init__(self, window: BC1LDecoder, io: CacheIO) -> None:
+        super().__init__()
+        spec = window.spec
+        if io.inputs != window.io.inputs:
+            raise ValueError(
+                f"a cached decoder reads its window module's inputs ({window.io.inputs}), "
+                f"not {io.inputs}"
+            )
+        for layer in spec.layers:
+            if layer.placement == "post" or not layer.attention.rope:
+                raise ValueError("a cached decoder needs pre-norm RoPE layers")
+        self.window = window
+        self.io = io
+        self.spec = spec
+        attention = [layer.attention for layer in spec.layers]
+        self.groups, self.group_of = rope_groups(attention)
+        self.windows = sorted({w for a in attention if (w := a.window) is not None})
+        first = attention[0]
+        self.kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        if any((a.num_kv_heads, a.head_dim) != (self.kv_heads, self.head_dim) for a in attention):
+            raise ValueError("a cached decoder needs the same kv heads and head_dim in every layer")
+        if io.style == "state":
+            self.register_buffer(CACHE_NAME, torch.zeros(self.cache_shape()))
+
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """(2N, KV, S, d): keys of layer i in row i, values in row N + i."""
+        n = self.spec.num_layers
+        return (2 * n, self.kv_heads, self.io.cache_length, self.head_dim)
+
+    def rows_shape(self) -> tuple[int, int, int, int]:
+        """(2N, KV, T, d): the new rows of one call, in the cache's layout."""
+        n = self.spec.num_layers
+        return (2 * n, self.kv_heads, self.io.tokens, self.head_dim)
+
+    def input_names(self) -> list[str]:
+        """The host inputs after the tokens, in ``forward`` order."""
+        names = []
+        for g in range(len(self.groups)):
+            names += [f"rope_cos_{g}", f"rope_sin_{g}"]
+        names += ["mask", *(f"mask_window_{w}" for w in self.windows), "cache_valid"]
+        names.append("write_slots" if self.io.style == "state" else "kv_cache_in")
+        return names
+
+    def reset_cache(self) -> None:
+        """Zero the state (torch runs only; a Core ML state starts at zero)."""
+        if self.io.style == "state":
+            self.kv_cache.zero_()
+
+    def layers(self) -> list[Block]:
+        """The window module's transformer layers (shared objects)."""
+        return self.window.decoder_layers()
+
+    def forward(self, x: torch.Tensor, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        named = dict(zip(self.input_names(), host, strict=True))
+        t = self.io.tokens
+        rope = [(named[f"rope_cos_{g}"], named[f"rope_sin_{g}"]) for g in range(len(self.groups))]
+        masks: dict[int | None, torch.Tensor] = {None: named["mask"]}
+        for w in self.windows:
+            masks[w] = named[f"mask_window_{w}"]
+        raw = self.kv_cache if self.io.style == "state" else named["kv_cache_in"]
+        cache = raw * named["cache_valid"]
+        h = self.window.embed_bc1l(x)
+        keys, values = [], []
+        n = self.spec.num_layers
+        for i, layer in enumerate(self.layers()):
+            cos, sin = rope[self.group_of[i]]
+            mask = masks[layer.window]
+            h, k, v = self._layer(layer, h, mask, cos, sin, cache[i], cache[n + i])
+            keys.append(k)
+            values.append(v)
+        rows = torch.stack(keys + values)  # (2N, KV, T, d)
+        if self.io.logits == "last":
+            h = h[:, :, :, t - 1 :]
+        logits = tuple(self.window.head(h))
+        if self.io.style == "io":
+            return (*logits, rows)
+        # One state write of the whole cache (the assignment coremltools reads as a state
+        # update; converter.mil_passes folds its whole-tensor slice_update away).
+        self.kv_cache[:, :, :, :] = self.updated(raw, named["write_slots"], rows)
+        return logits
+
+    def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The cache with each token's rows written at its slot: ``slots`` (1, 1, S, T)
+        one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values exactly.
+
+        Up to `ELEMENTWISE_WRITE` tokens the write is a sum of broadcast products (one mul and
+        one add per token, all elementwise on the NE); beyond it one matmul, whose 2N x KV
+        batch anec's plan rules place on the CPU (R-BATCH): a prefill's write, once a prompt.
+        """
+        keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
+        t = self.io.tokens
+        if t > ELEMENTWISE_WRITE:
+            return cache * keep + torch.matmul(slots, rows)
+        out = cache * keep
+        for u in range(t):
+            out = out + slots[:, :, :, u : u + 1] * rows[:, :, u : u + 1, :]
+        return out
+
+    def _layer(
+        self,
+        layer: Block,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pre-norm layer (placement ``pre`` or ``both``, as `Block.forward`); returns the
+        stream and the layer's new key and value rows (KV, T, d)."""
+        normed = x if layer.attention_norm is None else layer.attention_norm(x)
+        branch, k, v = self._attention(layer.attention, normed, mask, cos, sin, cache_k, cache_v)
+        if layer.attention_out_norm is not None:
+            branch = layer.attention_out_norm(branch)
+        h = x + branch
+        branch = layer.mlp(layer.mlp_norm(h))
+        if layer.mlp_out_norm is not None:
+            branch = layer.mlp_out_norm(branch)
+        return h + branch, k, v
+
+    def _attention(
+        self,
+        attn: Attention,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention of T queries over the S cached and T new keys; see the module docstring."""
+        s, t = attn.spec, self.io.tokens
+        d, kv, r, length = s.head_dim, s.num_kv_heads, s.rotary_channels, self.io.cache_length
+        qk, v = attn.qkv(x).split([(s.num_heads + kv) * d, kv * d], dim=1)
+        if attn.q_norm is None or attn.k_norm is None:
+            qk = rotate(qk, s.num_heads + kv, d, r, t, cos, sin)
+            q, k = qk.split([s.num_heads * d, kv * d], dim=1)
+        else:
+            q, k = qk.split([s.num_heads * d, kv * d], dim=1)
+            q = _with_length(attn.q_norm, t)(q)
+            k = _with_length(attn.k_norm, t)(k)
+            q = rotate(q, s.num_heads, d, r, t, cos, sin)
+            k = rotate(k, kv, d, r, t, cos, sin)
+        # Rows (KV, T, d) in the cache's layout: what is written, and the new keys transposed.
+        k_rows = k.reshape(kv, d, t).transpose(1, 2)
+        v_rows = v.reshape(kv, d, t).transpose(1, 2)
+        queries = q.split(d, dim=1)
+        values = v.split(d, dim=1)
+        outputs = []
+        for h, query in enumerate(queries):
+            g = h // s.group_size
+            old_k = cache_k[g].reshape(1, length, 1, d)
+            old_v = cache_v[g].reshape(1, length, 1, d)
+            new_k = k_rows[g].reshape(1, t, 1, d)
+            score = torch.cat(
+                [
+                    torch.einsum("bkhc,bchq->bkhq", old_k, query),
+                    torch.einsum("bkhc,bchq->bkhq", new_k, query),
+                ],
+                dim=1,
+            )
+            weight = torch.softmax(score + mask, dim=1)
+            w_old, w_new = weight.split([length, t], dim=1)
+            out = torch.einsum("bkhc,bkhq->bchq", old_v, w_old)
+            out = out + torch.einsum("bchk,bkhq->bchq", values[g], w_new)
+            outputs.append(out)
+        return attn.o(torch.cat(outputs, dim=1)), k_rows, v_rows
+
+
+def cached_functions(
+    window: BC1LDecoder, style: CacheStyle, cache_length: int, calls: dict[str, tuple[int, str]]
+) -> dict[str, CachedDecoder]:
+    """One cached module per function (name -> (T, logits)), all on the window module's layers
+    and, for the ``state`` style, one shared cache buffer (as the functions of one package
+    share one state)."""
+    modules: dict[str, CachedDecoder] = {}
+    shared: torch.Tensor | None = None
+    for name, (tokens, logits) in calls.items():
+        io = CacheIO(style, cache_length, tokens, logits, window.io.inputs)  # type: ignore[arg-type]
+        module = CachedDecoder(window, io).eval()
+        if style == "state":
+            if shared is None:
+                shared = module.kv_cache
+            module.kv_cache = shared
+        modules[name] = module
+    return modules

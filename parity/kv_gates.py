@@ -1,0 +1,163 @@
+"""Parity gates of a cached decoder's package, run through the host loop (`CacheSession`).
+
+* sequential: each fixture's prompt prefilled, then its greedy continuation decoded one token
+  at a time through the cache, against the original model's full recompute of the same
+  positions in fp32;
+* extend: the same continuation absorbed K tokens per call, against the single-token decode
+  steps of the same program (the batched path's own fp16 drift);
+* stale: a rejected K-token draft left in the cache and large finite values written into every
+  slot beyond the position; the decode steps after it must equal the clean run bit for bit.
+
+The thresholds are fixed (issue 11), not recipe keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parity.gate import GateResult, Worst, first_few, gate
+from parity.kv_reference import Continuation
+from parity.kv_session import CacheSession
+
+LEVEL = "kv-cache"
+MARGIN = 0.5  # argmax must agree where the reference's top1 - top2 exceeds this
+LARGE = 3.0e4  # finite in fp16; a score from it would overflow fp16
+
+
+@dataclass
+class KvParity:
+    """The cache gates, the argmax flips they counted and per-fixture figures."""
+
+    gates: list[GateResult] = field(default_factory=list)
+    flips: list[str] = field(default_factory=list)
+    rows: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every gate passed."""
+        return all(g.passed for g in self.gates)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis in fp64."""
+    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def margin(logits: np.ndarray) -> float:
+    """top1 - top2 of a logit vector."""
+    top = np.partition(logits.astype(np.float64), -2)[-2:]
+    return float(top[1] - top[0])
+
+
+def sequential(session: CacheSession, c: Continuation, prefill: str) -> dict[int, np.ndarray]:
+    """Prefill the prompt, then decode the continuation one token per call: the logits at
+    every position from the prompt's last on."""
+    out = {len(c.prompt) - 1: session.prefill(prefill, list(c.prompt))}
+    for p in range(len(c.prompt), len(c.ids)):
+        out[p] = session.call("decode", [c.ids[p]])[:, -1]
+    return out
+
+
+def extended(session: CacheSession, c: Continuation, prefill: str, k: int) -> dict[int, np.ndarray]:
+    """Prefill the prompt, then absorb the continuation K tokens per ``extend`` call (the
+    last call left-padded when fewer remain)."""
+    session.prefill(prefill, list(c.prompt))
+    out = {}
+    p = len(c.prompt)
+    while p < len(c.ids):
+        chunk = list(c.ids[p : p + k])
+        logits = session.call("extend", chunk)
+        for u in range(len(chunk)):
+            out[p + u] = logits[:, k - len(chunk) + u]
+        p += len(chunk)
+    return out
+
+
+def check_kv(
+    make_session: Callable[[], CacheSession],
+    continuations: list[Continuation],
+    prefill: str,
+    extend_tokens: int,
+    implementation: str,
+) -> KvParity:
+    """Every cache gate on every continuation (see the module docstring)."""
+    result = KvParity()
+    err, dprob = Worst(0.0), Worst(0.0)
+    ext_diff = Worst(0.0)
+    stale = Worst(0.0)
+    finite = True
+    flips: list[str] = []
+    ext_flips: list[str] = []
+    for c in continuations:
+        single = sequential(make_session(), c, prefill)
+        row_err = 0.0
+        for p, logits in single.items():
+            ref = c.reference(p)
+            where = f"{c.name} position {p}"
+            finite &= bool(np.isfinite(logits).all())
+            e = float(np.abs(logits.astype(np.float64) - ref).max())
+            row_err = max(row_err, e)
+            err.see(e, where)
+            dprob.see(float(np.abs(softmax(logits) - softmax(ref)).max()), where)
+            m = margin(ref)
+            if m > MARGIN and int(logits.argmax()) != int(ref.argmax()):
+                flips.append(f"{where}: reference {int(ref.argmax())} (margin {m:.3f}), "
+                             f"program {int(logits.argmax())}")  # fmt: skip
+        batched = extended(make_session(), c, prefill, extend_tokens)
+        for p, logits in batched.items():
+            one = single[p]
+            where = f"{c.name} position {p}"
+            finite &= bool(np.isfinite(logits).all())
+            ext_diff.see(float(np.abs(logits.astype(np.float64) - one).max()), where)
+            m = margin(one)
+            if m > MARGIN and int(logits.argmax()) != int(one.argmax()):
+                ext_flips.append(f"{where}: decode {int(one.argmax())} (margin {m:.3f}), "
+                                 f"extend {int(logits.argmax())}")  # fmt: skip
+        stale.see(stale_difference(make_session(), c, prefill, extend_tokens, single), c.name)
+        result.rows.append(
+            {"fixture": c.name, "prompt_tokens": len(c.prompt),
+             "decode_steps": len(c.ids) - len(c.prompt), "max_abs_logit_error": row_err}
+        )  # fmt: skip
+    g = lambda name: gate(LEVEL, name)  # noqa: E731
+    impl = implementation
+    result.gates = [
+        g("kv_max_abs_logit_error").check(err.value, implementation=impl, where=err.where),
+        g("kv_max_abs_dprob").check(dprob.value, implementation=impl, where=dprob.where),
+        g("kv_finite_outputs").check(1.0 if finite else 0.0, implementation=impl),
+        g("kv_argmax_flips").check(len(flips), implementation=impl, where=first_few(flips, 2)),
+        g("kv_extend_max_abs_diff").check(ext_diff.value, implementation=impl,
+                                          where=ext_diff.where),
+        g("kv_extend_argmax_flips").check(len(ext_flips), implementation=impl,
+                                          where=first_few(ext_flips, 2)),
+        g("kv_stale_max_abs_diff").check(stale.value, implementation=impl, where=stale.where),
+    ]  # fmt: skip
+    result.flips = flips + [f"extend: {f}" for f in ext_flips]
+    return result
+
+
+def stale_difference(
+    session: CacheSession,
+    c: Continuation,
+    prefill: str,
+    k: int,
+    clean: dict[int, np.ndarray],
+    steps: int = 8,
+) -> float:
+    """Largest |difference| of the decode steps after a rejected draft and large values in
+    every slot beyond the position, against the clean run's logits at the same positions."""
+    session.prefill(prefill, list(c.prompt))
+    start = session.position
+    wrong = [(t + 1) % 2 + 5 for t in c.ids[start : start + k]] or [5]
+    session.call("extend", wrong[:k])
+    session.rollback(start)
+    session.poison(start, LARGE)
+    worst = 0.0
+    for p in range(start, min(start + steps, len(c.ids))):
+        logits = session.call("decode", [c.ids[p]])[:, -1]
+        worst = max(worst, float(np.abs(logits.astype(np.float64) - clean[p]).max()))
+    return worst

@@ -1,0 +1,162 @@
+"""A host loop over a cached decoder's functions: positions, cache and inputs per call.
+
+`CacheSession` keeps the position (and, for the ``io`` style, the cache) and builds every
+call's inputs from `graph_passes.cache_host`; a `Runner` runs one function on named inputs
+(the torch module here, the MIL evaluator in `parity.kv_mil`, Core ML on macOS). The parity
+gates, the tests and ``anec generate`` drive the same loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from graph_passes.cache_host import CallShape, call_inputs, write_rows
+from graph_passes.cached_decoder import CachedDecoder
+
+# (function name, named inputs) -> named outputs (logits_<k> chunks, new_kv for io)
+Runner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass
+class FunctionShape:
+    """One function of the package: its name, token count and what logits it returns."""
+
+    name: str
+    shape: CallShape
+    logits: str  # "last" or "all"
+
+
+@dataclass
+class CacheSession:
+    """Drive the functions of one cached decoder through a sequence of calls."""
+
+    functions: dict[str, FunctionShape]
+    rope: list[tuple[np.ndarray, np.ndarray]]  # per group, cos and sin (r, S)
+    cache_shape: tuple[int, ...]
+    runner: Runner
+    token_input: str  # "input_ids" or "inputs_embeds"
+    embed: Callable[[list[int]], np.ndarray] | None = None  # ids -> (n, D) rows
+    position: int = 0
+    cache: np.ndarray | None = field(default=None, repr=False)  # io style only
+    # The runner's state values (style state, MIL evaluator), for `poison`.
+    states: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        style = next(iter(self.functions.values())).shape.style
+        if style == "io":
+            self.cache = np.zeros(self.cache_shape, dtype=np.float32)
+
+    def call(self, function: str, ids: list[int]) -> np.ndarray:
+        """Run ``ids`` (n <= T tokens) at the current position; returns logits (V, m) for the
+        m positions the function returns, and advances the position by n."""
+        f = self.functions[function]
+        t, n = f.shape.tokens, len(ids)
+        inputs = call_inputs(f.shape, self.position, n, self.rope)
+        padded = [0] * (t - n) + list(ids)
+        if self.token_input == "input_ids":
+            inputs["input_ids"] = np.array([padded], dtype=np.int32)
+        else:
+            assert self.embed is not None
+            inputs["inputs_embeds"] = self.embed(padded)[None].astype(np.float32)
+        if self.cache is not None:
+            inputs["kv_cache_in"] = self.cache
+        out = self.runner(function, inputs)
+        if self.cache is not None:
+            write_rows(self.cache, out["new_kv"], self.position, n)
+        self.position += n
+        chunks = sorted((k for k in out if k.startswith("logits_")), key=lambda k: int(k[7:]))
+        return np.concatenate([out[k][0, :, 0, :] for k in chunks], axis=0)
+
+    def poison(self, start: int, value: float) -> None:
+        """Write ``value`` into every cache slot from ``start`` on (a test of the rule that
+        slots beyond the position change no output)."""
+        caches = [self.cache] if self.cache is not None else list((self.states or {}).values())
+        if not caches:
+            raise ValueError("no cache to write into: this session's runner keeps it")
+        for cache in caches:
+            cache[:, :, start:, :] = value
+
+    def prefill(self, function: str, ids: list[int]) -> np.ndarray:
+        """Run a prompt of any length through ``function`` in calls of its T tokens (the
+        first call left-padded, so every later call is full); returns the logits (V,) at the
+        prompt's last position."""
+        t = self.functions[function].shape.tokens
+        logits = None
+        first = len(ids) % t or t
+        chunks = [ids[:first]] + [ids[i : i + t] for i in range(first, len(ids), t)]
+        for chunk in chunks:
+            logits = self.call(function, chunk)
+        assert logits is not None
+        return logits[:, -1]
+
+    def rollback(self, position: int) -> None:
+        """Forget every token from ``position`` on (rejected drafts): they become stale."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot roll back to {position} from {self.position}")
+        self.position = position
+
+
+def rope_rows(module: CachedDecoder) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each RoPE group's cos and sin tables (r, S) for positions 0..S-1 (fp32)."""
+    positions = torch.arange(module.io.cache_length)
+    out = []
+    for group in module.groups:
+        cos, sin = group.tables(positions)
+        out.append((cos[0, 0].numpy(), sin[0, 0].numpy()))
+    return out
+
+
+def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Runner:
+    """Run the torch modules (sharing one state buffer for the ``state`` style)."""
+
+    def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        module = modules[function]
+        names = ["input_ids" if "input_ids" in inputs else "inputs_embeds"]
+        names += module.input_names()
+        args = []
+        for name in names:
+            value = torch.from_numpy(np.asarray(inputs[name]))
+            args.append(value if name == "input_ids" else value.to(dtype))
+        with torch.no_grad():
+            out = module(*args)
+        result = {
+            f"logits_{k}": o.float().numpy()
+            for k, o in enumerate(out[: len(module.window.lm_head)])
+        }
+        if module.io.style == "io":
+            result["new_kv"] = out[-1].float().numpy()
+        return result
+
+    return run
+
+
+class MilFunctions:
+    """The functions of a multifunction program prepared once in the MIL evaluator under one
+    profile; `session` gives a runner with a fresh (zero) state, as ``make_state()`` does."""
+
+    def __init__(
+        self, program: object, profile: str, functions: list[str], cache_shape: tuple[int, ...]
+    ) -> None:
+        from parity.mil import Evaluator
+
+        self.evaluators = {name: Evaluator(program, profile, name) for name in functions}
+        self.cache_shape = cache_shape
+
+    def session(self) -> tuple[Runner, dict[str, np.ndarray]]:
+        """A runner over the functions and the state values it keeps between calls (empty
+        for the ``io`` style, whose cache the host keeps)."""
+        states: dict[str, np.ndarray] = {}
+        for evaluator in self.evaluators.values():
+            for name in evaluator.states:
+                states[name] = np.zeros(self.cache_shape, dtype=np.float32)
+
+        def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            evaluator = self.evaluators[function]
+            result = evaluator.run(inputs, states=states if evaluator.states else None)
+            return result.outputs
+
+        return run, states

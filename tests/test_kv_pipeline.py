@@ -1,0 +1,151 @@
+"""``anec convert`` of a cached decoder recipe (cache.style state) on a tiny Llama: one
+multifunction package whose every function passes the cache gates, a manifest a host loop can
+run from, and the recipe rules of the cache section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import run_anec, save_tiny_llama, write_tiny_recipe
+
+from converter.recipe import RecipeError, load_recipe
+from converter.tasks import task_of
+from parity.mil import load_package
+
+CACHE = "cache:\n  style: {style}\n  length: 96\n  prefill: 8\n  extend: 4\n  decode_steps: 64\n"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny state-style conversion for every test here (about 30 s)."""
+    root = tmp_path_factory.mktemp("kv")
+    ckpt = save_tiny_llama(root / "ckpt")
+    extra = "target: macOS15\n" + CACHE.format(style="state")
+    recipe = write_tiny_recipe(root / "kv.yaml", ckpt, "tiny-kv", extra=extra)
+    result = run_anec("convert", recipe, "--out", root / "out")
+    assert result.exit_code == 0, result.output
+    return root / "out" / "tiny-kv"
+
+
+def test_every_cache_gate_ran_and_passed(artifact: Path) -> None:
+    parity = json.loads((artifact / "parity.json").read_text())
+    gates = {g["name"]: g for g in parity["gates"] if g["level"] == "kv-cache"}
+    assert set(gates) == {
+        "kv_max_abs_logit_error", "kv_max_abs_dprob", "kv_finite_outputs", "kv_argmax_flips",
+        "kv_extend_max_abs_diff", "kv_extend_argmax_flips", "kv_stale_max_abs_diff",
+        "kv_weights_stored_once",
+    }  # fmt: skip
+    assert all(g["passed"] for g in gates.values())
+    detail = json.loads((artifact / "kv_parity.json").read_text())
+    assert [row["decode_steps"] for row in detail["fixtures"]] == [64, 64]
+
+
+def test_anec_parity_reruns_every_published_gate(artifact: Path, tmp_path: Path) -> None:
+    result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
+    assert result.exit_code == 0, result.output
+    gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
+    names = {g["name"] for g in gates}
+    assert "same_gate_set" in names and "kv_stale_max_abs_diff" in names
+
+
+def test_one_package_holds_every_function_and_stores_weights_once(artifact: Path) -> None:
+    program = load_package(artifact / "tiny-kv.mlpackage")
+    assert sorted(program.functions) == ["decode", "extend", "prefill"]
+    from coremltools.converters.mil.mil import types
+
+    inputs = program.functions["decode"].inputs.values()
+    assert [v.name for v in inputs if types.is_state(v.sym_type)] == ["kv_cache"]
+    ops = {op.op_type for f in program.functions.values() for op in f.operations}
+    assert "slice_update" not in ops  # folded by anec::fold_whole_slice_update
+    sizes = json.loads((artifact / "manifest.json").read_text())["kv_cache"]["sizes"]
+    weights = sizes["single_function_weight_bytes"]
+    assert sizes["multifunction_weight_bytes"] == max(weights.values())
+    assert not (artifact / "functions.tmp").exists()
+
+
+def test_the_manifest_describes_every_function_and_the_cache(artifact: Path) -> None:
+    kv = json.loads((artifact / "manifest.json").read_text())["kv_cache"]
+    assert kv["style"] == "state" and kv["cache_length"] == 96
+    assert kv["cache"]["shape"] == [6, 2, 96, 16] and kv["cache"]["dtype"] == "float16"
+    tokens = {name: f["tokens"] for name, f in kv["functions"].items()}
+    assert tokens == {"prefill": 8, "decode": 1, "extend": 4}
+    decode = {t["name"]: t for t in kv["functions"]["decode"]["inputs"]}
+    assert decode["mask"]["shape"] == [1, 97, 1, 1]
+    assert decode["write_slots"]["shape"] == [1, 1, 96, 1]
+    for key in ("position", "mask", "eviction", "rollback"):
+        assert kv["conventions"][key]
+    rope = np.load(artifact / kv["rope"]["file"])
+    assert rope.shape == (1, 2, 16, 96)
+
+
+def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Path) -> None:
+    from tiny_models import tiny_hf_model
+
+    from converter.generate import Runtime, greedy, mil_backend
+    from parity.kv_reference import greedy_ids
+
+    runtime = Runtime.from_artifact(artifact)
+    make = mil_backend(runtime)
+    prompt = [1, 2, 3, 4, 5]
+    got = greedy(make, prompt, 100)
+    # The first 91 tokens fit the 96 slots; then the host evicts (keeps the last 88 tokens
+    # and prefills them again), after which the context differs from transformers' own.
+    assert got.new_ids[:91] == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 91)
+    assert got.evictions == 1 and len(got.new_ids) == 100
+
+
+def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
+    artifact: Path,
+) -> None:
+    from tiny_models import tiny_hf_model
+
+    from converter.generate import Runtime, mil_backend
+    from converter.speculate import Acceptance, speculate
+    from parity.kv_reference import greedy_ids
+
+    target = tiny_hf_model("llama")
+    make = mil_backend(Runtime.from_artifact(artifact))
+    k = 3
+    stats = Acceptance(k)
+    prompt = [7, 8, 9, 10]
+    new = speculate(make, target, prompt, k, 20, stats)
+    assert new == greedy_ids(target, tuple(prompt), 20)
+    assert stats.tokens == 20 and stats.target_calls == stats.cycles
+    # The draft is the target in fp16: self-acceptance is high but measured, not assumed.
+    assert stats.rate(0) > 0.8 and stats.tokens_per_call >= 1.0
+
+
+RECIPE = """name: r
+task: text-generation
+source: {{kind: hf-dir, path: .}}
+target: {target}
+fixtures: {{token_ids: [[1, 2, 3]]}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "cache", "message"),
+    [
+        ("macOS14", "cache: {style: state}", "cache.style"),
+        ("macOS15", "cache: {style: state, length: 100}", "multiple of 32"),
+        ("macOS15", "cache: {style: io, length: 64, prefill: 128}", "exceed the cache length"),
+        ("macOS15", "cache: {style: state, window: 3}", "window"),
+        ("macOS15", "cache: {style: paged}", "style"),
+    ],
+)
+def test_cache_section_rules(tmp_path: Path, target: str, cache: str, message: str) -> None:
+    file = tmp_path / "r.yaml"
+    file.write_text(RECIPE.format(target=target) + cache + "\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(file)
+    assert message in str(info.value)
+
+
+def test_style_none_is_the_window_task(tmp_path: Path) -> None:
+    file = tmp_path / "r.yaml"
+    file.write_text(RECIPE.format(target="macOS14") + "cache: {style: none}\n")
+    assert task_of(load_recipe(file)).steps[-1].name == "plan (static)"
+    assert "convert to ML Program" in [s.name for s in task_of(load_recipe(file)).steps]

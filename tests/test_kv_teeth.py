@@ -1,0 +1,119 @@
+"""The cache gates have teeth: each mutant fails a named gate at a named step (fixture and
+position), and the unmutated loop passes them all. Run through the torch modules (fp32) so
+no conversion is needed; the same `check_kv` gates the emitted program in the pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import Tiny, build_tiny, one_torch_thread
+
+import graph_passes.cache_host as cache_host
+from converter.tasks.kv_contract import function_calls
+from converter.tasks.text_generation_kv import session_for
+from graph_passes.cached_decoder import CachedDecoder, cached_functions
+from parity.kv_gates import KvParity, check_kv
+from parity.kv_reference import continuation
+from parity.kv_session import CacheSession, torch_runner
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    yield from one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tiny:
+    return build_tiny("llama", "embeddings", batch=1)
+
+
+def run_gates(tiny: Tiny, style: str = "state") -> KvParity:
+    functions = cached_functions(tiny.module, style, 64, function_calls(8, 4))  # type: ignore[arg-type]
+    table = tiny.embed_table.numpy()
+    conts = [continuation(tiny.model, f, 24) for f in tiny.fixtures[:2]]
+
+    def make_session() -> CacheSession:
+        for m in functions.values():
+            m.reset_cache()
+        states = {"kv_cache": functions["decode"].kv_cache} if style == "state" else None
+        session = session_for(functions, torch_runner(functions, torch.float32), None,
+                              lambda ids: table[ids])  # fmt: skip
+        if states is not None:
+            session.states = {k: v.numpy() for k, v in states.items()}  # a view: poison writes
+        return session
+
+    return check_kv(make_session, conts, "prefill", 4, "torch-fp32")
+
+
+def failed(result: KvParity) -> dict[str, str]:
+    return {g.name: g.where for g in result.gates if not g.passed}
+
+
+@pytest.mark.parametrize("style", ["state", "io"])
+def test_the_unmutated_loop_passes_every_cache_gate(tiny: Tiny, style: str) -> None:
+    result = run_gates(tiny, style)
+    assert result.passed, [g.text() for g in result.gates if not g.passed]
+    assert result.gates[0].value < 1e-3  # fp32 against fp32
+
+
+def test_an_off_by_one_write_position_fails(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = cache_host.call_inputs
+
+    def off_by_one(shape, position, n, rope):  # type: ignore[no-untyped-def]
+        out = original(shape, position, n, rope)
+        if "write_slots" in out:
+            out["write_slots"] = np.roll(out["write_slots"], 1, axis=2)  # slot + 1
+        return out
+
+    monkeypatch.setattr("parity.kv_session.call_inputs", off_by_one)
+    bad = failed(run_gates(tiny))
+    assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
+
+
+def test_a_cache_update_on_the_wrong_axis_fails(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def wrong_axis(self, cache, slots, rows):  # type: ignore[no-untyped-def]
+        # The rows land on the kv-head axis's mirror: head g's rows go to head KV-1-g.
+        keep = 1.0 - slots.sum(dim=3, keepdim=True)
+        return cache * keep + torch.matmul(slots, rows).flip(1)
+
+    monkeypatch.setattr(CachedDecoder, "updated", wrong_axis)
+    bad = failed(run_gates(tiny))
+    assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
+
+
+def test_a_mask_that_lets_a_future_slot_through_fails(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = cache_host.attention_mask
+
+    def leaky(pos, position, cache, window):  # type: ignore[no-untyped-def]
+        mask = original(pos, position, cache, window)
+        t = len(pos)
+        for u in range(t - 1):  # query u also sees the new token u + 1
+            if pos[u] >= 0:
+                mask[0, cache + u + 1, 0, u] = 0.0
+        return mask
+
+    monkeypatch.setattr(cache_host, "attention_mask", leaky)
+    bad = failed(run_gates(tiny))
+    assert "kv_max_abs_logit_error" in bad or "kv_extend_max_abs_diff" in bad
+    where = bad.get("kv_max_abs_logit_error") or bad["kv_extend_max_abs_diff"]
+    assert "position" in where
+
+
+def test_stale_values_that_leak_fail(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = cache_host.call_inputs
+
+    def all_valid(shape, position, n, rope):  # type: ignore[no-untyped-def]
+        out = original(shape, position, n, rope)
+        out["cache_valid"] = np.ones_like(out["cache_valid"])  # stale slots not zeroed
+        return out
+
+    monkeypatch.setattr("parity.kv_session.call_inputs", all_valid)
+    bad = failed(run_gates(tiny))
+    assert "kv_stale_max_abs_diff" in bad
