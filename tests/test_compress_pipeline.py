@@ -24,7 +24,6 @@ COMPRESSION = """\
 compression:
   held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
   calibration: [[60, 61, 62, 63, 64, 65, 66, 67], [80, 81, 82, 83, 84, 85, 86]]
-  mil_positions: 2
   variants:
     - suffix: int8
       method: int8
@@ -146,10 +145,21 @@ def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Pa
     assert report["passed"] is True
     levels = {level["implementation"]: level for level in report["levels"]}
     assert set(levels) == {"torch-fp16", "mil-fp16"}
-    # torch: every real position of both held-out sequences; MIL: 2 windows each
+    # every real position of both held-out sequences, at both levels (MIL: the all-positions
+    # program, one evaluation per sequence)
     assert levels["torch-fp16"]["against_original"]["positions"] == 16
-    assert levels["mil-fp16"]["against_original"]["positions"] == 4
-    assert levels["mil-fp16"]["against_fp16_artifact"]["positions"] == 4
+    assert levels["mil-fp16"]["against_original"]["positions"] == 16
+    assert levels["mil-fp16"]["against_fp16_artifact"]["positions"] == 16
+    assert report["held_out"] == {
+        "source": "the recipe's own texts", "texts": 2, "positions": 16,
+        "mil": "every position (all-positions program)",
+    }  # fmt: skip
+    # the logit PSNR beside top-1 and KL, at both levels, against both baselines
+    for level in levels.values():
+        for against in ("against_original", "against_fp16_artifact"):
+            psnr = level[against]["psnr_db"]
+            assert psnr["count"] == 16 and 20 < psnr["min_db"] <= psnr["median_db"]
+    assert "PSNR dB" in (out / "tiny-int8" / "parity.txt").read_text()
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
     assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
     assert "storage ratios" in (out / "tiny-int8" / "parity.txt").read_text()
@@ -216,3 +226,50 @@ def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(
     assert gates[("activation_quantizers_alike", "mil-fp32")]["value"] == 0
     assert ("mil_fp32_layer_rel_error", "mil-fp32") not in gates  # reported: codes flip
     assert report["passed"] is True
+
+
+def test_the_all_positions_program_holds_the_same_weights_and_scores_every_position(
+    run: tuple[Result, Path],
+) -> None:
+    """The MIL level's all-positions copy: the emitted lut4 program with its last-position
+    slice removed. Its constants are byte-identical, and position p gives the logits the
+    emitted program gives for the window ending at p (left-padded, as the engine runs it)."""
+    from graph_passes.masks import MASKED
+    from parity.compression_positions import all_positions
+    from parity.mil import Evaluator, load_package
+
+    _, out = run
+    package = out / "tiny-lut4" / "tiny-lut4.mlpackage"
+    emitted, every = load_package(package), load_package(package)
+
+    def constants(program: object) -> dict[str, bytes]:
+        ops = program.functions["main"].operations  # type: ignore[attr-defined]
+        return {
+            v.name: np.asarray(v.val).tobytes()
+            for op in ops
+            if op.op_type == "const" or op.op_type.startswith("constexpr_")
+            for v in (op.outputs if op.op_type == "const" else op.inputs.values())
+            if v.val is not None
+        }
+
+    before = constants(every)
+    assert all_positions(every) == 16
+    assert constants(every) == before
+    assert all_positions(every) == 16  # already all positions: nothing left to cut
+    last, full = Evaluator(emitted, "fp32"), Evaluator(every, "fp32")
+    (x_name, (_, x_shape)), (mask_name, _) = last.inputs.items()
+    assert x_shape is not None and x_shape[:2] == (1, 16)  # host-side embedding rows (1, L, D)
+    x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
+    mask = np.zeros((1, 16), np.float32)
+    got = np.concatenate(list(full.run({x_name: x, mask_name: mask}).outputs.values()), 1)
+    assert got.shape[-1] == 16
+    for p in (15, 9, 3):
+        shift = 15 - p  # the window ending at p, left-padded to 16 slots
+        x_p = np.concatenate([np.zeros((1, shift, x_shape[2]), np.float32), x[:, : p + 1]], 1)
+        mask_p = np.where(np.arange(16) < shift, MASKED, 0.0)[None].astype(np.float32)
+        want = last.run({x_name: x_p, mask_name: mask_p}).outputs.values()
+        want_p = np.concatenate(list(want), 1)[0, :, 0, -1]
+        # the last slot: the same computation; earlier ones move RoPE slots and padding, so
+        # only rounding differs (a position off by one differs by the logits' own scale, ~1)
+        tolerance = 1e-5 if p == 15 else 2e-3
+        np.testing.assert_allclose(got[0, :, 0, p], want_p, rtol=0, atol=tolerance)
