@@ -43,6 +43,11 @@ compression:
       granularity: per-channel
       activations_keep_fp16: ["layers.0.mlp.down*"]
       gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
+    - suffix: outliers
+      method: outliers
+      bits: 4
+      outlier_columns: 2
+      gates: {min_top1_agreement: 0.5, max_mean_kl: 0.5}
     - suffix: mixed
       method: mixed
       search:
@@ -273,3 +278,35 @@ def test_the_all_positions_program_holds_the_same_weights_and_scores_every_posit
         # only rounding differs (a position off by one differs by the logits' own scale, ~1)
         tolerance = 1e-5 if p == 15 else 2e-3
         np.testing.assert_allclose(got[0, :, 0, p], want_p, rtol=0, atol=tolerance)
+
+
+def test_outliers_keep_their_columns_exact_and_count_every_byte(run: tuple[Result, Path]) -> None:
+    """method: outliers - lut4 plus each weight's 2 largest-|w| input columns exact through a
+    second fp16 conv: the program holds one gather + conv + add per weight, the records count
+    the residual columns and indices (stored <= nominal + 5 %), and the program in fp32
+    computes the same function as torch with the hook (without it the fp32 gate fails)."""
+    from parity.mil import load_package
+
+    _, out = run
+    directory = out / "tiny-outliers"
+    report = json.loads((directory / "parity.json").read_text())
+    assert report["passed"] is True, report["gates"]
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
+    manifest = _manifest(directory)
+    assert manifest.compression is not None
+    records = [r for r in manifest.compression["weights"] if r["method"] == "lut"]
+    lut4 = {r["weight"]: r for r in _manifest(out / "tiny-lut4").compression["weights"]}  # type: ignore[index]
+    columns = manifest.compression["outliers"]["columns"]
+    assert len(records) == 12 and set(columns) == {r["weight"] for r in records}
+    for r in records:
+        out_channels, inputs = r["shape"][:2]
+        extra = out_channels * 2 * 2 + 2 * 4  # (O x 2) fp16 residual + 2 int32 indices
+        assert r["stored_bytes"] == lut4[r["weight"]]["stored_bytes"] + extra
+        nominal = 4 + 2 * 16 / inputs  # 4-bit indices + 2 exact fp16 columns per row
+        assert r["bits_per_weight"] <= nominal * 1.05
+    ops = manifest.package.live_ops
+    assert ops.get("gather", 0) >= 12 and ops["add"] >= 12
+    program = load_package(directory / "tiny-outliers.mlpackage")
+    names = {op.name for op in program.functions["main"].operations}
+    assert sum(n.endswith("_outlier_conv") for n in names) == 12

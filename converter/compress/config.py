@@ -128,6 +128,8 @@ class Variant(StrictModel):
     activations_keep_fp16: list[str] = []
     gates: VariantGates
     search: SearchSpace | None = None
+    # outliers only: input columns of each weight kept exact (largest |w| first)
+    outlier_columns: int | None = Field(default=None, strict=True)
 
     @model_validator(mode="after")
     def _check(self) -> Variant:

@@ -145,10 +145,11 @@ class DecoderSubject:
         levels = [torch_level, mil_level]
         quantizers = None
         notes: list[str] = []
-        if inspected is not None:
+        if inspected is not None and inspected.check is not None:
             evaluator = Evaluator(program, "fp32")
             (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
             quantizers = inspected.check(evaluator, program_feed(evaluator, module, batch, table))
+        if inspected is not None:
             notes += inspected.notes
         gates = decoder_gates(
             levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
