@@ -166,7 +166,7 @@ MINILM_VARIANTS: dict[str, dict[str, Any]] = {
     "lut4g8": {"method": "lut", "bits": 4, "granularity": "per-grouped-channel", "group_size": 8},
     "lut4g16": {"method": "lut", "bits": 4, "granularity": "per-grouped-channel", "group_size": 16},
     "lut4g32": {"method": "lut", "bits": 4, "granularity": "per-grouped-channel", "group_size": 32},
-    "lut5g16": {"method": "lut", "bits": 5, "granularity": "per-grouped-channel", "group_size": 16},
+    "lut6g32": {"method": "lut", "bits": 6, "granularity": "per-grouped-channel", "group_size": 32},
 }
 
 

@@ -43,6 +43,11 @@ compression:
       granularity: per-channel
       activations_keep_fp16: ["layers.0.mlp.down*"]
       gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
+    - suffix: w8a8-smooth
+      method: w8a8
+      granularity: per-channel
+      smooth: true
+      gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
     - suffix: outliers
       method: outliers
       bits: 4
@@ -310,3 +315,68 @@ def test_outliers_keep_their_columns_exact_and_count_every_byte(run: tuple[Resul
     program = load_package(directory / "tiny-outliers.mlpackage")
     names = {op.name for op in program.functions["main"].operations}
     assert sum(n.endswith("_outlier_conv") for n in names) == 12
+
+
+def test_w8a8_smoothing_folds_are_recorded_and_exact(run: tuple[Result, Path]) -> None:
+    """smooth: true - each MLP's down-projection input scales (powers of two) folded into its
+    up rows and down columns: recorded per layer, and the folded fp16 program computes the
+    same logits as the fp16 program bit for bit (the folds move no rounding)."""
+    import coremltools as ct
+
+    from converter.compress.sites import weight_sites
+    from converter.compress.smooth import (
+        down_pairs,
+        folded_weights,
+        measure_folds,
+        replace_constants,
+    )
+    from parity.mil import Evaluator, load_package
+
+    _, out = run
+    directory = out / "tiny-w8a8-smooth"
+    report = json.loads((directory / "parity.json").read_text())
+    assert report["passed"] is True, report["gates"]
+    folds = report["smoothing"]
+    assert [f["down"] for f in folds] == [f"layers.{i}.mlp.down.weight" for i in range(3)]
+    assert all(f["input_max_after"] <= f["input_max_before"] * 4 for f in folds)
+    assert "power of two" in folds[0]["why_exact"]
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    assert gates[("activation_quantizers_alike", "mil-fp32")]["value"] == 0
+    assert gates[("weights_decoded_alike", "mil-fp32")]["value"] == 0
+
+    package = out / "tiny" / "tiny.mlpackage"
+    program = load_package(package)
+    function = program.functions["main"]
+    names = [n for n, _ in program_parameter_names(function)]
+    sites = weight_sites(function, names)
+    evaluator = Evaluator(program, "fp16")
+    (x_name, (_, x_shape)), (mask_name, _) = evaluator.inputs.items()
+    rng = np.random.default_rng(1)
+    feeds = [
+        {x_name: rng.standard_normal(x_shape).astype(np.float32) * 3, mask_name: np.zeros((1, 16))}
+        for _ in range(2)
+    ]
+    fold_list = measure_folds(function, evaluator, feeds, down_pairs(sites))
+    assert any((f.scales != 1).any() for f in fold_list)
+    model = ct.models.MLModel(str(package), skip_model_load=True)
+    folded = replace_constants(model, folded_weights(function, sites, fold_list))
+    other = Evaluator(folded._mil_program, "fp16")
+    for feed in feeds:
+        a = evaluator.run(feed).outputs
+        b = other.run(feed).outputs
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+def program_parameter_names(function: object) -> list[tuple[str, str]]:
+    """(torch-style name, const) of every ``*_weight_to_fp16`` constant: ``layers_0_mlp_down
+    _weight_to_fp16`` -> ``layers.0.mlp.down.weight``."""
+    out = []
+    for op in function.operations:  # type: ignore[attr-defined]
+        name = op.outputs[0].name if op.outputs else ""
+        if op.op_type == "const" and name.endswith("_weight_to_fp16"):
+            stem = name[: -len("_to_fp16")]
+            parts = stem.split("_")
+            torch_name = ".".join(parts[:-1]).replace("gate.up", "gate_up") + ".weight"
+            out.append((torch_name, name))
+    return out

@@ -130,6 +130,9 @@ class Variant(StrictModel):
     search: SearchSpace | None = None
     # outliers only: input columns of each weight kept exact (largest |w| first)
     outlier_columns: int | None = Field(default=None, strict=True)
+    # w8a8 only: fold each MLP down projection's input scales into its up rows and down
+    # columns (SmoothQuant-style, powers of two: exact; compress.smooth)
+    smooth: bool = Field(default=False, strict=True)
 
     @model_validator(mode="after")
     def _check(self) -> Variant:
