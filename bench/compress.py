@@ -5,6 +5,7 @@ checkpoint (MiniLM). Full-size runs live here, not in CI.
     python bench/compress.py weights --shape qwen2.5-0.5b --method lut4
     python bench/compress.py minilm                      # MiniLM variants: size and cosine
     python bench/compress.py smollm2 [--recipe FILE]     # the compressed SmolLM2 recipe, end to end
+    python bench/compress.py frontier OUT [OUT ...]      # every variant of earlier runs
 
 ``weights`` builds an fp16 ML Program holding the projection weights of the named model shape
 (random normal weights, std 0.02, in the BC1L 1x1-conv form; the LM head stays fp16 as in the
@@ -179,9 +180,10 @@ def cmd_minilm(args: argparse.Namespace) -> None:
 
     recipe = load_recipe(locate_recipe("minilm-l6-embed-compressed"))
     assert recipe.compression is not None
+    chosen = args.variant or list(MINILM_VARIANTS)
     variants = [
-        Variant.model_validate({"suffix": k, **v, "gates": {"min_cosine": 0.999}})
-        for k, v in MINILM_VARIANTS.items()
+        Variant.model_validate({"suffix": k, **MINILM_VARIANTS[k], "gates": {"min_cosine": 0.999}})
+        for k in chosen
     ]
     compression = recipe.compression.model_copy(update={"variants": variants})
     out = Path(args.out or tempfile.mkdtemp(prefix="minilm-compress-"))
@@ -282,6 +284,8 @@ def cmd_smollm2(args: argparse.Namespace) -> None:
                     f"      uniform {name} {u['weight_bytes'] / 2**20:7.2f} MiB  KL "
                     f"{u['mean_kl']:.4f}  top-1 {u['top1']:.3f}"
                 )
+    print("\nfrontier (every explored variant):")
+    print_frontier(variant_rows([Path(out)]))
     if proc.returncode not in (0, 1):
         print(proc.stderr[-3000:])
 
@@ -414,6 +418,7 @@ def main() -> None:
     w.add_argument("--method", action="append", choices=list(METHODS))
     w.add_argument("--json")
     m = sub.add_parser("minilm", help="MiniLM variants: size and sentence-embedding cosine")
+    m.add_argument("--variant", action="append", choices=list(MINILM_VARIANTS))
     m.add_argument("--out")
     m.add_argument("--json")
     s = sub.add_parser("smollm2", help="the compressed SmolLM2 recipe end to end")
