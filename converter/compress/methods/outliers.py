@@ -86,8 +86,9 @@ class Outliers(CompressionMethod):
         assert variant.outlier_columns is not None  # check()
         function = compressed._mil_program.functions["main"]
         corrections: dict[str, Correction] = {}
+        outputs = {v.name for v in function.outputs}
         for site in ctx.sites:
-            if site.name not in plan:
+            if site.name not in plan or _feeds_output(function, site.const, outputs):
                 continue
             out_channels = site.shape[0]
             w = ctx.subject.module.get_parameter(site.name).detach().half().numpy()
@@ -146,6 +147,16 @@ class Correction:
 
     def __init__(self, weight: str, const: str, columns: list[int], residual: np.ndarray):
         self.weight, self.const, self.columns, self.residual = weight, const, columns, residual
+
+
+def _feeds_output(function: Any, const: str, outputs: set[str]) -> bool:
+    """True when the conv reading ``const`` (palettized) is a function output (an LM head
+    chunk): an add after it would rename the program's output, so it keeps no exact
+    columns (its palette alone, counted as such)."""
+    for op in function.operations:
+        if op.op_type == "conv" and op.inputs["weight"].name.startswith(const):
+            return op.outputs[0].name in outputs
+    return False
 
 
 def outlier_columns(w: np.ndarray, k: int) -> list[int]:
