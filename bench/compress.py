@@ -5,6 +5,7 @@ checkpoint (MiniLM). Full-size runs live here, not in CI.
     python bench/compress.py weights --shape qwen2.5-0.5b --method lut4
     python bench/compress.py minilm                      # MiniLM variants: size and cosine
     python bench/compress.py smollm2 [--recipe FILE]     # the compressed SmolLM2 recipe, end to end
+    python bench/compress.py frontier OUT [OUT ...]      # every variant of earlier runs
 
 ``weights`` builds an fp16 ML Program holding the projection weights of the named model shape
 (random normal weights, std 0.02, in the BC1L 1x1-conv form; the LM head stays fp16 as in the
@@ -157,11 +158,16 @@ def cmd_weights(args: argparse.Namespace) -> None:
 
 # Each variant is held to the recipe's cosine gate (0.999): the ones below it are kept in
 # .failed with the same reports, so every row is printed.
-MINILM_VARIANTS = {
+MINILM_VARIANTS: dict[str, dict[str, Any]] = {
     "int8": {"method": "int8", "granularity": "per-channel"},
     "lut8": {"method": "lut", "bits": 8},
     "lut6": {"method": "lut", "bits": 6},
     "lut4": {"method": "lut", "bits": 4},
+    # grouped-channel palettes (issue 12): one table per group of output channels (macOS15)
+    "lut4g8": {"method": "lut", "bits": 4, "granularity": "per-grouped-channel", "group_size": 8},
+    "lut4g16": {"method": "lut", "bits": 4, "granularity": "per-grouped-channel", "group_size": 16},
+    "lut4g32": {"method": "lut", "bits": 4, "granularity": "per-grouped-channel", "group_size": 32},
+    "lut6g32": {"method": "lut", "bits": 6, "granularity": "per-grouped-channel", "group_size": 32},
 }
 
 
@@ -174,14 +180,17 @@ def cmd_minilm(args: argparse.Namespace) -> None:
 
     recipe = load_recipe(locate_recipe("minilm-l6-embed-compressed"))
     assert recipe.compression is not None
+    chosen = args.variant or list(MINILM_VARIANTS)
     variants = [
-        Variant.model_validate({"suffix": k, **v, "gates": {"min_cosine": 0.999}})
-        for k, v in MINILM_VARIANTS.items()
+        Variant.model_validate({"suffix": k, **MINILM_VARIANTS[k], "gates": {"min_cosine": 0.999}})
+        for k in chosen
     ]
     compression = recipe.compression.model_copy(update={"variants": variants})
     out = Path(args.out or tempfile.mkdtemp(prefix="minilm-compress-"))
     start = time.perf_counter()
-    result = convert(recipe.model_copy(update={"compression": compression}), out, force=True)
+    # macOS15: grouped-channel palettes (the fp16 program is the same function either way)
+    update = {"compression": compression, "target": "macOS15"}
+    result = convert(recipe.model_copy(update=update), out, force=True)
     print(f"{out}: exit {result.exit_code} in {time.perf_counter() - start:.0f} s")
     base = json.loads((out / recipe.name / "parity.json").read_text())
     (fp16,) = [
@@ -219,8 +228,8 @@ def cmd_minilm(args: argparse.Namespace) -> None:
             f"{row['mil_min_cos_fp16']:>12.6f} {row['mil_mean_cos_original']:>9.6f}  "
             f"{'pass' if v.passed else 'fail'}"
         )
-    held_out = len(recipe.compression.held_out)
-    print(f"{held_out} held-out sentences (not the recipe's fixtures); min over sentences")
+    print("\nfrontier (every explored variant):")
+    print_frontier(variant_rows([out]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
@@ -275,8 +284,127 @@ def cmd_smollm2(args: argparse.Namespace) -> None:
                     f"      uniform {name} {u['weight_bytes'] / 2**20:7.2f} MiB  KL "
                     f"{u['mean_kl']:.4f}  top-1 {u['top1']:.3f}"
                 )
+    print("\nfrontier (every explored variant):")
+    print_frontier(variant_rows([Path(out)]))
     if proc.returncode not in (0, 1):
         print(proc.stderr[-3000:])
+
+
+# ---- the frontier: every explored variant, bytes against quality -----------------------------
+
+
+def variant_rows(directories: list[Path]) -> list[dict[str, Any]]:
+    """One row per variant report (``parity.json`` with a size) under ``directories``:
+    published and ``.failed`` alike, so every explored point is listed."""
+    rows = []
+    for root in directories:
+        for directory in sorted(Path(root).iterdir()):
+            report = directory / "parity.json"
+            if not report.is_file():
+                continue
+            doc = json.loads(report.read_text())
+            if "size" not in doc:
+                continue
+            size = doc["size"]
+            row: dict[str, Any] = {
+                "variant": doc["variant"],
+                "passed": doc["passed"],
+                # every weight byte the package stores (LM head, palettes, scales, exact
+                # columns, fp16-kept tensors) against the fp16 package's weights
+                "ratio": size["all_weights_stored_bytes"] / size["all_weights_fp16_bytes"],
+                "bits": size["all_weights_bits_per_weight"],
+                "held_out": doc.get("held_out", {}),
+            }
+            for level in doc["levels"]:
+                for against, key in (
+                    ("orig", "against_original"),
+                    ("fp16", "against_fp16_artifact"),
+                ):
+                    s = level[key]
+                    tag = f"{level['implementation']}/{against}"
+                    if "argmax_agreement" in s and "mean_kl" in s:  # a decoder
+                        psnr = s.get("psnr_db", {})
+                        row[tag] = {
+                            "top1": s["argmax_agreement"], "kl": s["mean_kl"],
+                            "dp": s["max_abs_dprob"], "positions": s["positions"],
+                            "psnr_min": psnr.get("min_db"), "psnr_median": psnr.get("median_db"),
+                        }  # fmt: skip
+                    else:  # an encoder
+                        psnr = s.get("psnr_db", {})
+                        row[tag] = {
+                            "min_cos": s["min_cosine"], "mean_cos": s["mean_cosine"],
+                            "psnr_min": psnr.get("min_db"), "psnr_median": psnr.get("median_db"),
+                        }  # fmt: skip
+            rows.append(row)
+    return sorted(rows, key=lambda r: r["ratio"])
+
+
+def pareto(rows: list[dict[str, Any]], metric: Any) -> set[str]:
+    """Variants no other variant beats in both bytes (fewer) and ``metric`` (higher)."""
+    best = -float("inf")
+    out = set()
+    for r in sorted(rows, key=lambda r: (r["ratio"], -metric(r))):
+        if metric(r) > best:
+            out.add(r["variant"])
+            best = metric(r)
+    return out
+
+
+def _f(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, int | float) else str(value)
+
+
+def print_frontier(rows: list[dict[str, Any]]) -> None:
+    """Every explored point, bytes against quality; ``*`` marks the Pareto frontier (bytes
+    against torch-level top-1 vs the fp16 model for decoders, MIL min cosine for encoders)."""
+    decoder = any("torch-fp16/fp16" in r and "top1" in r["torch-fp16/fp16"] for r in rows)
+    if decoder:
+        front = pareto(rows, lambda r: r["torch-fp16/fp16"]["top1"])
+        print(
+            f"{'':1} {'variant':<30} {'ratio':>6} {'b/w':>5}  {'level':<10} {'vs':<4} "
+            f"{'top-1':>6} {'mean KL':>8} {'max|dp|':>7} {'PSNR min':>8} {'median':>7}  gates"
+        )
+        for r in rows:
+            mark = "*" if r["variant"] in front else " "
+            for tag in ("torch-fp16/fp16", "torch-fp16/orig", "mil-fp16/fp16", "mil-fp16/orig"):
+                if tag not in r:
+                    continue
+                m = r[tag]
+                level, against = tag.split("/")
+                print(
+                    f"{mark} {r['variant']:<30} {r['ratio']:>6.3f} {r['bits']:>5.2f}  "
+                    f"{level:<10} {against:<4} {m['top1']:>6.3f} {m['kl']:>8.4f} "
+                    f"{m['dp']:>7.3f} {_f(m['psnr_min'], '8.1f'):>8} "
+                    f"{_f(m['psnr_median'], '7.1f'):>7}  {'pass' if r['passed'] else 'fail'}"
+                )
+        positions = {r["held_out"].get("positions") for r in rows}
+        print(
+            f"held-out positions per level: {sorted(p for p in positions if p)}; ratio: every "
+            "weight byte stored / the fp16 package's; * Pareto (ratio vs torch top-1 vs fp16)"
+        )
+    else:
+        front = pareto(rows, lambda r: r["mil-fp16/orig"]["min_cos"])
+        print(
+            f"{'':1} {'variant':<24} {'ratio':>6} {'b/w':>5}  {'torch cos orig':>14} "
+            f"{'MIL cos orig':>12} {'MIL cos fp16':>12} {'PSNR min':>8} {'median':>7}  gates"
+        )
+        for r in rows:
+            mark = "*" if r["variant"] in front else " "
+            t, m, f = r["torch-fp16/orig"], r["mil-fp16/orig"], r["mil-fp16/fp16"]
+            print(
+                f"{mark} {r['variant']:<24} {r['ratio']:>6.3f} {r['bits']:>5.2f}  "
+                f"{t['min_cos']:>14.6f} {m['min_cos']:>12.6f} {f['min_cos']:>12.6f} "
+                f"{_f(m['psnr_min'], '8.1f'):>8} {_f(m['psnr_median'], '7.1f'):>7}  "
+                f"{'pass' if r['passed'] else 'fail'}"
+            )
+        print("min over held-out sentences; * Pareto (ratio vs MIL min cosine vs original)")
+
+
+def cmd_frontier(args: argparse.Namespace) -> None:
+    rows = variant_rows([Path(d) for d in args.out])
+    print_frontier(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 def main() -> None:
@@ -290,13 +418,19 @@ def main() -> None:
     w.add_argument("--method", action="append", choices=list(METHODS))
     w.add_argument("--json")
     m = sub.add_parser("minilm", help="MiniLM variants: size and sentence-embedding cosine")
+    m.add_argument("--variant", action="append", choices=list(MINILM_VARIANTS))
     m.add_argument("--out")
     m.add_argument("--json")
     s = sub.add_parser("smollm2", help="the compressed SmolLM2 recipe end to end")
     s.add_argument("--recipe")
     s.add_argument("--out")
+    f = sub.add_parser("frontier", help="every variant under OUT dirs: bytes against quality")
+    f.add_argument("out", nargs="+", help="output directories of anec convert runs")
+    f.add_argument("--json")
     args = parser.parse_args()
-    {"weights": cmd_weights, "minilm": cmd_minilm, "smollm2": cmd_smollm2}[args.command](args)
+    commands = {"weights": cmd_weights, "minilm": cmd_minilm, "smollm2": cmd_smollm2}
+    commands["frontier"] = cmd_frontier
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

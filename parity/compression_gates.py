@@ -9,10 +9,16 @@ sensitivity) against two baselines:
 
 Levels: ``torch-fp16`` - the BC1L module holding the variant's decoded weights (coremltools'
 own decompression), cast to fp16, every real position of each held-out text; ``mil-fp16`` - the
-emitted variant program in anec's MIL evaluator (fp16 storage profile) on prefix windows (the
-program returns the last position only); ``mil-fp32`` - the program in fp32 against the torch
-module with the same decoded weights in fp32: compression lives in the weights alone, so only
-rounding may differ.
+emitted variant program in anec's MIL evaluator (fp16 storage profile): with ``mil_positions:
+all`` its all-positions copy (``parity.compression_positions``: the same weights, the last-
+position slice removed) on every real position of each text, one evaluation per text; with a
+number n, the emitted program as it is on each text's last n prefixes; ``mil-fp32`` - the
+program in fp32 against the torch module with the same decoded weights in fp32: compression
+lives in the weights alone, so only rounding may differ.
+
+Per position: top-1 agreement, KL, |dp| (``parity.metrics``) and the logit PSNR in dB,
+``20 log10(max|z_ref| / RMS(z - z_ref))`` over the full logit vector
+(``parity.compression_metrics``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import numpy as np
 import torch
 
 from graph_passes.decoder import BC1LDecoder
+from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gate import Gate, GateResult, all_passed, first_few, gate
 from parity.gates import module_inputs, rel_error, run_module
@@ -46,23 +53,35 @@ class HeldOut:
 
     texts: list[Fixture]
     windows: list[Fixture]
-    window_source: dict[str, tuple[str, int]]  # window -> (text fixture, position)
+    window_source: dict[str, tuple[str, int]]  # window -> (text fixture, its last position)
     references: dict[str, ReferenceRun]
     pad_id: int
     calibration: list[Fixture] = field(default_factory=list)  # sensitivity only, never scored
+    all_positions: bool = False  # MIL level through the all-positions program, a window a text
+    source: str = "the recipe's own texts"
+
+    @property
+    def positions(self) -> int:
+        """Scored positions per level: every real token of every text."""
+        return sum(len(f.token_ids) for f in self.texts)
 
 
 def prepare_held_out(
-    texts: list[str | list[int]],
+    texts: Any,
     tokenizer: Any,
     model: torch.nn.Module,
     length: int,
     vocab_size: int,
-    mil_positions: int,
+    mil_positions: int | str,
     pad_id: int,
-    calibration: list[str | list[int]] | None = None,
+    calibration: Any = None,
 ) -> HeldOut:
-    """Tokenize the held-out texts, run the original model on each, and cut MIL windows."""
+    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here), run the
+    original model on each, and cut MIL windows (``mil_positions`` "all": each whole text)."""
+    from converter.compress.corpus import resolve
+
+    texts, where = resolve(texts, "held_out", tokenizer, length, decoder=True)
+    calibration, _ = resolve(calibration or [], "calibration", tokenizer, length, decoder=True)
     prompts = [t for t in texts if isinstance(t, str)]
     ids = [t for t in texts if not isinstance(t, str)]
     fixtures = build_fixtures(prompts, ids, tokenizer, length, vocab_size, padded_variants=False)
@@ -71,6 +90,11 @@ def prepare_held_out(
     windows, source = [], {}
     for f in fixtures:
         n = len(f.token_ids)
+        if mil_positions == "all":
+            windows.append(f)
+            source[f.name] = (f.name, n - 1)
+            continue
+        assert isinstance(mil_positions, int)
         for p in range(max(0, n - mil_positions), n):
             name = f"{f.name}@{p}"
             windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
@@ -79,7 +103,8 @@ def prepare_held_out(
     calib_ids = [t for t in calibration or [] if not isinstance(t, str)]
     cal = build_fixtures(calib, calib_ids, tokenizer, length, vocab_size, padded_variants=False)
     cal = [Fixture(f"calibration[{i}]", f.token_ids, f.slice) for i, f in enumerate(cal)]
-    return HeldOut(fixtures, windows, source, references, pad_id, cal)
+    every = mil_positions == "all"
+    return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
 
 
 def with_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
@@ -137,41 +162,54 @@ def mil_logits(
     windows: list[Fixture] | None = None,
     progress: Callable[[], None] = lambda: None,
 ) -> Logits:
-    """The program's last-position logits on each window (one evaluation per batch)."""
+    """The program's logits on each window (one evaluation per batch): every real position the
+    program returns (the last one, or all of them for an all-positions program)."""
     windows = held_out.windows if windows is None else windows
     out: Logits = {}
     for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
         result = evaluator.run(program_feed(evaluator, module, batch, embed_table))
         logits = np.concatenate(list(result.outputs.values()), axis=1)  # (B, V, 1, n)
         for r, fixture in enumerate(batch.fixtures):
-            out[fixture.name] = torch.from_numpy(logits[r, :, 0, -1:].T.astype(np.float32))
+            m = min(logits.shape[-1], len(fixture.token_ids))  # left-padded: real ones last
+            out[fixture.name] = torch.from_numpy(logits[r, :, 0, -m:].T.astype(np.float32))
         progress()
     return out
 
 
-def compare_torch(cand: Logits, base: Logits | dict[str, ReferenceRun]) -> list[PositionRow]:
-    """Rows for every real position of every held-out text."""
+@dataclass
+class Compared:
+    """Per-position rows (``parity.metrics``) and the logit PSNR of each position (dB)."""
+
+    rows: list[PositionRow]
+    psnr: list[float]
+
+
+def compare_torch(cand: Logits, base: Logits | dict[str, ReferenceRun]) -> Compared:
+    """Rows and PSNR for every real position of every held-out text."""
     rows: list[PositionRow] = []
+    psnr: list[float] = []
     for name, logits in cand.items():
         ref = base[name]
         want = ref.logits if isinstance(ref, ReferenceRun) else ref
         n = logits.shape[0]
         rows += compare_positions(name, "held-out", n, list(range(n)), logits, want)
-    return rows
+        psnr += psnr_db(logits, want)
+    return Compared(rows, psnr)
 
 
-def compare_windows(cand: Logits, held_out: HeldOut, base: Logits | None) -> list[PositionRow]:
-    """Rows for every MIL window: against the reference (``base`` None) or ``base`` logits."""
+def compare_windows(cand: Logits, held_out: HeldOut, base: Logits | None) -> Compared:
+    """Rows and PSNR for every position of every MIL window: against the reference (``base``
+    None) or ``base`` logits (the same windows)."""
     rows: list[PositionRow] = []
+    psnr: list[float] = []
     for name, logits in cand.items():
-        text, position = held_out.window_source[name]
-        want = (
-            held_out.references[text].logits[position : position + 1]
-            if base is None
-            else base[name]
-        )
-        rows += compare_positions(text, "held-out", position + 1, [position], logits, want)
-    return rows
+        text, last = held_out.window_source[name]
+        first = last - logits.shape[0] + 1
+        want = held_out.references[text].logits[first : last + 1] if base is None else base[name]
+        positions = list(range(first, last + 1))
+        rows += compare_positions(text, "held-out", last + 1, positions, logits, want)
+        psnr += psnr_db(logits, want)
+    return Compared(rows, psnr)
 
 
 @dataclass
@@ -183,19 +221,19 @@ class LevelResult:
     vs_original: Summary
     vs_fp16: Summary
     finite: bool
+    psnr_vs_original: PsnrSummary
+    psnr_vs_fp16: PsnrSummary
 
 
 def level_result(
-    implementation: str,
-    description: str,
-    vs_original: list[PositionRow],
-    vs_fp16: list[PositionRow],
+    implementation: str, description: str, vs_original: Compared, vs_fp16: Compared
 ) -> LevelResult:
     """Summaries of both comparisons; finite when every compared logit was finite."""
-    finite = all(np.isfinite(r.logit_error) for r in vs_original)
+    finite = all(np.isfinite(r.logit_error) for r in vs_original.rows)
     return LevelResult(
-        implementation, description, summarize(vs_original), summarize(vs_fp16), finite
-    )
+        implementation, description, summarize(vs_original.rows), summarize(vs_fp16.rows),
+        finite, summarize_psnr(vs_original.psnr), summarize_psnr(vs_fp16.psnr),
+    )  # fmt: skip
 
 
 @dataclass
@@ -337,8 +375,9 @@ def mil_fp32_check(
         # own fp32 rounding does not count against the program
         with wrap(baseline) if wrap is not None else contextlib.nullcontext():
             _, logits = run_module(baseline, x.half().double(), mask.half().double())
-        want = logits[0, :, 0, -1:].T
-        worst = max(worst, rel_error(got[batch.fixtures[0].name], want))
+        have = got[batch.fixtures[0].name]
+        want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
+        worst = max(worst, rel_error(have, want))
     return worst, mismatched
 
 
@@ -371,8 +410,10 @@ def parity_json(result: VariantParity) -> dict[str, Any]:
                 "implementation": level.implementation,
                 "description": level.description,
                 "finite": level.finite,
-                "against_original": summary_json(level.vs_original),
-                "against_fp16_artifact": summary_json(level.vs_fp16),
+                "against_original": summary_json(level.vs_original)
+                | {"psnr_db": level.psnr_vs_original.to_json()},
+                "against_fp16_artifact": summary_json(level.vs_fp16)
+                | {"psnr_db": level.psnr_vs_fp16.to_json()},
             }
             for level in result.levels
         ],
@@ -386,14 +427,25 @@ def parity_text(result: VariantParity) -> str:
     lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
     lines += [gate_line(g) for g in result.gates]
     lines.append("")
-    lines.append("level       against         positions  top-1    mean KL   max KL  max|dp|")
+    lines.append(
+        "level       against         positions  top-1    mean KL   max KL  max|dp|  "
+        "PSNR dB min / median / mean"
+    )
     for level in result.levels:
-        for label, s in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
+        pairs = (
+            ("original", level.vs_original, level.psnr_vs_original),
+            ("fp16 artifact", level.vs_fp16, level.psnr_vs_fp16),
+        )
+        for label, s, p in pairs:
             lines.append(
                 f"{level.implementation:<11} {label:<15} {s.positions:>9}  "
                 f"{s.argmax_agreement:>6.1%}  {s.mean_kl:>8.4f}  {s.max_kl:>7.3f}  "
-                f"{s.max_abs_dprob:>7.4f}"
+                f"{s.max_abs_dprob:>7.4f}  {p.min_db:6.1f} / {p.median_db:6.1f} / "
+                f"{p.mean_db:6.1f}"
             )
+    lines.append(
+        "PSNR: 20 log10(max|z_ref| / RMS(z - z_ref)) over each position's full logit vector"
+    )
     lines.append(f"mil-fp32 logits relative error: {result.mil_fp32_logits_rel_error:.3g}")
     lines += result.notes
     return "\n".join(lines)

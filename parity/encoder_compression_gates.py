@@ -31,6 +31,7 @@ import torch
 
 from graph_passes.encoder import BC1LEncoder
 from graph_passes.masks import key_mask_from_padding
+from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
 from parity.encoder_gates import (
     EncoderReference,
     Runner,
@@ -60,14 +61,18 @@ class EncoderHeldOut:
     fixtures: list[Fixture]
     batches: list[Batch]
     references: dict[str, EncoderReference]
+    source: str = "the recipe's own texts"
 
 
 def prepare_encoder_held_out(
-    texts: list[str | list[int]], tokenizer: Any, model: torch.nn.Module, module: BC1LEncoder,
-    pad_id: int,
-) -> EncoderHeldOut:  # fmt: skip
-    """Tokenize the held-out texts and run the original model on each, alone and unpadded."""
+    texts: Any, tokenizer: Any, model: torch.nn.Module, module: BC1LEncoder, pad_id: int
+) -> EncoderHeldOut:
+    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here) and run
+    the original model on each, alone and unpadded."""
+    from converter.compress.corpus import resolve
+
     io = module.io
+    texts, where = resolve(texts, "held_out", tokenizer, io.length, decoder=False)
     prompts = [t for t in texts if isinstance(t, str)]
     ids = [t for t in texts if not isinstance(t, str)]
     vocab = module.spec.embedding.vocab_size
@@ -75,7 +80,7 @@ def prepare_encoder_held_out(
     fixtures = [Fixture(f"held_out[{i}]", f.token_ids, f.slice) for i, f in enumerate(built)]
     references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
     batches = make_encoder_batches(fixtures, io.batch, io.length, pad_id)
-    return EncoderHeldOut(fixtures, batches, references)
+    return EncoderHeldOut(fixtures, batches, references, where)
 
 
 def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Outputs:
@@ -139,6 +144,12 @@ class Compared:
     cosine: dict[str, float]  # per sentence (min over real tokens for hidden states)
     argmax_kept: dict[str, bool]  # logits only
     finite: bool
+    psnr: dict[str, float] = field(default_factory=dict)  # per sentence (min over tokens), dB
+
+    @property
+    def psnr_summary(self) -> PsnrSummary:
+        """PSNR over sentences (``parity.compression_metrics``)."""
+        return summarize_psnr(list(self.psnr.values()))
 
     @property
     def min_cosine(self) -> float:
@@ -161,7 +172,7 @@ class Compared:
 def compare(candidate: Outputs, baseline: dict[str, Any], logits: bool) -> Compared:
     """Cosines (and argmax agreement for logits) of ``candidate`` against ``baseline`` outputs
     (tensors or `EncoderReference`)."""
-    cos, kept, finite = {}, {}, True
+    cos, kept, finite, psnr = {}, {}, True, {}
     for name, got in candidate.items():
         ref = baseline[name]
         want = (ref.output if isinstance(ref, EncoderReference) else ref).double()
@@ -174,9 +185,10 @@ def compare(candidate: Outputs, baseline: dict[str, Any], logits: bool) -> Compa
             w = want
         value = float(torch.nn.functional.cosine_similarity(g, w, dim=-1).min())
         cos[name] = value if ok else float("-inf")
+        psnr[name] = min(psnr_db(g, w))  # per output vector (a token's for hidden states)
         if logits:
             kept[name] = ok and int(got.argmax()) == int(want.argmax())
-    return Compared(cos, kept, finite)
+    return Compared(cos, kept, finite, psnr)
 
 
 @dataclass
@@ -343,6 +355,7 @@ def _compared_json(c: Compared) -> dict[str, Any]:
             "argmax_agreement": c.argmax_agreement,
             "finite": c.finite,
             "cosine": c.cosine,
+            "psnr_db": c.psnr_summary.to_json(),
         }
     )
 
@@ -372,14 +385,19 @@ def parity_text(result: EncoderVariantParity) -> str:
     lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
     lines += [gate_line(g) for g in result.gates]
     lines.append("")
-    lines.append("level       against         sentences  min cos     mean cos   argmax")
+    lines.append(
+        "level       against         sentences  min cos     mean cos   argmax  PSNR dB min / median"
+    )
     for level in result.levels:
         for label, c in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
             agree = "" if c.argmax_agreement is None else f"{c.argmax_agreement:.1%}"
+            p = c.psnr_summary
             lines.append(
                 f"{level.implementation:<11} {label:<15} {len(c.cosine):>9}  "
-                f"{c.min_cosine:>9.6f}  {c.mean_cosine:>9.6f}  {agree:>6}"
+                f"{c.min_cosine:>9.6f}  {c.mean_cosine:>9.6f}  {agree:>6}  "
+                f"{p.min_db:6.1f} / {p.median_db:6.1f}"
             )
+    lines.append("PSNR: 20 log10(max|y_ref| / RMS(y - y_ref)) over each output vector")
     lines.append(f"mil-fp32 output relative error: {result.mil_fp32_rel_error:.3g}")
     lines.append("")
     names = [level.implementation for level in result.levels]

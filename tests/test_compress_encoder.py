@@ -106,6 +106,15 @@ def test_int8_and_lut8_pass_their_cosine_gates_at_torch_and_mil_level(
         assert gates[("weights_decoded_alike", "mil-fp32")]["value"] == 0
         text = (out / f"tb-{suffix}" / "parity.txt").read_text()
         assert "held_out[2]" in text and "storage ratios" in text
+        # PSNR of each sentence's output beside the cosine, both levels, both baselines
+        report = json.loads((out / f"tb-{suffix}" / "parity.json").read_text())
+        assert report["held_out"]["source"] == "the recipe's own texts"
+        for level in report["levels"]:
+            for against in ("against_original", "against_fp16_artifact"):
+                psnr = level[against]["psnr_db"]
+                assert psnr["count"] == report["held_out"]["sentences"]
+                assert 20 < psnr["min_db"] <= psnr["median_db"]
+        assert "PSNR dB" in text
 
 
 def test_a_failing_variant_blocks_only_itself(run: tuple[list[VariantResult], Path]) -> None:

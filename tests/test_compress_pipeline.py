@@ -24,7 +24,6 @@ COMPRESSION = """\
 compression:
   held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
   calibration: [[60, 61, 62, 63, 64, 65, 66, 67], [80, 81, 82, 83, 84, 85, 86]]
-  mil_positions: 2
   variants:
     - suffix: int8
       method: int8
@@ -44,6 +43,22 @@ compression:
       granularity: per-channel
       activations_keep_fp16: ["layers.0.mlp.down*"]
       gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
+    - suffix: w8a8-smooth
+      method: w8a8
+      granularity: per-channel
+      smooth: true
+      gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
+    - suffix: outliers
+      method: outliers
+      bits: 4
+      outlier_columns: 2
+      gates: {min_top1_agreement: 0.5, max_mean_kl: 0.5}
+    - suffix: scaled
+      method: scaled
+      bits: 4
+      # the tiny model's random rows share one range, so scaling buys nothing here (measured:
+      # top-1 0.375 on 16 positions); the test is about the rewrite's exactness and bytes
+      gates: {min_top1_agreement: 0.25, max_mean_kl: 0.5}
     - suffix: mixed
       method: mixed
       search:
@@ -146,10 +161,21 @@ def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Pa
     assert report["passed"] is True
     levels = {level["implementation"]: level for level in report["levels"]}
     assert set(levels) == {"torch-fp16", "mil-fp16"}
-    # torch: every real position of both held-out sequences; MIL: 2 windows each
+    # every real position of both held-out sequences, at both levels (MIL: the all-positions
+    # program, one evaluation per sequence)
     assert levels["torch-fp16"]["against_original"]["positions"] == 16
-    assert levels["mil-fp16"]["against_original"]["positions"] == 4
-    assert levels["mil-fp16"]["against_fp16_artifact"]["positions"] == 4
+    assert levels["mil-fp16"]["against_original"]["positions"] == 16
+    assert levels["mil-fp16"]["against_fp16_artifact"]["positions"] == 16
+    assert report["held_out"] == {
+        "source": "the recipe's own texts", "texts": 2, "positions": 16,
+        "mil": "every position (all-positions program)",
+    }  # fmt: skip
+    # the logit PSNR beside top-1 and KL, at both levels, against both baselines
+    for level in levels.values():
+        for against in ("against_original", "against_fp16_artifact"):
+            psnr = level[against]["psnr_db"]
+            assert psnr["count"] == 16 and 20 < psnr["min_db"] <= psnr["median_db"]
+    assert "PSNR dB" in (out / "tiny-int8" / "parity.txt").read_text()
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
     assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
     assert "storage ratios" in (out / "tiny-int8" / "parity.txt").read_text()
@@ -216,3 +242,175 @@ def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(
     assert gates[("activation_quantizers_alike", "mil-fp32")]["value"] == 0
     assert ("mil_fp32_layer_rel_error", "mil-fp32") not in gates  # reported: codes flip
     assert report["passed"] is True
+
+
+def test_the_all_positions_program_holds_the_same_weights_and_scores_every_position(
+    run: tuple[Result, Path],
+) -> None:
+    """The MIL level's all-positions copy: the emitted lut4 program with its last-position
+    slice removed. Its constants are byte-identical, and position p gives the logits the
+    emitted program gives for the window ending at p (left-padded, as the engine runs it)."""
+    from graph_passes.masks import MASKED
+    from parity.compression_positions import all_positions
+    from parity.mil import Evaluator, load_package
+
+    _, out = run
+    package = out / "tiny-lut4" / "tiny-lut4.mlpackage"
+    emitted, every = load_package(package), load_package(package)
+
+    def constants(program: object) -> dict[str, bytes]:
+        ops = program.functions["main"].operations  # type: ignore[attr-defined]
+        return {
+            v.name: np.asarray(v.val).tobytes()
+            for op in ops
+            if op.op_type == "const" or op.op_type.startswith("constexpr_")
+            for v in (op.outputs if op.op_type == "const" else op.inputs.values())
+            if v.val is not None
+        }
+
+    before = constants(every)
+    assert all_positions(every) == 16
+    assert constants(every) == before
+    assert all_positions(every) == 16  # already all positions: nothing left to cut
+    last, full = Evaluator(emitted, "fp32"), Evaluator(every, "fp32")
+    (x_name, (_, x_shape)), (mask_name, _) = last.inputs.items()
+    assert x_shape is not None and x_shape[:2] == (1, 16)  # host-side embedding rows (1, L, D)
+    x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
+    mask = np.zeros((1, 16), np.float32)
+    got = np.concatenate(list(full.run({x_name: x, mask_name: mask}).outputs.values()), 1)
+    assert got.shape[-1] == 16
+    for p in (15, 9, 3):
+        shift = 15 - p  # the window ending at p, left-padded to 16 slots
+        x_p = np.concatenate([np.zeros((1, shift, x_shape[2]), np.float32), x[:, : p + 1]], 1)
+        mask_p = np.where(np.arange(16) < shift, MASKED, 0.0)[None].astype(np.float32)
+        want = last.run({x_name: x_p, mask_name: mask_p}).outputs.values()
+        want_p = np.concatenate(list(want), 1)[0, :, 0, -1]
+        # the last slot: the same computation; earlier ones move RoPE slots and padding, so
+        # only rounding differs (a position off by one differs by the logits' own scale, ~1)
+        tolerance = 1e-5 if p == 15 else 2e-3
+        np.testing.assert_allclose(got[0, :, 0, p], want_p, rtol=0, atol=tolerance)
+
+
+def test_outliers_keep_their_columns_exact_and_count_every_byte(run: tuple[Result, Path]) -> None:
+    """method: outliers - lut4 plus each weight's 2 largest-|w| input columns exact through a
+    second fp16 conv: the program holds one gather + conv + add per weight, the records count
+    the residual columns and indices (stored <= nominal + 5 %), and the program in fp32
+    computes the same function as torch with the hook (without it the fp32 gate fails)."""
+    from parity.mil import load_package
+
+    _, out = run
+    directory = out / "tiny-outliers"
+    report = json.loads((directory / "parity.json").read_text())
+    assert report["passed"] is True, report["gates"]
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
+    manifest = _manifest(directory)
+    assert manifest.compression is not None
+    records = [r for r in manifest.compression["weights"] if r["method"] == "lut"]
+    lut4 = {r["weight"]: r for r in _manifest(out / "tiny-lut4").compression["weights"]}  # type: ignore[index]
+    columns = manifest.compression["outliers"]["columns"]
+    assert len(records) == 12 and set(columns) == {r["weight"] for r in records}
+    for r in records:
+        out_channels, inputs = r["shape"][:2]
+        extra = out_channels * 2 * 2 + 2 * 4  # (O x 2) fp16 residual + 2 int32 indices
+        assert r["stored_bytes"] == lut4[r["weight"]]["stored_bytes"] + extra
+        nominal = 4 + 2 * 16 / inputs  # 4-bit indices + 2 exact fp16 columns per row
+        assert r["bits_per_weight"] <= nominal * 1.05
+    ops = manifest.package.live_ops
+    assert ops.get("gather", 0) >= 12 and ops["add"] >= 12
+    program = load_package(directory / "tiny-outliers.mlpackage")
+    names = {op.name for op in program.functions["main"].operations}
+    assert sum(n.endswith("_outlier_conv") for n in names) == 12
+
+
+def test_w8a8_smoothing_folds_are_recorded_and_exact(run: tuple[Result, Path]) -> None:
+    """smooth: true - each MLP's down-projection input scales (powers of two) folded into its
+    up rows and down columns: recorded per layer, and the folded fp16 program computes the
+    same logits as the fp16 program bit for bit (the folds move no rounding)."""
+    import coremltools as ct
+
+    from converter.compress.sites import weight_sites
+    from converter.compress.smooth import (
+        down_pairs,
+        folded_weights,
+        measure_folds,
+        replace_constants,
+    )
+    from parity.mil import Evaluator, load_package
+
+    _, out = run
+    directory = out / "tiny-w8a8-smooth"
+    report = json.loads((directory / "parity.json").read_text())
+    assert report["passed"] is True, report["gates"]
+    folds = report["smoothing"]
+    assert [f["down"] for f in folds] == [f"layers.{i}.mlp.down.weight" for i in range(3)]
+    assert all(f["input_max_after"] <= f["input_max_before"] * 4 for f in folds)
+    assert "power of two" in folds[0]["why_exact"]
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    assert gates[("activation_quantizers_alike", "mil-fp32")]["value"] == 0
+    assert gates[("weights_decoded_alike", "mil-fp32")]["value"] == 0
+
+    package = out / "tiny" / "tiny.mlpackage"
+    program = load_package(package)
+    function = program.functions["main"]
+    names = [n for n, _ in program_parameter_names(function)]
+    sites = weight_sites(function, names)
+    evaluator = Evaluator(program, "fp16")
+    (x_name, (_, x_shape)), (mask_name, _) = evaluator.inputs.items()
+    rng = np.random.default_rng(1)
+    feeds = [
+        {x_name: rng.standard_normal(x_shape).astype(np.float32) * 3, mask_name: np.zeros((1, 16))}
+        for _ in range(2)
+    ]
+    fold_list = measure_folds(function, evaluator, feeds, down_pairs(sites))
+    assert any((f.scales != 1).any() for f in fold_list)
+    model = ct.models.MLModel(str(package), skip_model_load=True)
+    folded = replace_constants(model, folded_weights(function, sites, fold_list))
+    other = Evaluator(folded._mil_program, "fp16")
+    for feed in feeds:
+        a = evaluator.run(feed).outputs
+        b = other.run(feed).outputs
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+def program_parameter_names(function: object) -> list[tuple[str, str]]:
+    """(torch-style name, const) of every ``*_weight_to_fp16`` constant: ``layers_0_mlp_down
+    _weight_to_fp16`` -> ``layers.0.mlp.down.weight``."""
+    out = []
+    for op in function.operations:  # type: ignore[attr-defined]
+        name = op.outputs[0].name if op.outputs else ""
+        if op.op_type == "const" and name.endswith("_weight_to_fp16"):
+            stem = name[: -len("_to_fp16")]
+            parts = stem.split("_")
+            torch_name = ".".join(parts[:-1]).replace("gate.up", "gate_up") + ".weight"
+            out.append((torch_name, name))
+    return out
+
+
+def test_scaled_rows_are_an_exact_rewrite_with_every_byte_counted(
+    run: tuple[Result, Path],
+) -> None:
+    """method: scaled - each row divided by a power of two, palettized (lut4), multiplied back
+    after the conv: the program holds one mul per weight, records count the scales (stored <=
+    4 bits + 5 % with them), and the program in fp32 computes what torch computes with the
+    same decoded rows and the scales applied by a hook (without it the fp32 gate fails)."""
+    _, out = run
+    directory = out / "tiny-scaled"
+    report = json.loads((directory / "parity.json").read_text())
+    assert report["passed"] is True, report["gates"]
+    gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
+    assert gates[("mil_fp32_layer_rel_error", "mil-fp32")]["value"] <= 1e-5
+    manifest = _manifest(directory)
+    assert manifest.compression is not None
+    records = [r for r in manifest.compression["weights"] if r["method"] == "lut"]
+    lut4 = {r["weight"]: r for r in _manifest(out / "tiny-lut4").compression["weights"]}  # type: ignore[index]
+    assert len(records) == 12
+    for r in records:
+        assert r["stored_bytes"] == lut4[r["weight"]]["stored_bytes"] + r["shape"][0] * 2
+        inputs = r["shape"][1]
+        nominal = 4 + 16 / inputs  # 4-bit indices + one fp16 scale per row
+        assert r["bits_per_weight"] <= nominal * 1.05
+    scales = manifest.compression["row_scales"]
+    assert scales["log2_min"] < 0  # the tiny weights' rows are scaled up (max |w| < 1)
+    assert manifest.package.live_ops["mul"] >= 12

@@ -98,3 +98,40 @@ def test_unknown_weight_in_a_plan_is_refused() -> None:
     sites = weight_sites(model._mil_program.functions["main"], NAMES)
     with pytest.raises(KeyError, match="not in the program"):
         apply_plan(model, {"c.weight": Scheme("lut", 4, "per-tensor")}, sites)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 8), (4, 16), (6, 32)])
+def test_grouped_palettes_store_at_most_nominal_bits_plus_5_percent(bits: int, group: int) -> None:
+    """Grouped-channel palettes (issue 12): one 2**bits-entry fp16 table per group of output
+    channels, on a SmolLM2-width weight (576 inputs); every stored byte counted (indices,
+    tables, the op's shape)."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((128, 576, 1, 1)) * 0.05).astype(np.float16)
+
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(1, 576, 1, 4), dtype=types.fp16)],
+        opset_version=ct.target.iOS18,
+    )
+    def prog(x: Any) -> Any:
+        return mb.conv(x=x, weight=mb.const(val=weight, name="w_weight_to_fp16"))
+
+    model = ct.convert(
+        prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16, skip_model_load=True,
+    )  # fmt: skip
+    sites = weight_sites(model._mil_program.functions["main"], ["w.weight"])
+    scheme = Scheme("lut", bits, "per-grouped-channel", group)
+    compressed = apply_plan(model, {"w.weight": scheme}, sites)
+    (record,), decoded = weight_records(
+        compressed._mil_program.functions["main"], sites, {"w.weight": scheme}, {}
+    )
+    assert record.group_size == group and record.op == "constexpr_lut_to_dense"
+    assert bits < record.bits_per_weight <= bits * 1.05
+    for g in range(0, 128, group):  # a palette per group, not one shared
+        # (a set of bit patterns: this numpy's np.unique repeats some float16 values)
+        values = set(decoded["w.weight"][g : g + group].view(np.uint16).ravel().tolist())
+        assert len(values) <= 2**bits

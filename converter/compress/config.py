@@ -8,7 +8,7 @@ gates are never loosened for it.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,7 +36,36 @@ _SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 DEFAULT_KEEP_FP16 = ("*norm*", "embed*", "lm_head*")
 
 
-def _keys(items: list[str | list[int]]) -> set[str | tuple[int, ...]]:
+class Corpus(StrictModel):
+    """Human-written text installed with Python, as a held-out or calibration slice.
+
+    ``pydoc_data``: the prose paragraphs of the standard library's documentation topics
+    (``pydoc_data.topics``), in topic order; the held-out slice takes the even paragraphs, the
+    calibration slice the odd ones, so the two never share a text (``compress.corpus``).
+    A decoder reads ``positions`` (at least that many scored positions: paragraphs cut to the
+    window until the count is reached), an encoder ``sentences``.
+    """
+
+    corpus: Literal["pydoc_data"]
+    positions: int | None = Field(default=None, ge=1, strict=True)
+    sentences: int | None = Field(default=None, ge=1, strict=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> Corpus:
+        if (self.positions is None) == (self.sentences is None):
+            raise_rules(
+                "Corpus",
+                [(("positions",), "expected one of positions (decoders) or sentences (encoders)")],
+            )
+        return self
+
+
+Texts = Corpus | list[str | list[int]]  # Corpus first: the task-key table walks the first
+
+
+def _keys(items: Texts) -> set[str | tuple[int, ...]]:
+    if isinstance(items, Corpus):  # its texts are checked where they are cut (compress.corpus)
+        return set()
     return {i if isinstance(i, str) else tuple(i) for i in items}
 
 
@@ -99,6 +128,11 @@ class Variant(StrictModel):
     activations_keep_fp16: list[str] = []
     gates: VariantGates
     search: SearchSpace | None = None
+    # outliers only: input columns of each weight kept exact (largest |w| first)
+    outlier_columns: int | None = Field(default=None, strict=True)
+    # w8a8 only: fold each MLP down projection's input scales into its up rows and down
+    # columns (SmoothQuant-style, powers of two: exact; compress.smooth)
+    smooth: bool = Field(default=False, strict=True)
 
     @model_validator(mode="after")
     def _check(self) -> Variant:
@@ -141,21 +175,28 @@ class Compression(StrictModel):
     # Smaller weights stay fp16: their bytes do not matter and a palette would cost more.
     min_weight_elements: int = Field(default=2048, ge=1, strict=True)
     # The held-out slice every quality figure is measured on: texts (or token-id lists for a
-    # checkpoint without a tokenizer), never used for calibration or sensitivity, and not one
-    # of the conversion fixtures.
-    held_out: list[str | list[int]]
+    # checkpoint without a tokenizer), or a `Corpus` installed with Python; never used for
+    # calibration or sensitivity, and not one of the conversion fixtures.
+    held_out: Texts
     # Text for layer sensitivity (mixed search) and activation ranges (w8a8).
-    calibration: list[str | list[int]] = []
-    # MIL level: the program returns the last position only, so each held-out text is also run
-    # as its prefixes ending at its last ``mil_positions`` tokens (one evaluation each).
-    mil_positions: int = Field(default=2, ge=1, le=64, strict=True)
+    calibration: Texts = []
+    # MIL level. "all": the emitted program with its last-position slice removed (the same
+    # weights, `parity.compression_positions`) scores every position of each held-out text in
+    # one evaluation. A number n: each text is run as its prefixes ending at its last n tokens
+    # through the emitted program as it is (one evaluation each).
+    mil_positions: Annotated[int, Field(ge=1, le=64, strict=True)] | Literal["all"] = "all"
     variants: list[Variant]
 
     @model_validator(mode="after")
     def _check(self) -> Compression:
         problems: list[tuple[Loc, str]] = []
-        if not self.held_out:
+        if not isinstance(self.held_out, Corpus) and not self.held_out:
             problems.append((("held_out",), "expected at least one held-out text"))
+        if isinstance(self.calibration, Corpus) and not isinstance(self.held_out, Corpus):
+            # Corpus parts are disjoint by construction only against each other.
+            problems.append(
+                (("held_out",), "a calibration corpus needs a held-out corpus (disjoint parts)")
+            )
         if not self.variants:
             problems.append((("variants",), "expected at least one variant"))
         seen: dict[str, int] = {}
@@ -166,7 +207,14 @@ class Compression(StrictModel):
                     (("variants", i, "suffix"), f"duplicate (first: variants[{first}])")
                 )
             seen.setdefault(v.suffix, i)
-        overlap = _keys(self.held_out) & _keys(self.calibration)
+        overlap: set[str | tuple[int, ...]] | list[str] = _keys(self.held_out) & _keys(
+            self.calibration
+        )
+        if isinstance(self.held_out, Corpus) and not isinstance(self.calibration, Corpus):
+            from converter.compress.corpus import shared_with
+
+            texts = [t for t in self.calibration if isinstance(t, str)]
+            overlap = ["x"] * shared_with(self.held_out, "held_out", texts)
         if overlap:
             problems.append(
                 (("calibration",), f"shares {len(overlap)} text(s) with held_out; keep them apart")
@@ -223,6 +271,19 @@ def compression_problems(
             problems.append(
                 ((*at, "method"), f"{v.method} is implemented for {', '.join(sorted(tasks))} only")
             )
+    for part in ("held_out", "calibration"):
+        items = getattr(compression, part)
+        if isinstance(items, Corpus):
+            need = "positions" if decoder else "sentences"
+            if getattr(items, need) is None:
+                problems.append(((("compression", part, need)), f"required for task {task}"))
+            from converter.compress.corpus import shared_with
+
+            clash = shared_with(items, part, [p for p in fixture_prompts if isinstance(p, str)])
+            if clash:
+                problems.append(
+                    (("compression", part), f"shares {clash} text(s) with fixtures.prompts")
+                )
     shared = _keys(compression.held_out) & _keys(list(fixture_prompts))
     if shared:
         problems.append(

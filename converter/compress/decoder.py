@@ -73,6 +73,7 @@ class DecoderSubject:
         """The fp16 artifact's logits: the torch module in fp16 and the program (MIL fp16)."""
         from parity.mil import Evaluator
 
+        self._positions(program)
         self.torch_fp16 = torch_logits(self.module, self.held_out, self.embed_table, torch.float16)
         self.mil_fp16 = mil_logits(
             Evaluator(program, "fp16"), self.module, self.held_out, self.embed_table,
@@ -109,6 +110,7 @@ class DecoderSubject:
         and the fp16 artifact (reported), and the program in fp32 against torch."""
         from parity.mil import Evaluator
 
+        self._positions(program)
         module, held_out, table = self.module, self.held_out, self.embed_table
         wrap = inspected.wrap if inspected is not None else None
         with_variant = with_weights(module, decoded)
@@ -123,8 +125,13 @@ class DecoderSubject:
         mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, table, progress=advance)
         mil_level = level_result(
             "mil-fp16",
-            "the emitted variant program in anec's MIL evaluator, fp16 storage profile; the "
-            "last position of each held-out prefix window",
+            "the emitted variant program in anec's MIL evaluator, fp16 storage profile; "
+            + (
+                "its all-positions copy (the same weight constants, the last-position slice "
+                "removed): every real position of each held-out text, one evaluation per text"
+                if held_out.all_positions
+                else "the last position of each held-out prefix window"
+            ),
             compare_windows(mil16, held_out, None),
             compare_windows(mil16, held_out, self.mil_fp16),
         )
@@ -138,10 +145,11 @@ class DecoderSubject:
         levels = [torch_level, mil_level]
         quantizers = None
         notes: list[str] = []
-        if inspected is not None:
+        if inspected is not None and inspected.check is not None:
             evaluator = Evaluator(program, "fp32")
             (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
             quantizers = inspected.check(evaluator, program_feed(evaluator, module, batch, table))
+        if inspected is not None:
             notes += inspected.notes
         gates = decoder_gates(
             levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
@@ -149,6 +157,24 @@ class DecoderSubject:
         )  # fmt: skip
         return VariantParity(levels, gates, fp32_error, notes)
 
+    def _positions(self, program: Any) -> None:
+        """Make ``program`` its all-positions copy in place when the slice asks for it."""
+        if self.held_out.all_positions:
+            from parity.compression_positions import all_positions
+
+            all_positions(program)
+
     def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
         """The variant's parity.json content and its parity.txt section."""
-        return parity_json(parity), parity_text(parity)
+        h = self.held_out
+        about = {
+            "source": h.source,
+            "texts": len(h.texts),
+            "positions": h.positions,
+            "mil": "every position (all-positions program)" if h.all_positions else "windows",
+        }
+        line = (
+            f"held-out slice: {h.source}; {len(h.texts)} texts, {h.positions} positions "
+            "scored at torch level"
+        )
+        return parity_json(parity) | {"held_out": about}, line + "\n" + parity_text(parity)

@@ -27,7 +27,7 @@ from converter.compress import methods
 from converter.compress.config import Compression, Variant
 from converter.compress.methods.base import BuildContext, Subject
 from converter.compress.plan import apply_plan
-from converter.compress.records import WeightRecord, weight_records
+from converter.compress.records import WeightRecord, weight_records, with_extra_bytes
 from converter.compress.sites import weight_sites
 from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors
@@ -164,6 +164,7 @@ def _emit_one(
             source, state = method.prepare(ctx, variant, mlmodel, plan)
             compressed = apply_plan(source, plan, sites)
             del source
+            compressed, state = method.finish(ctx, variant, compressed, plan, state)
             path = stage.path / f"{vname}.mlpackage"
             save_package(compressed, path)  # canonical bytes: a reproducible hash
             del compressed
@@ -175,9 +176,10 @@ def _emit_one(
             program = load_package(path)
             function = program.functions["main"]
             records, decoded = weight_records(function, sites, plan, kept)
+            records = with_extra_bytes(records, method.extra_bytes(state))
             size = size_report(records, fp16_dir / f"{name}.mlpackage", path)
             fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
-            errors = weight_errors(decoded, fp16)
+            errors = weight_errors(method.effective(decoded, state), fp16)
             ops = _live_ops(program)
             inspected = method.inspect(function, state, selection)
             extra = selection.doc | (inspected.doc if inspected is not None else {})

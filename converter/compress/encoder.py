@@ -144,7 +144,10 @@ class EncoderSubject:
 
     def report(self, parity: EncoderVariantParity) -> tuple[dict[str, Any], str]:
         """The variant's parity.json content and its parity.txt section."""
-        return parity_json(parity), parity_text(parity)
+        h = self.held_out
+        about = {"source": h.source, "sentences": len(h.fixtures)}
+        line = f"held-out slice: {h.source}; {len(h.fixtures)} sentences"
+        return parity_json(parity) | {"held_out": about}, line + "\n" + parity_text(parity)
 
     def calibration_feeds(self, evaluator: Any) -> list[dict[str, Any]]:
         """Not implemented for encoders (the recipe schema refuses w8a8 for them)."""

@@ -82,6 +82,16 @@ def _decode(op: Any) -> np.ndarray:
     return np.asarray(infer()).astype(np.float16)
 
 
+def decoded_weight(function: Any, const: str) -> np.ndarray:
+    """coremltools' decoding (fp16) of the compressed constant made from ``const``."""
+    for op in function.operations:
+        if op.op_type.startswith("constexpr_") and op.outputs[0].name in {
+            const + s for s in _COMPRESSED_SUFFIXES
+        }:
+            return _decode(op)
+    raise KeyError(f"no compressed constant {const}_palettized / _quantized in the program")
+
+
 def weight_records(
     function: Any,
     sites: list[WeightSite],
@@ -166,3 +176,22 @@ def weight_records(
             )  # fmt: skip
         )
     return records, decoded
+
+
+def with_extra_bytes(records: list[WeightRecord], extra: dict[str, int]) -> list[WeightRecord]:
+    """``records`` with each named weight's extra stored bytes (ops a method adds for it, e.g.
+    exact outlier columns) counted in its stored bytes and bits per weight."""
+    import dataclasses
+
+    unknown = sorted(set(extra) - {r.weight for r in records})
+    if unknown:
+        raise KeyError(f"extra bytes for weights without a record: {unknown[:5]}")
+    out = []
+    for r in records:
+        if r.weight in extra:
+            stored = r.stored_bytes + extra[r.weight]
+            r = dataclasses.replace(
+                r, stored_bytes=stored, bits_per_weight=stored * 8 / (r.fp16_bytes // 2)
+            )
+        out.append(r)
+    return out

@@ -85,7 +85,22 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     TaskKey(
         ("compression", "mil_positions"),
         DECODER_TASKS,
-        "the last prefixes of each held-out text, for a program that returns one position",
+        "all positions through the all-positions program, or each text's last prefixes",
+    ),
+    TaskKey(
+        ("compression", "held_out", "positions"),
+        DECODER_TASKS,
+        "how many next-token positions a held-out corpus covers",
+    ),
+    TaskKey(
+        ("compression", "calibration", "positions"),
+        DECODER_TASKS,
+        "how many next-token positions a calibration corpus covers",
+    ),
+    TaskKey(
+        ("compression", "held_out", "sentences"),
+        ENCODER_TASKS,
+        "how many sentences a held-out corpus gives an encoder",
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "min_cosine"),

@@ -55,6 +55,10 @@ class VariantFields(Protocol):
     def activations_keep_fp16(self) -> list[str]: ...
     @property
     def search(self) -> Any: ...
+    @property
+    def outlier_columns(self) -> int | None: ...
+    @property
+    def smooth(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ class Inspected:
     """
 
     wrap: Callable[[Any], contextlib.AbstractContextManager[Any]]
-    check: Callable[[Any, dict[str, Any]], int]  # (fp32 evaluator, one program feed) -> count
+    # (fp32 evaluator, one program feed) -> count; None: torch reproduces the change exactly,
+    # so the fp32 logits gate applies as for weights alone
+    check: Callable[[Any, dict[str, Any]], int] | None
     doc: dict[str, Any]
     text: str
     notes: list[str] = field(default_factory=list)
@@ -216,6 +222,26 @@ class CompressionMethod:
     ) -> tuple[Any, Any]:
         """The model the weight plan is applied to, and state for ``inspect``."""
         return mlmodel, None
+
+    def finish(
+        self,
+        ctx: BuildContext,
+        variant: VariantFields,
+        compressed: Any,
+        plan: dict[str, Scheme],
+        state: Any,
+    ) -> tuple[Any, Any]:
+        """The model after its weights are compressed, with any ops that need the stored
+        values (e.g. exact outlier columns), and state for ``inspect``."""
+        return compressed, state
+
+    def extra_bytes(self, state: Any) -> dict[str, int]:
+        """Bytes the program stores for a weight beyond its compressed constant (by name)."""
+        return {}
+
+    def effective(self, decoded: dict[str, Any], state: Any) -> dict[str, Any]:
+        """The weights the program computes with, from the decoded constants."""
+        return decoded
 
     def inspect(self, function: Any, state: Any, selection: Selection) -> Inspected | None:
         """What the built program holds beyond its weights (None: nothing)."""

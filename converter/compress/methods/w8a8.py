@@ -33,7 +33,11 @@ class W8A8(CompressionMethod):
     summary = "int8 weights and int8 inputs of the compressed projections (calibrated)"
     tasks = frozenset({"text-generation"})
     needs_calibration = True
-    fields = {"symmetric": "weights have a zero point", "activations_keep_fp16": None}
+    fields = {
+        "symmetric": "weights have a zero point",
+        "activations_keep_fp16": None,
+        "smooth": None,
+    }
 
     def check(self, variant: VariantFields) -> list[Problem]:
         return int8_problems(variant)
@@ -48,7 +52,9 @@ class W8A8(CompressionMethod):
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
     ) -> tuple[Any, Any]:
         """Input ranges of every planned projection (the fp16 program in the MIL evaluator,
-        profile fp16, on the calibration text), then a quantize/dequantize pair before each."""
+        profile fp16, on the calibration text), then a quantize/dequantize pair before each.
+        With ``smooth``, the down projections' input scales are folded into the weights first
+        (``compress.smooth``) and the ranges are those of the folded program."""
         from converter.compress.activations import (
             activation_sites,
             calibrate,
@@ -57,12 +63,46 @@ class W8A8(CompressionMethod):
         from parity.mil import Evaluator, load_package
 
         program = load_package(Path(ctx.fp16_package))
+        evaluator = Evaluator(program, "fp16")
+        feeds = ctx.subject.calibration_feeds(evaluator)
+        folds: list[Any] = []
+        if variant.smooth:
+            from converter.compress.smooth import (
+                down_pairs,
+                folded_weights,
+                measure_folds,
+                replace_constants,
+            )
+
+            function = program.functions["main"]
+            pairs = down_pairs([s for s in ctx.sites if s.name in plan])
+            folds = measure_folds(function, evaluator, feeds, pairs)
+            mlmodel = replace_constants(mlmodel, folded_weights(function, ctx.sites, folds))
+            program = mlmodel._mil_program  # the folded program: ranges are measured on it
+            evaluator = Evaluator(program, "fp16")
         keep = variant.activations_keep_fp16
         quantized = [s for s in ctx.sites if s.name in plan and keep_reason(s, keep, 0) is None]
         chosen = activation_sites(program.functions["main"], quantized)
-        evaluator = Evaluator(program, "fp16")
-        sites = calibrate(evaluator, ctx.subject.calibration_feeds(evaluator), chosen)
-        return insert_activation_quantization(mlmodel, sites), sites
+        sites = calibrate(evaluator, feeds, chosen)
+        return insert_activation_quantization(mlmodel, sites), (sites, folds)
+
+    def effective(self, decoded: dict[str, Any], state: Any) -> dict[str, Any]:
+        """The decoded weights with every fold undone: what they stand for in the original
+        model (for the weight-error table; the program computes the same function)."""
+        import numpy as np
+
+        _, folds = state
+        out = dict(decoded)
+        for fold in folds:
+            s = fold.scales.astype(np.float32)
+            inter = s.size
+            if fold.down in out:
+                out[fold.down] = (out[fold.down] / s[None, :, None, None]).astype(np.float16)
+            if fold.gate_up in out:
+                w = out[fold.gate_up].astype(np.float32).copy()
+                w[inter:] *= s[:, None, None, None]
+                out[fold.gate_up] = w.astype(np.float16)
+        return out
 
     def inspect(self, function: Any, state: Any, selection: Selection) -> Inspected | None:
         from converter.compress.activations import (
@@ -73,7 +113,7 @@ class W8A8(CompressionMethod):
             ranges_text,
         )
 
-        sites = state
+        sites, folds = state
         if not sites:
             return None
         scales = program_scales(function, sites)
@@ -85,11 +125,21 @@ class W8A8(CompressionMethod):
         def check(evaluator: Any, feed: dict[str, Any]) -> int:
             return quantizer_mismatches(evaluator, feed, function, sites, scales)
 
+        doc: dict[str, Any] = {"activations": activation_report(sites, scales, kept_inputs)}
+        text = ranges_text(sites, scales, kept_inputs)
+        if folds:
+            doc["smoothing"] = [f.to_json() for f in folds]
+            worst = max(folds, key=lambda f: f.input_max_before)
+            text += (
+                f"\nsmoothing: {len(folds)} down-projection inputs folded into their up rows "
+                f"(powers of two, exact); the widest, {worst.down}: max |x| "
+                f"{worst.input_max_before:.1f} -> {worst.input_max_after:.1f}"
+            )
         return Inspected(
             wrap=wrap,
             check=check,
-            doc={"activations": activation_report(sites, scales, kept_inputs)},
-            text=ranges_text(sites, scales, kept_inputs),
+            doc=doc,
+            text=text,
             notes=[
                 "mil-fp32 logits relative error is reported, not gated, for int8 activations: "
                 "a last-bit difference before a quantizer flips a code (one scale step)",
