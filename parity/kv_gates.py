@@ -95,7 +95,7 @@ def check_kv(
     ext_flips: list[str] = []
     for c in continuations:
         single = sequential(make_session(), c, prefill)
-        row_err = 0.0
+        row_err, judged = 0.0, 0
         for p, logits in single.items():
             ref = c.reference(p)
             where = f"{c.name} position {p}"
@@ -105,6 +105,7 @@ def check_kv(
             err.see(e, where)
             dprob.see(float(np.abs(softmax(logits) - softmax(ref)).max()), where)
             m = margin(ref)
+            judged += m > MARGIN
             if m > MARGIN and int(logits.argmax()) != int(ref.argmax()):
                 flips.append(f"{where}: reference {int(ref.argmax())} (margin {m:.3f}), "
                              f"program {int(logits.argmax())}")  # fmt: skip
@@ -121,7 +122,9 @@ def check_kv(
         stale.see(stale_difference(make_session(), c, prefill, extend_tokens, single), c.name)
         result.rows.append(
             {"fixture": c.name, "prompt_tokens": len(c.prompt),
-             "decode_steps": len(c.ids) - len(c.prompt), "max_abs_logit_error": row_err}
+             "decode_steps": len(c.ids) - len(c.prompt), "max_abs_logit_error": row_err,
+             # positions whose reference margin exceeds MARGIN: the ones the flip gate judges
+             "flip_judged_positions": judged}
         )  # fmt: skip
     g = lambda name: gate(LEVEL, name)  # noqa: E731
     impl = implementation

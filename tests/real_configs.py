@@ -10,6 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from tiny_models import perturb_
+
 CONFIG_DIR = Path(__file__).resolve().parent / "data" / "configs"
 
 
@@ -25,3 +29,37 @@ def config_dict(name: str) -> dict[str, Any]:
     """The vendored config ``name`` as a dict."""
     data: dict[str, Any] = json.loads(config_path(name).read_text())
     return data
+
+
+def build_causal_lm(
+    name: str,
+    model_class: str,
+    config_class: str,
+    path: Path,
+    layers: int,
+    vocab: int,
+    layer_types: tuple[str, ...] = (),
+    peak: float = 1.0,
+) -> transformers.PretrainedConfig:
+    """transformers' ``model_class`` at the vendored config ``name``, cut to ``layers`` layers
+    and a ``vocab``-row vocabulary (special ids 0-2 inside it), every parameter perturbed after
+    random initialisation (zero biases and unit norm weights would hide a dropped bias or a
+    wrong norm), the final norm's gain times ``peak`` (random weights give near-uniform logits;
+    a peak spreads them so argmax margins exceed the gates' certificates), saved as safetensors
+    in ``path``; returns its config."""
+    data = config_dict(name)
+    data.pop("architectures", None)
+    data["num_hidden_layers"] = layers
+    data["vocab_size"] = vocab
+    # Special ids inside the cut vocabulary (the pad id fills left-padded slots).
+    data.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if "layer_types" in data:
+        data["layer_types"] = list(layer_types) or data["layer_types"][:layers]
+    config = getattr(transformers, config_class)(**data)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        perturb_(model, scale=0.02)
+        model.model.norm.weight.mul_(peak)
+    model.save_pretrained(path, safe_serialization=True)
+    return config

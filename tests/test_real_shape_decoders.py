@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
-from real_configs import config_dict
-from tiny_models import perturb_
+from real_configs import build_causal_lm
 
 from converter.checkpoint import load_checkpoint
 from converter.coreml import live_ops, to_mlprogram, trace
@@ -81,21 +79,10 @@ fixtures:
 
 
 def build_checkpoint(case: RealShape, path: Path) -> transformers.PretrainedConfig:
-    data = config_dict(case.config)
-    data.pop("architectures", None)
-    data["num_hidden_layers"] = case.layers
-    data["vocab_size"] = VOCAB
-    # Special ids inside the cut vocabulary (the pad id fills left-padded slots).
-    data.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if "layer_types" in data:
-        data["layer_types"] = list(case.layer_types) or data["layer_types"][: case.layers]
-    config = getattr(transformers, case.config_class)(**data)
-    torch.manual_seed(0)
-    model = getattr(transformers, case.model_class)(config).eval()
-    with torch.no_grad():
-        perturb_(model, scale=0.02)
-    model.save_pretrained(path, safe_serialization=True)
-    return config
+    return build_causal_lm(
+        case.config, case.model_class, case.config_class, path, case.layers, VOCAB,
+        case.layer_types,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
