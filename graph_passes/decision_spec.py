@@ -64,7 +64,7 @@ class MlpHeadSpec:
 class DecisionHeadSpec:
     """The decision head, completely: layers, norm, candidates, scorer, calibration, action."""
 
-    layers: tuple[LayerSpec, ...]  # the encoder's block, global attention, attention norm kept
+    layers: tuple[LayerSpec, ...]  # the encoder's block (global or local), attention norm kept
     norm: NormSpec | None  # the head norm after the last head layer (None: none)
     candidates: CandidateSpec
     num_candidates: int  # K

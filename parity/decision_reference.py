@@ -2,8 +2,9 @@
 checkpoint layout (``docs/decision-head.md``) with transformers' own classes.
 
 The encoder is transformers' ``ModernBertModel`` (eager attention); each head layer is a
-transformers ``ModernBertEncoderLayer`` built from the encoder's config with global attention
-and its RoPE (the encoder's ``full_attention`` rotary embedding); the head norm, scorer and
+transformers ``ModernBertEncoderLayer`` built from the encoder's config with global or local
+attention as the head config says, run with the encoder's rotary embedding and transformers'
+own (sliding-window) bidirectional mask of that attention type; the head norm, scorer and
 action head are plain ``nn.LayerNorm`` / ``nn.Linear`` modules. The head file's tensors load
 into this module by name (``load_state_dict(strict=True)``): what the file holds is what runs.
 Each request runs alone, unpadded, at positions 0..n-1.
@@ -74,10 +75,14 @@ class DecisionHeadReference(nn.Module):
 
         self.spec = spec
         config: Any = copy.deepcopy(encoder_config)
-        # Layer index j + 1: a head layer is global and keeps its attention norm (index 0 is
-        # transformers' identity-norm layer right after the embeddings).
-        config.layer_types = ["full_attention"] * (spec.num_layers + 1)
+        # Layer index j + 1: a head layer keeps its attention norm (index 0 is transformers'
+        # identity-norm layer right after the embeddings).
+        config.layer_types = ["full_attention"] + [
+            "full_attention" if layer.attention.window is None else "sliding_attention"
+            for layer in spec.layers
+        ]
         config._attn_implementation = "eager"
+        self.config = config
         self.layers = nn.ModuleList(
             ModernBertEncoderLayer(config, j + 1) for j in range(spec.num_layers)
         )
@@ -112,7 +117,10 @@ def run_decision_reference(
     encoder: nn.Module, head: DecisionHeadReference, token_ids: tuple[int, ...], request: str
 ) -> DecisionReferenceResult:
     """The original function on one unpadded request: encoder (per-layer states hooked), head
-    layers with the encoder's global RoPE, head norm, selection, scorer, calibration, action."""
+    layers with the encoder's RoPE and mask of their attention type, head norm, selection,
+    scorer, calibration, action."""
+    from transformers.masking_utils import create_bidirectional_sliding_window_mask
+
     hidden: list[torch.Tensor] = []
 
     def keep(_: nn.Module, __: object, out: object) -> None:
@@ -125,9 +133,16 @@ def run_decision_reference(
         with torch.no_grad():
             h = encoder(input_ids=ids).last_hidden_state
             positions = torch.arange(len(token_ids)).unsqueeze(0)
-            rope = encoder.rotary_emb(h, positions, "full_attention")  # type: ignore[operator]
+            masks = {
+                "full_attention": None,  # one unpadded request: every key is real
+                "sliding_attention": create_bidirectional_sliding_window_mask(
+                    config=head.config, inputs_embeds=h, attention_mask=None
+                ),
+            }
             for layer in head.layers:
-                h = layer(h, attention_mask=None, position_embeddings=rope)
+                kind = str(layer.attention_type)
+                rope = encoder.rotary_emb(h, positions, kind)  # type: ignore[operator]
+                h = layer(h, attention_mask=masks[kind], position_embeddings=rope)
                 hidden.append(h[0].clone())
             if head.norm is not None:
                 h = head.norm(h)

@@ -26,8 +26,11 @@ def test_head_registers_like_an_architecture() -> None:
     assert head[0].tasks == ("decision",)
 
 
-def test_bc1l_stack_and_tail_compute_the_reference_in_fp32() -> None:
-    t = tiny_decision()
+@pytest.mark.parametrize("attention", ["global", "local", ["local", "global"]])
+def test_bc1l_stack_and_tail_compute_the_reference_in_fp32(attention: object) -> None:
+    # The tiny encoder's window is 4 and the request 25 tokens: a local head layer's band
+    # hides most keys, so a head layer on the wrong mask or theta fails the 1e-5 below.
+    t = tiny_decision(attention=attention)
     canonical = adapt_encoder(t.encoder.config, t.encoder.state_dict())
     io = EncoderIO(1, 24, "token-ids", "last-hidden-state")
     module, tail = DecisionEncoder(canonical, t.head, io).eval(), DecisionTail(t.head, io).eval()
@@ -73,7 +76,8 @@ def test_unmapped_and_missing_tensors_are_errors_naming_them() -> None:
 @pytest.mark.parametrize(
     ("override", "key"),
     [
-        ({"attention": "local"}, "attention"),
+        ({"attention": "sliding"}, "attention"),
+        ({"attention": ["local"]}, "attention"),  # one kind per head layer: two are needed
         ({"temperature": 0}, "temperature"),
         ({"scorer": {"widths": [63, 1], "activation": "gelu"}}, "scorer.widths"),
         (

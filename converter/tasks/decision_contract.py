@@ -73,8 +73,13 @@ def head_description(head: DecisionHead, sha256: str) -> dict[str, object]:
     return {
         "head_sha256": sha256,
         "head_layers": spec.num_layers,
-        "head_attention": "global (every real token; padding masked), RoPE with the "
-        "encoder's global theta",
+        "head_attention": [
+            "global (every real token; padding masked), RoPE with the encoder's global theta"
+            if layer.attention.window is None
+            else f"local: keys within {layer.attention.window} positions either side "
+            "(the encoder's window), padding masked, RoPE with the encoder's local theta"
+            for layer in spec.layers
+        ],
         "final_norm": "the encoder's final norm before the head layers; "
         + ("the head norm after them" if spec.norm is not None else "no head norm"),
         "candidates": {

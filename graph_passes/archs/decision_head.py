@@ -5,9 +5,10 @@ checkpoint (layout: ``docs/decision-head.md``).
 
 Registered like an architecture: the config reading below, a weight-mapping table (every
 tensor of the head file is mapped or named in an error), and its refusals. The head layers
-reuse the encoder's `LayerSpec` (same widths, norms, biases, GeGLU, RoPE with the global
-theta) with global attention and an attention norm (the identity norm belongs to the layer
-right after the embeddings, not to a head layer).
+reuse the encoder's `LayerSpec` (same widths, norms, biases, GeGLU) of a global layer (RoPE
+with the global theta) or, where the config says ``local``, of a local layer (the encoder's
+window and local theta), with an attention norm (the identity norm belongs to the layer right
+after the embeddings, not to a head layer).
 """
 
 from __future__ import annotations
@@ -119,14 +120,38 @@ def _input_width(name: str, k: int, d: int) -> int:
     return {"raw_probs": k, "scorer_logits": k, "cls_row": d}[name]
 
 
-def head_layer_spec(encoder: EncoderSpec) -> LayerSpec:
-    """The head's block: the encoder's global layer with an attention norm (the encoder's
-    mlp norm spec: ModernBERT builds both norms alike)."""
-    globals_ = [ls for ls in encoder.layers if ls.attention.window is None]
-    if not globals_:
-        raise InputError("the encoder has no global-attention layer to take the head's block from")
-    base = globals_[0]
+HEAD_ATTENTION = ("global", "local")
+
+
+def head_layer_spec(encoder: EncoderSpec, attention: str = "global") -> LayerSpec:
+    """The head's block: the encoder's global (or local: its window and local RoPE theta)
+    layer with an attention norm (the encoder's mlp norm spec: ModernBERT builds both norms
+    alike)."""
+    local = attention == "local"
+    bases = [ls for ls in encoder.layers if (ls.attention.window is not None) == local]
+    if not bases:
+        raise InputError(
+            f"the encoder has no {attention}-attention layer to take the head's block from"
+        )
+    base = bases[0]
     return dataclasses.replace(base, attention_norm=base.mlp_norm)
+
+
+def _head_attention(data: Mapping[str, object], where: str, n_layers: int) -> tuple[str, ...]:
+    """``attention``: one of HEAD_ATTENTION for every head layer, or a list of them, one per
+    head layer."""
+    value = data.get("attention", "global")
+    kinds = [value] * n_layers if isinstance(value, str) else value
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) != n_layers
+        or any(k not in HEAD_ATTENTION for k in kinds)
+    ):
+        raise _fail(
+            where, "attention", f"expected one of {list(HEAD_ATTENTION)} or a list of "
+            f"{n_layers} of them (one per head layer), got {value!r}",
+        )  # fmt: skip
+    return tuple(cast(list[str], kinds))
 
 
 def read_head_spec(source: HeadSource) -> DecisionHeadSpec:
@@ -139,15 +164,11 @@ def read_head_spec(source: HeadSource) -> DecisionHeadSpec:
         raise _fail(where, unknown[0], f"not a decision-head key; the keys are {sorted(_KEYS)}")
     if data.get("model_type") != MODEL_TYPE:
         raise _fail(where, "model_type", f"expected {MODEL_TYPE!r}, got {data.get('model_type')!r}")
-    if data.get("attention", "global") != "global":
-        raise _fail(
-            where, "attention", f"{data['attention']!r}: only global head attention is "
-            "implemented (local head layers are refused, not approximated)",
-        )  # fmt: skip
     final_norm = data.get("final_norm", True)
     if not isinstance(final_norm, bool):
         raise _fail(where, "final_norm", f"expected true or false, got {final_norm!r}")
     n_layers = _int(data, "num_layers", where)
+    attention = _head_attention(data, where, n_layers)
     k = _int(data, "num_candidates", where, minimum=2)
     candidates = _candidates(data.get("candidates"), where)
     d = enc.hidden_size
@@ -179,10 +200,10 @@ def read_head_spec(source: HeadSource) -> DecisionHeadSpec:
         or not temperature > 0
     ):
         raise _fail(where, "temperature", f"expected a number > 0, got {temperature!r}")
-    block = head_layer_spec(enc)
+    blocks = tuple(head_layer_spec(enc, kind) for kind in attention)
     return DecisionHeadSpec(
-        layers=(block,) * n_layers,
-        norm=block.mlp_norm if final_norm else None,
+        layers=blocks,
+        norm=blocks[0].mlp_norm if final_norm else None,
         candidates=candidates,
         num_candidates=k,
         scorer=scorer,
@@ -250,7 +271,7 @@ ARCH = Architecture(
     classes=(),
     tasks=("decision",),
     refuses=(
-        "attention other than global in head layers",
+        "head attention other than global or the encoder's local window",
         "candidates other than marker token ids or the CLS row",
         "scorer / action activations other than gelu (erf), tanh, relu",
         "action.inputs not starting with raw_probs, or items outside " + ", ".join(ACTION_INPUTS),
