@@ -117,13 +117,16 @@ def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSe
     return make
 
 
-def coreml_backend(runtime: Runtime) -> Callable[[], CacheSession]:  # pragma: no cover
-    """Sessions run by Core ML on macOS. NEVER RUN HERE (no macOS on this machine)."""
+def coreml_backend(
+    runtime: Runtime, units: str = "CPU_AND_NE"
+) -> Callable[[], CacheSession]:  # pragma: no cover
+    """Sessions run by Core ML on macOS with compute units ``units``. NEVER RUN HERE (no
+    macOS on this machine)."""
     import coremltools as ct
 
     models = {
         name: ct.models.MLModel(
-            str(runtime.package), function_name=name, compute_units=ct.ComputeUnit.CPU_AND_NE
+            str(runtime.package), function_name=name, compute_units=ct.ComputeUnit[units]
         )
         for name in runtime.functions
     }

@@ -78,6 +78,24 @@ def extended(session: CacheSession, c: Continuation, prefill: str, k: int) -> di
     return out
 
 
+def extend_vs_decode(
+    single: dict[int, np.ndarray], batched: dict[int, np.ndarray], name: str, worst: Worst
+) -> list[str]:
+    """Compare the extend logits with the single-token decode logits at the same positions:
+    the largest |difference| goes into ``worst``; returns the argmax flips where the decode
+    step's margin exceeds MARGIN (the K-vs-1 comparison, here and on a device)."""
+    flips = []
+    for p, logits in batched.items():
+        one = single[p]
+        where = f"{name} position {p}"
+        worst.see(float(np.abs(logits.astype(np.float64) - one).max()), where)
+        m = margin(one)
+        if m > MARGIN and int(logits.argmax()) != int(one.argmax()):
+            flips.append(f"{where}: decode {int(one.argmax())} (margin {m:.3f}), "
+                         f"extend {int(logits.argmax())}")  # fmt: skip
+    return flips
+
+
 def check_kv(
     make_session: Callable[[], CacheSession],
     continuations: list[Continuation],
@@ -110,15 +128,8 @@ def check_kv(
                 flips.append(f"{where}: reference {int(ref.argmax())} (margin {m:.3f}), "
                              f"program {int(logits.argmax())}")  # fmt: skip
         batched = extended(make_session(), c, prefill, extend_tokens)
-        for p, logits in batched.items():
-            one = single[p]
-            where = f"{c.name} position {p}"
-            finite &= bool(np.isfinite(logits).all())
-            ext_diff.see(float(np.abs(logits.astype(np.float64) - one).max()), where)
-            m = margin(one)
-            if m > MARGIN and int(logits.argmax()) != int(one.argmax()):
-                ext_flips.append(f"{where}: decode {int(one.argmax())} (margin {m:.3f}), "
-                                 f"extend {int(logits.argmax())}")  # fmt: skip
+        finite &= all(bool(np.isfinite(v).all()) for v in batched.values())
+        ext_flips += extend_vs_decode(single, batched, c.name, ext_diff)
         stale.see(stale_difference(make_session(), c, prefill, extend_tokens, single), c.name)
         result.rows.append(
             {"fixture": c.name, "prompt_tokens": len(c.prompt),

@@ -118,6 +118,37 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
     assert stats.rate(0) > 0.8 and stats.tokens_per_call >= 1.0
 
 
+def test_bench_device_extend_drift_runs_the_k_vs_1_comparison(
+    artifact: Path, tmp_path: Path
+) -> None:
+    # The device comparison's loop, run here by the MIL evaluator (the Core ML path is the
+    # same loop with another session maker; never run on this machine).
+    out = tmp_path / "drift.json"
+    args = ("--extend-drift", "--backend", "mil", "--steps", "6")
+    result = run_anec("bench-device", artifact, "--out", out, *args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    row = doc["results"]["mil-fp16"]
+    assert row["passed"] and row["finite"] and row["extend_tokens"] == 4
+    assert row["prompts"] == 2 and row["positions"] == 2 * 6
+    assert [g["name"] for g in row["gates"]] == ["kv_extend_max_abs_diff", "kv_extend_argmax_flips"]
+    assert "not a device" in doc["evidence"] and "mil-fp16: passed" in result.output
+
+
+def test_extend_vs_decode_flags_drift_and_flips_only_past_the_margin() -> None:
+    from parity.gate import Worst
+    from parity.kv_gates import extend_vs_decode
+
+    decode = {5: np.array([0.0, 2.0, 1.0]), 6: np.array([1.0, 1.2, 0.0])}
+    # Position 5: margin 1.0 and the extend path picks another token (a flip); position 6:
+    # margin 0.2, below the 0.5 the gate judges, so its different argmax is no flip.
+    extend = {5: np.array([0.0, 1.6, 1.7]), 6: np.array([1.3, 1.1, 0.0])}
+    worst = Worst(0.0)
+    flips = extend_vs_decode(decode, extend, "p", worst)
+    assert flips == ["p position 5: decode 1 (margin 1.000), extend 2"]
+    assert worst.value == pytest.approx(0.7) and worst.where == "p position 5"
+
+
 RECIPE = """name: r
 task: text-generation
 source: {{kind: hf-dir, path: .}}

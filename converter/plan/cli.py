@@ -267,6 +267,27 @@ def _fmt(value: Any) -> str:
     help="--energy: length of each sustained block.",
 )
 @click.option(
+    "--extend-drift",
+    is_flag=True,
+    help="A cached decoder: its K-token extend against K single-token decodes on the fixture "
+    "prompts' greedy continuations, per --units (the kv_extend_* gates' thresholds).",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(1, 4096),
+    default=64,
+    show_default=True,
+    help="--extend-drift: greedy tokens decoded after each prompt.",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["coreml", "mil"]),
+    default="coreml",
+    show_default=True,
+    help="--extend-drift: coreml (the device, macOS) or mil (anec's MIL evaluator, fp16 "
+    "profile: the gate's own run, for comparison).",
+)
+@click.option(
     "--tick-hz",
     type=click.FloatRange(min=0.0, min_open=True),
     default=None,
@@ -284,6 +305,9 @@ def bench_device(
     blocks: int,
     block_seconds: float,
     tick_hz: float | None,
+    extend_drift: bool,
+    steps: int,
+    backend: str,
 ) -> None:
     """Measure prediction latency (and NE power) of ARTIFACT on this Mac (evidence: observed).
 
@@ -295,10 +319,27 @@ def bench_device(
     With --energy: energy per decision of ARTIFACT against --baseline in alternating
     sustained blocks, power from powermetrics (CPU + GPU + ANE); `anec energy-report FILE`
     analyses the result (also never run on a Mac yet).
+
+    With --extend-drift (ARTIFACT a cached decoder's directory): the K-token extend against
+    K single-token decode steps through Core ML per compute units, judged like the
+    kv_extend_* gates; exit 1 when a unit fails them. The Core ML path has never run on a
+    Mac; --backend mil runs the same loop in the MIL evaluator.
     """
     from converter.plan.device_bench import bench_package
     from converter.publish import write_json_atomic
 
+    if extend_drift:
+        from converter.plan.extend_drift import record_drift
+
+        doc = record_drift(artifact, units, steps, backend)
+        write_json_atomic(out_file, doc)
+        click.echo(f"wrote {out_file}")
+        for unit, row in doc["results"].items():
+            gates = ", ".join(f"{g['name']} {g['value']:.4g}" for g in row["gates"])
+            click.echo(f"{unit}: {'passed' if row['passed'] else 'FAILED'} ({gates})")
+        if not all(row["passed"] for row in doc["results"].values()):
+            raise SystemExit(1)
+        return
     package = _single_package(artifact)
     if energy:
         from converter.plan.energy_run import record_energy
