@@ -24,6 +24,7 @@ CACHE += "  decode_steps: 16\n"
 COMPRESSION = """\
 compression:
   held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
+  calibration: [[60, 61, 62, 63, 64, 65, 66, 67], [80, 81, 82, 83, 84, 85, 86]]
   variants:
     - suffix: int8
       method: int8
@@ -35,6 +36,12 @@ compression:
       granularity: per-grouped-channel
       group_size: 8
       gates: {min_top1_agreement: 0.5, max_mean_kl: 0.5}
+    - suffix: mixed         # searched once on the window module, then applied to every function
+      method: mixed
+      search:
+        bits: [16, 8, 4]
+        budget: {min_top1_agreement: 0.9, max_mean_kl: 0.005}
+      gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
 """
 
 
@@ -57,7 +64,7 @@ def test_every_variant_is_published_with_the_structural_cache_gates(
 ) -> None:
     result, out = run
     assert result.exit_code == 0, result.output
-    for suffix in ("int8", "lut4"):
+    for suffix in ("int8", "lut4", "mixed"):
         directory = out / f"tkv-{suffix}"
         report = json.loads((directory / "parity.json").read_text())
         kv = {g["name"]: g for g in report["gates"] if g["level"] == "kv-cache"}
