@@ -81,7 +81,7 @@ def test_every_variant_is_published_with_the_structural_cache_gates(
         assert "rope.npy" in hosts  # the host loop's RoPE tables
         for host in hosts:
             assert (directory / host).read_bytes() == (out / "tkv" / host).read_bytes()
-        assert not list(out.glob("anec-kvcomp-*"))  # the scratch folder is gone
+        assert not list(out.glob(".anec-tmp-*"))  # the scratch folder is gone
 
 
 @pytest.mark.parametrize("suffix", ["int8", "lut4"])

@@ -30,8 +30,9 @@ model, so they are reported in ``kv_parity.json`` and not gated (SPEC section 3)
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,8 +146,11 @@ def emit_kv_variants(
 
     check_methods(compression)
     steps = steps or Steps(quiet=True)
-    with tempfile.TemporaryDirectory(prefix="anec-kvcomp-", dir=out_dir) as tmp:
-        scratch = Path(tmp)
+    # Named as the publisher names temp entries, so a killed run's scratch is removed by the
+    # next run's `clean_leftovers` (the pid in the name is dead).
+    scratch = out_dir / f".anec-tmp-{name}-kvcomp-{os.getpid()}-{secrets.token_hex(4)}"
+    scratch.mkdir(parents=True)
+    try:
         with steps.step("compression: fp16 programs (window, prefill, decode, extend)"):
             window = build.window(scratch / "window.mlpackage")
             singles = build.singles(scratch / "fp16")
@@ -168,6 +172,8 @@ def emit_kv_variants(
             ctx = BuildContext(subject, sites, keep, compression.min_weight_elements, window, steps)
             one = _KvVariant(ctx, variant, name, fp16_dir, scratch / variant.suffix, build)
             results.append(one.emit(models, sites, fsites, out_dir, force))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return results
 
 
