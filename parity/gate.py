@@ -300,6 +300,9 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("kv_weights_stored_once", "kv-cache", _LE,
          "weight bytes of the multifunction package / of its largest single-function "
          "package", fixed=1.05),
+    Gate("kv_weights_identical", "kv-cache", _EQ,
+         "a compressed variant: weights whose stored bytes differ between the package's "
+         "functions or from the window program its quality is scored on", fixed=0.0),
     # a compressed variant, each gate at torch fp16 and in the MIL evaluator
     Gate("min_top1_agreement", "compression", _GE,
          "share of held-out positions (an encoder classifier's: sentences) whose argmax "

@@ -16,6 +16,11 @@ from converter.targets import Feature, check_feature
 from converter.yaml_errors import Loc, StrictModel, raise_rules
 
 CacheStyleName = Literal["none", "state", "io"]
+# Compression methods a cached decoder's variants may use: those whose stored values are a
+# function of the weight and its scheme alone, so every function's package compressed with
+# the same plan holds byte-identical weights (`converter.compress.stateful`). ``mixed``
+# searches its plan once, then stores lut / int8 schemes.
+KV_METHODS = ("lut", "int8", "mixed")
 # A cache's slots are one axis of the state; at most the NE's per-axis limit.
 MAX_CACHE = 16384
 
@@ -47,9 +52,10 @@ class CacheSpec(StrictModel):
 
 
 def cache_problems(
-    cache: CacheSpec, target: str, batch: int, compressed: bool, precision: str
+    cache: CacheSpec, target: str, batch: int, methods: list[str], precision: str
 ) -> list[tuple[Loc, str]]:
-    """Rules between the cache section and the rest of a decoder recipe."""
+    """Rules between the cache section and the rest of a decoder recipe (``methods``: each
+    compression variant's method, in order)."""
     if cache.style == "none":
         return []
     problems: list[tuple[Loc, str]] = []
@@ -62,8 +68,14 @@ def cache_problems(
         problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
     if precision != "float16":
         problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
-    if compressed:
-        problems.append(
-            (("compression",), "compressed variants of a cached decoder are not implemented")
-        )
+    for i, method in enumerate(methods):
+        if method not in KV_METHODS:
+            problems.append(
+                (
+                    ("compression", "variants", i, "method"),
+                    f"{method} variants of a cached decoder are not implemented (they change "
+                    "the program beyond its weights, and those ops are not carried into the "
+                    f"cached functions); use one of {', '.join(KV_METHODS)}",
+                )
+            )
     return problems

@@ -190,7 +190,8 @@ class DecoderRecipe(RecipeBase):
     @model_validator(mode="after")
     def _cache_checks(self) -> DecoderRecipe:
         problems = cache_problems(
-            self.cache, self.target, self.shapes.batch, self.compression is not None,
+            self.cache, self.target, self.shapes.batch,
+            [v.method for v in self.compression.variants] if self.compression else [],
             self.precision,
         )  # fmt: skip
         raise_rules("Recipe", problems)

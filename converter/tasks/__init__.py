@@ -48,7 +48,7 @@ _DECODER_KV = Task(
     text_generation_kv.KvRun,
     text_generation_kv.CONVERT_STEPS,
     text_generation_kv.RECHECK_STEPS,
-    text_generation.compress,
+    text_generation_kv.compress,
 )
 _ENCODER = Task(
     "encoder", encoder.EncoderRun, encoder.CONVERT_STEPS, encoder.RECHECK_STEPS, encoder.compress

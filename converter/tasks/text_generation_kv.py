@@ -13,7 +13,7 @@ gates (`parity.kv_gates`) cover what the cache adds, on the emitted program.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from converter.coreml import combine_functions, live_ops, load_program, save_package
 from converter.manifest_fields import write_npy
+from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.steps import Advance, Step, Stop
 from converter.targets import TARGETS
@@ -110,21 +111,19 @@ class Emitted:
     decode: Program  # the default function's contract and converted model
 
 
-def emit_functions(
+def convert_singles(
     functions: dict[str, CachedDecoder],
     dtype: Any,
     precision: Any,
     target: Any,
-    package: Path,
+    scratch: Path,
     advance: Advance = lambda: None,
-) -> Emitted:
-    """Trace and convert each function (a state for the ``state`` style), save each as its
-    own package in a scratch folder beside ``package``, combine them into the multifunction
-    ``package`` (weights stored once) and measure both; the scratch folder is removed."""
+) -> tuple[dict[str, Path], Program]:
+    """Trace and convert each function (a state for the ``state`` style) and save each as
+    its own single-function package in ``scratch``; also the default function's program."""
     from converter.coreml import to_mlprogram, trace
 
-    scratch = package.parent / SCRATCH
-    scratch.mkdir()
+    scratch.mkdir(parents=True, exist_ok=True)
     singles: dict[str, Path] = {}
     decode: Program | None = None
     for name, module in functions.items():
@@ -133,8 +132,14 @@ def emit_functions(
         mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
         singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
         if name == DEFAULT_FUNCTION:
-            decode = Program(name, inputs, outputs, package, mlmodel, live_ops(mlmodel))
+            decode = Program(name, inputs, outputs, scratch, mlmodel, live_ops(mlmodel))
         advance()
+    return singles, need(decode, "the decode function")
+
+
+def combine_measured(singles: dict[str, Path], package: Path) -> dict[str, Any]:
+    """Combine single-function packages into the multifunction ``package`` (weights stored
+    once) and measure both: bytes of each, and the multifunction / largest single ratios."""
     combine_functions(singles, package, DEFAULT_FUNCTION)
     single = {name: package_bytes(p) for name, p in singles.items()}
     single_weights = {name: (p / WEIGHTS).stat().st_size for name, p in singles.items()}
@@ -146,8 +151,27 @@ def emit_functions(
     }
     sizes["package_ratio"] = sizes["multifunction_package_bytes"] / max(single.values())
     sizes["weight_ratio"] = sizes["multifunction_weight_bytes"] / max(single_weights.values())
+    return sizes
+
+
+def emit_functions(
+    functions: dict[str, CachedDecoder],
+    dtype: Any,
+    precision: Any,
+    target: Any,
+    package: Path,
+    advance: Advance = lambda: None,
+) -> Emitted:
+    """Convert each function into a scratch folder beside ``package``, combine them into the
+    multifunction ``package`` (weights stored once) and measure both; the scratch folder is
+    removed."""
+    scratch = package.parent / SCRATCH
+    if scratch.exists():
+        raise FileExistsError(f"{scratch}: a scratch folder is in the way")
+    singles, decode = convert_singles(functions, dtype, precision, target, scratch, advance)
+    sizes = combine_measured(singles, package)
     shutil.rmtree(scratch)
-    return Emitted(package, sizes, need(decode, "the decode function"))
+    return Emitted(package, sizes, replace(decode, path=package))
 
 
 def convert_functions(run: KvRun, advance: Advance) -> None:
@@ -194,30 +218,46 @@ def published_functions(run: KvRun, advance: Advance) -> None:
     run.sizes = sizes
 
 
-def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
-    """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
+def cache_gates(
+    package: Path,
+    functions: dict[str, CachedDecoder],
+    continuations: list[Continuation],
+    extend: int,
+    table: np.ndarray,
+    sizes: dict[str, Any],
+    advance: Advance = lambda: None,
+) -> KvParity:
+    """Every cache gate on the multifunction ``package`` in the MIL evaluator's fp16 profile,
+    and whether it stores its weights once (``sizes`` from `combine_measured`)."""
     from parity.gate import gate
 
-    rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
-    program = load_program(run.main.path)
-    first = run.functions[DEFAULT_FUNCTION]
-    mil = MilFunctions(program, "fp16", list(run.functions), first.cache_shape())
-    table = rw.embed_table.numpy()
+    program = load_program(package)
+    first = functions[DEFAULT_FUNCTION]
+    mil = MilFunctions(program, "fp16", list(functions), first.cache_shape())
 
     def make_session() -> CacheSession:
         runner, states = mil.session()
         advance()
-        return session_for(run.functions, runner, states, lambda ids: table[ids])
+        return session_for(functions, runner, states, lambda ids: table[ids])
 
-    run.kv = check_kv(make_session, run.continuations, "prefill", run.cache.extend, "mil-fp16")
-    ratio = run.sizes["weight_ratio"]
-    run.kv.gates.append(
+    kv = check_kv(make_session, continuations, "prefill", extend, "mil-fp16")
+    kv.gates.append(
         gate("kv-cache", "kv_weights_stored_once").check(
-            ratio,
+            sizes["weight_ratio"],
             implementation="package",
-            detail=f"package bytes ratio {run.sizes['package_ratio']:.4f}",
+            detail=f"package bytes ratio {sizes['package_ratio']:.4f}",
         )
     )
+    return kv
+
+
+def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
+    """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
+    rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
+    run.kv = cache_gates(
+        run.main.path, run.functions, run.continuations, run.cache.extend,
+        rw.embed_table.numpy(), run.sizes, advance,
+    )  # fmt: skip
     report.gates.extend(run.kv.gates)
     report.implementations["mil-fp16"] = "anec MIL evaluator, fp16 profile, through the cache"
     write_json_atomic(
@@ -252,6 +292,59 @@ def manifest(run: KvRun, advance: Advance) -> None:
         run.functions, contracts, run.sizes, rope.model_dump(mode="json")
     )
     write_json_atomic(run.job.directory / "manifest.json", doc.model_dump(mode="json"))
+
+
+def window_package(run: KvRun, path: Path) -> Path:
+    """The fp16 window program of the run's window module, as the window task emits it
+    (layer outputs marked), saved as ``path``: the vehicle a compressed variant's quality
+    gates are measured on with byte-identical weights."""
+    from converter.coreml import to_mlprogram, trace
+    from converter.markers import mark_layer_outputs
+    from converter.tasks.decoder_contract import tensor_contract
+
+    module = need(run.rewrite, "the rewrite").module
+    inputs, outputs = tensor_contract(module, run.recipe.io.dtype)
+    traced = trace(module, inputs)
+    mark_layer_outputs(traced, module.spec.num_layers)
+    target = TARGETS[run.recipe.target].ct_target()
+    return save_package(to_mlprogram(traced, inputs, outputs, target, run.recipe.precision), path)
+
+
+def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: Steps) -> list[Any]:
+    """Build, gate and publish every compressed variant the recipe asks for, each a stateful
+    multifunction package of its own (`converter.compress.stateful`)."""
+    compression = run.recipe.compression
+    if compression is None or run.held_out is None:
+        return []
+    from converter.compress.decoder import DecoderSubject
+    from converter.compress.stateful import KvBuild, emit_kv_variants
+
+    rw, recipe = need(run.rewrite, "the rewrite"), run.recipe
+    target = TARGETS[recipe.target].ct_target()
+    table = rw.embed_table.numpy()
+
+    def singles(folder: Path) -> dict[str, Path]:
+        out, _ = convert_singles(run.functions, recipe.io.dtype, recipe.precision, target, folder)
+        return out
+
+    def gates(package: Path, sizes: dict[str, Any]) -> KvParity:
+        return cache_gates(
+            package, run.functions, run.continuations, run.cache.extend, table, sizes
+        )
+
+    build = KvBuild(
+        singles,
+        lambda path: window_package(run, path),
+        gates,
+        combine_measured,
+        [n for n, _ in rw.module.named_parameters()],
+    )
+    subject = DecoderSubject(
+        rw.module, rw.embed_table, run.held_out, recipe.gates.mil_fp32_layer_rel_error
+    )
+    return emit_kv_variants(
+        compression, recipe.name, published, subject, build, out_dir, force, progress
+    )
 
 
 def _continuation_count(run: KvRun) -> int:
