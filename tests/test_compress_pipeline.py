@@ -101,6 +101,16 @@ def test_a_failing_variant_exits_1_and_blocks_only_itself(run: tuple[Result, Pat
     assert ("max_mean_kl", "torch-fp16") in failing and ("max_mean_kl", "mil-fp16") in failing
 
 
+def test_anec_parity_refuses_a_compressed_variant_naming_why(
+    run: tuple[Result, Path], tmp_path: Path
+) -> None:
+    _, out = run
+    result = run_anec("parity", out / "tiny-int8", "--out", tmp_path / "re")
+    assert result.exit_code == 2
+    assert "tiny-int8: a compressed variant" in result.stderr
+    assert not (tmp_path / "re").exists()
+
+
 @pytest.mark.parametrize("suffix", ["int8", "lut4"])
 def test_variant_manifest_records_every_weight_and_hashes_match(
     run: tuple[Result, Path], suffix: str

@@ -67,7 +67,9 @@ def test_one_package_holds_every_function_and_stores_weights_once(artifact: Path
 
 
 def test_the_manifest_describes_every_function_and_the_cache(artifact: Path) -> None:
-    kv = json.loads((artifact / "manifest.json").read_text())["kv_cache"]
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    kv = manifest["kv_cache"]
+    assert manifest["package"]["function"] == "decode"  # the package's default function
     assert kv["style"] == "state" and kv["cache_length"] == 96
     assert kv["cache"]["shape"] == [6, 2, 96, 16] and kv["cache"]["dtype"] == "float16"
     tokens = {name: f["tokens"] for name, f in kv["functions"].items()}

@@ -285,6 +285,8 @@ def manifest(run: KvRun, advance: Advance) -> None:
     )
     window_task.manifest(run, advance)
     doc = need(run.manifest, "the manifest")
+    # The package holds prefill / decode / extend; its default function is decode, not main.
+    doc.package.function = DEFAULT_FUNCTION
     contracts = {
         name: function_contract(m, run.recipe.io.dtype) for name, m in run.functions.items()
     }
