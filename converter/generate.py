@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from converter.errors import InputError
+from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
 from parity.kv_session import CacheSession, FunctionShape, MilFunctions, Runner
 
@@ -51,6 +52,7 @@ class Runtime:
         if not path.is_file():
             raise InputError(f"{directory}: no manifest.json (not an anec artifact)")
         manifest = json.loads(path.read_text(encoding="utf-8"))
+        check_schema_version(manifest, path)
         kv = manifest.get("kv_cache")
         if not kv:
             raise InputError(

@@ -29,6 +29,7 @@ import torch
 
 from converter.markers import MarkerError, find_markers
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.logits_layout import join_logits
 from parity import runtime
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
@@ -232,8 +233,8 @@ def _rel(candidate: Any, reference: Any) -> float:
 
 
 def _logits(outputs: dict[str, np.ndarray]) -> torch.Tensor:
-    # Outputs are the LM-head chunks in vocabulary order: (B, V_k, 1, n) each.
-    return torch.from_numpy(np.concatenate(list(outputs.values()), axis=1))
+    """The program's LM-head chunks joined: (B, n, V) (`graph_passes.logits_layout`)."""
+    return torch.from_numpy(join_logits(outputs))
 
 
 def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], slice]:
@@ -275,8 +276,8 @@ def _run_against_module(
                 finite &= bool(np.isfinite(h).all())
                 layers[i] = max(layers[i], _rel(h, states[i][r, :, 0, real].numpy()))
             _, out_slice = _logit_slots(n, length, n_logits)
-            want = want_logits[r, :, 0, out_slice]
-            logits_err = max(logits_err, _rel(logits[r, :, 0, out_slice], want.numpy()))
+            want = want_logits[r, :, 0, out_slice].T
+            logits_err = max(logits_err, _rel(logits[r, out_slice], want.numpy()))
         progress()
     if not markers:
         layers = [math.inf] * len(layers)
@@ -326,7 +327,7 @@ def _run_against_reference(
                 h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
                 layers[i] = max(layers[i], _rel(h, ref.hidden[i].numpy()))
             positions, out_slice = _logit_slots(n, length, n_logits)
-            cand = logits[r, :, 0, out_slice].T
+            cand = logits[r, out_slice]
             want = ref.logits[positions]
             logits_err = max(logits_err, _rel(cand, want.numpy()))
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
@@ -421,16 +422,13 @@ def _runtime_level(
         start = time.perf_counter()
         outputs = predict(feed)
         seconds += time.perf_counter() - start
-        chunks = sorted((k for k in outputs if k.startswith("logits_")), key=lambda k: int(k[7:]))
-        logits = torch.from_numpy(
-            np.concatenate([outputs[k].astype(np.float32) for k in chunks], axis=1)
-        )
+        logits = _logits(outputs)
         finite &= bool(torch.isfinite(logits).all())
         for r, fixture in enumerate(batch.fixtures):
             ref = references[fixture.name]
             n = len(fixture.token_ids)
             positions, out_slice = _logit_slots(n, length, n_logits)
-            cand, want = logits[r, :, 0, out_slice].T, ref.logits[positions]
+            cand, want = logits[r, out_slice], ref.logits[positions]
             logits_err = max(logits_err, _rel(cand, want.numpy()))
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
     run = ProfileRun(

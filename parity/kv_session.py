@@ -16,6 +16,7 @@ import torch
 
 from graph_passes.cache_host import CallShape, call_inputs, write_rows
 from graph_passes.cached_decoder import CachedDecoder
+from graph_passes.logits_layout import join_logits
 
 # (function name, named inputs) -> named outputs (logits_<k> chunks, new_kv for io)
 Runner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -68,8 +69,7 @@ class CacheSession:
         if self.cache is not None:
             write_rows(self.cache, out["new_kv"], self.position, n)
         self.position += n
-        chunks = sorted((k for k in out if k.startswith("logits_")), key=lambda k: int(k[7:]))
-        return np.concatenate([out[k][0, :, 0, :] for k in chunks], axis=0)
+        return join_logits(out)[0].T
 
     def poison(self, start: int, value: float) -> None:
         """Write ``value`` into every cache slot from ``start`` on (a test of the rule that

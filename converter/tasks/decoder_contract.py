@@ -9,6 +9,7 @@ from converter.manifest_fields import common_fields
 from converter.recipe import DecoderRecipe
 from converter.tasks.base import Job, Program
 from graph_passes.decoder import BC1LDecoder, DecoderIO
+from graph_passes.logits_layout import LAYOUT
 from graph_passes.masks import MASKED
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
@@ -55,10 +56,10 @@ def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], li
         outputs.append(
             TensorIO(
                 f"logits_{k}",
-                (b, size, 1, io.logit_positions),
+                (b, io.logit_positions, 1, size),
                 dtype,  # type: ignore[arg-type]
                 f"logits of token ids {start}..{start + size - 1} at the last "
-                f"{io.logit_positions} window position(s): [batch, token, 0, position]",
+                f"{io.logit_positions} window position(s): {LAYOUT}",
             )
         )
         start += size
@@ -195,8 +196,9 @@ def decoder_manifest(
             "equally, which leaves attention unchanged (RoPE is relative)",
             "mask": "key_mask masks keys only; the causal mask is built into the program; "
             "outputs at padded positions are finite and meaningless",
-            "logits": "one output per LM-head chunk, in vocabulary order; concatenate on the "
-            "token axis (or take the argmax per chunk) on the host",
+            "logits": f"one output per LM-head chunk, in vocabulary order, laid out {LAYOUT} "
+            "(the vocabulary last); concatenate on the last axis (or take the argmax per "
+            "chunk) on the host",
         },
         masked_value=MASKED,
         rope_theta=[layer.attention.rope_theta for layer in spec.layers],

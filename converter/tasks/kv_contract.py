@@ -8,6 +8,7 @@ from typing import Any
 from converter.coreml import DType, TensorIO
 from graph_passes.cache_host import __doc__ as HOST_DOC
 from graph_passes.cached_decoder import CACHE_NAME, CachedDecoder
+from graph_passes.logits_layout import LAYOUT
 from graph_passes.masks import MASKED
 
 FUNCTIONS = ("prefill", "decode", "extend")
@@ -68,9 +69,9 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
     n = t if io.logits == "all" else 1
     for k, size in enumerate(module.window.chunk_sizes):
         outputs.append(
-            TensorIO(f"logits_{k}", (1, size, 1, n), dtype,
+            TensorIO(f"logits_{k}", (1, n, 1, size), dtype,
                      f"logits of token ids {start}..{start + size - 1} at the last {n} "
-                     "slot(s): [0, token, 0, slot]")
+                     f"slot(s): {LAYOUT}")
         )  # fmt: skip
         start += size
     if io.style == "io":
@@ -150,6 +151,8 @@ def kv_manifest_section(
             "rollback": "after rejecting drafted tokens, set the position back to the first "
             "rejected token's; their slots become stale, are hidden by cache_valid and the "
             "mask, and the next call overwrites them; nothing else is reset",
+            "logits": f"one output per LM-head chunk, in vocabulary order, laid out {LAYOUT} "
+            "(the vocabulary last); concatenate on the last axis on the host",
             "draft_cycle": "draft one token at a time with decode; absorb a cycle's accepted "
             "tokens with extend (up to K, left-padded); verify K tokens with extend",
         },
