@@ -140,6 +140,9 @@ class Manifest(_Strict):
     rope_theta: list[float]
     vocab_size: int
     lm_head_chunks: list[int]
+    # Decoders: the head output choice (io.output), how the host combines the chunks and the
+    # bytes per call (converter.tasks.decoder_contract.head_output_section).
+    head_output: dict[str, Any] | None = None
     package: PackageEntry
     embeddings: FileEntry | None
     tokenizer: FileEntry | None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from graph_passes.attention import conv1x1
-from graph_passes.logits_layout import vocab_last
+from graph_passes.logits_layout import HeadOutput, choose, vocab_last
 from graph_passes.masks import causal_mask, causal_window_mask
 from graph_passes.model import Block, build_norm
 from graph_passes.norms import RMSNorm
@@ -44,6 +44,8 @@ class DecoderIO:
     inputs: InputKind
     logit_positions: int  # the last n window positions get logits (n = length for all)
     lm_head_chunk: int
+    output: HeadOutput = "logits"  # per LM-head chunk: logits, argmax or top-k
+    top_k: int = 0  # k of output "topk"
 
 
 # A decoder layer is the shared block (pre-norm for Llama / Qwen, "both" for Gemma).
@@ -179,9 +181,13 @@ class BC1LDecoder(nn.Module):
         return [conv(h) for conv in self.lm_head]
 
     def head_outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The program's logit outputs on ``h`` (B, D, 1, n): each head chunk with the
-        vocabulary last, (B, n, 1, V_k) (see `graph_passes.logits_layout` for why)."""
-        return tuple(vocab_last(chunk) for chunk in self.head(h))
+        """The program's head outputs on ``h`` (B, D, 1, n), per chunk with the vocabulary
+        last (see `graph_passes.logits_layout`): the logits (B, n, 1, V_k), or the output
+        choice's (index, value) pairs of it (`choose`)."""
+        chunks = [vocab_last(chunk) for chunk in self.head(h)]
+        if self.io.output == "logits":
+            return tuple(chunks)
+        return tuple(t for chunk in chunks for t in choose(chunk, self.io.output, self.io.top_k))
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         last = self.run_layers(x, key_mask)[-1]

@@ -19,13 +19,30 @@ manifest schema 2 returned ``(B, V_k, 1, n)``; schema 3 returns ``(B, n, 1, V_k)
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 import torch
 
+HeadOutput = Literal["logits", "argmax", "topk"]
+
 # How a runtime indexes one chunk output, as the manifest states it.
 LAYOUT = "[batch, position, 0, token]"
 PREFIX = "logits_"
+
+
+def choose(chunk: torch.Tensor, output: HeadOutput, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-model selection on one vocabulary-last chunk (B, n, 1, V_k): the indices inside the
+    chunk (int32) and their logits, (B, n, 1, 1) for ``argmax``, (B, n, 1, k) for ``topk``
+    (largest first). coremltools lowers these to ``reduce_argmax`` + ``reduce_max`` and to
+    ``topk``; plan-inspect predicts where they run (rule O-TOPK)."""
+    if output == "argmax":
+        values, index = chunk.max(dim=-1, keepdim=True)
+    elif output == "topk":
+        values, index = torch.topk(chunk, k, dim=-1)
+    else:
+        raise ValueError(f"no in-model selection for head output {output!r}")
+    return index.to(torch.int32), values
 
 
 def vocab_last(chunk: torch.Tensor) -> torch.Tensor:
@@ -58,3 +75,56 @@ def join_logits(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
                 f"(B, n) = {tuple(lead)} (the vocabulary-last layout, manifest schema 3)"
             )
     return np.concatenate(parts, axis=3)[:, :, 0, :]
+
+
+def output_names(output: HeadOutput, k: int) -> list[str]:
+    """The names of chunk ``k``'s outputs for a head output choice, in the program's order."""
+    if output == "logits":
+        return [f"{PREFIX}{k}"]
+    return [f"{output}_index_{k}", f"{output}_value_{k}"]
+
+
+def head_output_of(outputs: Mapping[str, object]) -> HeadOutput:
+    """Which head output choice a program's outputs are (by their names)."""
+    if chunk_names(outputs):
+        return "logits"
+    for choice in ("argmax", "topk"):
+        if any(name.startswith(f"{choice}_index_") for name in outputs):
+            return choice
+    raise ValueError(
+        "no LM-head output (logits_<k>, argmax_* or topk_*) among " + ", ".join(outputs)
+    )
+
+
+def candidates(
+    outputs: Mapping[str, np.ndarray], chunk_sizes: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every chunk's returned candidates as vocabulary ids and logits, (B, n, C) each: the
+    whole vocabulary for logits outputs, one per chunk for argmax, k per chunk for top-k."""
+    choice = head_output_of(outputs)
+    if choice == "logits":
+        logits = join_logits(outputs)
+        every = np.broadcast_to(np.arange(logits.shape[-1]), logits.shape)
+        return every, logits
+    ids: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    start = 0
+    for k, size in enumerate(chunk_sizes):
+        index_name, value_name = output_names(choice, k)
+        if index_name not in outputs:
+            raise ValueError(f"no output {index_name} for LM-head chunk {k}")
+        index = np.asarray(outputs[index_name]).astype(np.int64)[:, :, 0, :]
+        if index.size and (index.min() < 0 or index.max() >= size):
+            raise ValueError(f"output {index_name}: an index outside chunk {k}'s 0..{size - 1}")
+        ids.append(index + start)
+        values.append(np.asarray(outputs[value_name], dtype=np.float32)[:, :, 0, :])
+        start += size
+    return np.concatenate(ids, axis=-1), np.concatenate(values, axis=-1)
+
+
+def top_ids(outputs: Mapping[str, np.ndarray], chunk_sizes: list[int], k: int = 1) -> np.ndarray:
+    """The host's combination of the chunks: the ``k`` ids with the largest logits at each
+    position, (B, n, k), largest first, ties to the lower id (as ``np.argmax``)."""
+    ids, values = candidates(outputs, chunk_sizes)
+    order = np.lexsort((ids, -values.astype(np.float64)), axis=-1)[..., :k]
+    return np.take_along_axis(ids, order, axis=-1)

@@ -40,6 +40,7 @@ from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gate import Gate, GateResult, all_passed, first_few, gate
 from parity.gates import module_inputs, rel_error, run_module
+from parity.head_outputs import run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.reference import ReferenceRun, run_reference
 from parity.report import gate_line
@@ -168,8 +169,9 @@ def mil_logits(
     windows = held_out.windows if windows is None else windows
     out: Logits = {}
     for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
-        result = evaluator.run(program_feed(evaluator, module, batch, embed_table))
-        logits = join_logits(result.outputs)  # (B, n, V)
+        feed = program_feed(evaluator, module, batch, embed_table)
+        # an argmax / top-k program: its own logits, captured before the selection
+        logits = join_logits(run_capturing_logits(evaluator, feed).outputs)  # (B, n, V)
         for r, fixture in enumerate(batch.fixtures):
             m = min(logits.shape[1], len(fixture.token_ids))  # left-padded: real ones last
             out[fixture.name] = torch.from_numpy(np.ascontiguousarray(logits[r, -m:]))

@@ -34,6 +34,7 @@ from parity import runtime
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
 from parity.gates import Thresholds, module_inputs
+from parity.head_outputs import ChoiceCheck, run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
@@ -61,6 +62,7 @@ class ProfileRun:
     positions: list[PositionRow] = field(default_factory=list)  # against the reference only
     non_finite_values: list[str] = field(default_factory=list)  # any op's output, first seen
     seconds: float = 0.0  # time spent evaluating the program (all batches)
+    choice: ChoiceCheck | None = None  # an argmax / top-k program: choice vs its own logits
 
     def summary(self) -> Summary:
         """Aggregates over all compared positions."""
@@ -264,7 +266,7 @@ def _run_against_module(
     seconds = 0.0
     for batch, (inputs, _, _), (states, want_logits) in zip(batches, feeds, baseline, strict=True):
         start = time.perf_counter()
-        result = evaluator.run(inputs, capture=markers)
+        result = run_capturing_logits(evaluator, inputs, markers)
         seconds += time.perf_counter() - start
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all())
@@ -309,10 +311,12 @@ def _run_against_reference(
     non_finite: list[str] = []
     rows: list[PositionRow] = []
     seconds = 0.0
+    choice = ChoiceCheck(module.chunk_sizes) if module.io.output != "logits" else None
     for batch in batches:
         inputs, _, _ = _feed(specs, module, batch, embed_table)
         start = time.perf_counter()
-        result = evaluator.run(inputs, capture=markers)
+        where = ", ".join(f.name for f in batch.fixtures)
+        result = run_capturing_logits(evaluator, inputs, markers, check=choice, where=where)
         seconds += time.perf_counter() - start
         non_finite += [name for name in result.non_finite if name not in non_finite]
         logits = _logits(result.outputs)
@@ -344,7 +348,22 @@ def _run_against_reference(
         positions=rows,
         non_finite_values=non_finite,
         seconds=seconds,
+        choice=choice,
     )
+
+
+def _choice_gate(choice: ChoiceCheck | None) -> list[GateResult]:
+    """The argmax / top-k program's gate (none for a logits program)."""
+    if choice is None:
+        return []
+    return [
+        gate("mil-fp16", "head_choice_mismatches").check(
+            float(len(choice.mismatches)),
+            where=first_few(choice.mismatches),
+            detail=f"{choice.positions} positions: the ids the host combines from the argmax / "
+            "top-k outputs against the top ids of the program's own logits",
+        )
+    ]
 
 
 def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -> list[GateResult]:
@@ -391,6 +410,7 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
                 float(gated.finite),
                 detail="every layer output and logit, padded positions included",
             ),
+            *_choice_gate(gated.choice),
             gate("mil-fp16", "finite_values").check(
                 float(len(gated.non_finite_values)),
                 where=first_few(gated.non_finite_values),
