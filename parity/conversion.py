@@ -431,6 +431,10 @@ def _runtime_level(
     available, status = runtime.availability()
     if not available:
         return RuntimeLevel(status)
+    if module.io.output != "logits":  # Core ML returns the outputs only: no logits to compare
+        return RuntimeLevel(
+            f"{status}; not compared: io.output {module.io.output} returns no logits"
+        )
     predict = runtime.predictor(package)
     length, n_logits = module.io.length, module.io.logit_positions
     rows: list[PositionRow] = []

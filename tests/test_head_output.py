@@ -52,6 +52,13 @@ def test_the_cache_gates_ran_on_the_programs_own_logits_and_the_choice_matched(
     assert gates["kv_argmax_flips"]["passed"] and gates["kv_max_abs_logit_error"]["passed"]
 
 
+def test_anec_parity_reruns_the_choice_gate(artifact: Path, tmp_path: Path) -> None:
+    result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
+    assert result.exit_code == 0, result.output
+    gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
+    assert {"kv_head_choice_mismatches", "same_gate_set"} <= {g["name"] for g in gates}
+
+
 def test_the_manifest_says_how_the_host_combines_the_chunks(artifact: Path) -> None:
     doc = json.loads((artifact / "manifest.json").read_text())
     head = doc["head_output"]
