@@ -6,11 +6,14 @@ vocabulary on the channel axis. Returned that way, every logit sits alone in a 6
 call for 96 KiB of SmolLM2 logits. So each chunk is returned as ``(B, n, 1, V_k)``: one
 ``transpose`` swapping axes 1 and 3 after the conv.
 
-Why ``(B, n, 1, V_k)`` and not ``(B, 1, n, V_k)``: swapping the channel and width axes is one
-transpose (perm ``[0, 3, 2, 1]``) that keeps axis 2 the BC1L singleton, so the tensor stays
-rank 4 with the same three leading axes as every other BC1L tensor, and for n = 1 (decode, the
-window's last logit) it moves no data at all (the NE sees a reshape). The conv itself is
-unchanged and stays on the NE; `anec plan-inspect` predicts the transpose on the NE as well.
+Why ``(B, n, 1, V_k)`` and not ``(B, 1, n, V_k)``: both are one transpose after the conv
+and give the same dense rows (one per position and chunk). Swapping the channel and width axes
+(perm ``[0, 3, 2, 1]``) keeps axis 2 the BC1L singleton, so the output has the same rank-4
+(batch, *, 1, *) form as every other BC1L tensor, and with n = 1 (decode, the window's last
+logit) the element order does not change at all. The conv itself is unchanged (1x1 over the
+channels, on the NE); `anec plan-inspect` predicts the transposes on the NE, in the head's one
+NE segment (tests/test_mil_cli.py; SmolLM2 at 2 layers in bench/README.md: 98,304 output bytes
+per call instead of 3,145,728).
 
 Version history of the I/O contract (``converter.manifest.IO_CONTRACT_CHANGES``):
 manifest schema 2 returned ``(B, V_k, 1, n)``; schema 3 returns ``(B, n, 1, V_k)``.
@@ -35,7 +38,7 @@ def choose(chunk: torch.Tensor, output: HeadOutput, k: int) -> tuple[torch.Tenso
     """In-model selection on one vocabulary-last chunk (B, n, 1, V_k): the indices inside the
     chunk (int32) and their logits, (B, n, 1, 1) for ``argmax``, (B, n, 1, k) for ``topk``
     (largest first). coremltools lowers these to ``reduce_argmax`` + ``reduce_max`` and to
-    ``topk``; plan-inspect predicts where they run (rule O-TOPK)."""
+    ``topk``; plan-inspect predicts them on the CPU (int outputs: rules R-INT, O-TOPK)."""
     if output == "argmax":
         values, index = chunk.max(dim=-1, keepdim=True)
     elif output == "topk":
