@@ -228,7 +228,7 @@ def run_bc1l(name: str) -> dict[str, Any]:
             TensorIO("key_mask", (1, LENGTH), "float16", "additive key mask"),
         ]
         outputs = [
-            TensorIO(f"logits_{k}", (1, size, 1, 1), "float16", f"LM-head chunk {k}")
+            TensorIO(f"logits_{k}", (1, 1, 1, size), "float16", f"LM-head chunk {k}")
             for k, size in enumerate(module.chunk_sizes)
         ]
         with steps.time("trace"):

@@ -11,8 +11,11 @@ prints:
 * package bytes: each single-function package and the multifunction one (measured on disk);
 * output bytes per call for each output choice (computed from the shapes: fp16 logits, or an
   int32 index and an fp16 value per LM-head chunk and position for in-model argmax, or k of
-  each for top-k; the io style adds the new K/V rows), with the NE's 64-byte row per value of
-  today's (1, V_k, 1, n) layout beside the packed size;
+  each for top-k; the io style adds the new K/V rows), with the 64-byte NE rows of the
+  vocabulary-last logits and of schema 2's (1, V_k, 1, n) layout (one row per logit) beside;
+* the window program converted once per output choice (logits, argmax, top-8): the plan's
+  output bytes per call and NE segments, and the device plan-inspect predicts for the argmax
+  / top-k ops (static placement, M1);
 * live MIL ops per layer of the decode function and of the window program (measured);
 * predicted per-token floors per chip (`converter.plan.cost`, static placement: a model, not a
   measurement) for the decode function and the window program's per-call floor.
@@ -37,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 CONFIGS = ROOT / "tests" / "data" / "configs"
 CASES = ("smollm2", "qwen2.5-0.5b", "qwen3-0.6b")
 CACHE, PREFILL, EXTEND, WINDOW, TOP_K = 512, 64, 4, 64, 8
+CHOICE_OPS = ("reduce_argmax", "reduce_max", "topk")
 
 
 def load_model(case: str, layers: int | None) -> Any:
@@ -62,15 +66,53 @@ def load_model(case: str, layers: int | None) -> Any:
     return transformers.AutoModelForCausalLM.from_config(config).float().eval()
 
 
-def output_bytes(vocab: int, chunks: list[int], positions: int, rows: int) -> dict[str, Any]:
-    """Bytes one call returns for each output choice (computed from shapes, fp16 values)."""
-    n = len(chunks)
+def output_bytes(chunks: list[int], positions: int, rows: int) -> dict[str, Any]:
+    """Bytes one call returns for each output choice (computed from shapes: fp16 values,
+    int32 indices; ``+ rows`` the io style's new K/V rows): dense, and in 64-byte NE rows for
+    the vocabulary-last logits; schema 2's (1, V_k, 1, n) rows beside them for comparison."""
+    from converter.tasks.decoder_contract import head_bytes
+
+    vocab = sum(chunks)
+    logits = head_bytes(chunks, positions, "logits", 0)
+    argmax = head_bytes(chunks, positions, "argmax", 1)
+    topk = head_bytes(chunks, positions, "topk", TOP_K)
     return {
-        "logits": 2 * vocab * positions + rows,
-        "logits_ne_rows_64B": 64 * vocab * positions + rows,
-        "argmax_per_chunk": (4 + 2) * n * positions + rows,
-        f"top{TOP_K}_per_chunk": (4 + 2) * TOP_K * n * positions + rows,
+        "logits": logits["dense"] + rows,
+        "logits_ne_rows_64B": logits["ne_rows"] + rows,
+        "logits_schema2_ne_rows_64B": 64 * vocab * positions + rows,
+        "argmax_per_chunk": argmax["dense"] + rows,
+        f"top{TOP_K}_per_chunk": topk["dense"] + rows,
     }
+
+
+def window_choices(window: Any, target: Any) -> dict[str, Any]:
+    """Convert the window program once per output choice; from each real conversion the
+    plan's output bytes per call (64-byte rows where the NE writes them), NE segments and the
+    device plan-inspect predicts for the choice's ops (static placement, chip M1)."""
+    import dataclasses
+
+    from converter.coreml import to_mlprogram, trace
+    from converter.plan.ops import op_table
+    from converter.plan.static import static_report
+    from converter.tasks.decoder_contract import tensor_contract
+
+    base = window.io
+    out: dict[str, Any] = {}
+    for choice in ("logits", "argmax", "topk"):
+        window.io = dataclasses.replace(base, output=choice, top_k=TOP_K if choice == "topk" else 0)
+        try:
+            ins, outs = tensor_contract(window, "float16")
+            ml = to_mlprogram(trace(window, ins), ins, outs, target, "float16")
+        finally:
+            window.io = base
+        function = static_report(op_table(ml._mil_program), choice, "-", "M1").functions[0]
+        ops = {r.op_type: r.device for r in function.rows if r.op_type in CHOICE_OPS}
+        out[choice] = {
+            "plan_output_bytes": function.summary.output_bytes,
+            "ne_segments": function.summary.ne_segments,
+            "choice_op_devices": ops,
+        }
+    return out
 
 
 def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
@@ -114,8 +156,8 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
                  for name, m in functions.items()}  # fmt: skip
     outputs = {
         name: {
-            "state": output_bytes(spec.vocab_size, chunks, t if lg == "all" else 1, 0),
-            "io": output_bytes(spec.vocab_size, chunks, t if lg == "all" else 1, row_bytes[name]),
+            "state": output_bytes(chunks, t if lg == "all" else 1, 0),
+            "io": output_bytes(chunks, t if lg == "all" else 1, row_bytes[name]),
         }
         for name, (t, lg) in calls.items()
     }
@@ -138,6 +180,7 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
         "sizes": emitted.sizes,
         "ops_per_layer": {"decode": decode_ops / n, "window": window_ops / n},
         "output_bytes_per_call": outputs,
+        "window_output_choices": window_choices(window, target),
         "predicted_floors": floors,
         "seconds": time.time() - started,
     }
@@ -160,6 +203,11 @@ def print_case(r: dict[str, Any]) -> None:
         for style, choices in styles.items():
             text = ", ".join(f"{k} {v:,}" for k, v in choices.items())
             print(f"  {name:8s} {style:5s} {text}")
+    print("window program per output choice (converted; plan-inspect static, M1):")
+    for choice, w in r["window_output_choices"].items():
+        devices = ", ".join(f"{op} {dev}" for op, dev in w["choice_op_devices"].items()) or "-"
+        print(f"  {choice:7s} output bytes/call {w['plan_output_bytes']:,}  "
+              f"NE segments {w['ne_segments']}  choice ops: {devices}")  # fmt: skip
     print("predicted per-token floors, ms (cost model, static placement; not measured):")
     for chip, f in r["predicted_floors"].items():
         extend, window = f["extend_ms_per_call"], f["window_ms_per_call"]

@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from converter.errors import InputError
+from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
+from graph_passes.logits_layout import top_ids
 from parity.kv_session import CacheSession, FunctionShape, MilFunctions, Runner
 
 
@@ -51,6 +53,7 @@ class Runtime:
         if not path.is_file():
             raise InputError(f"{directory}: no manifest.json (not an anec artifact)")
         manifest = json.loads(path.read_text(encoding="utf-8"))
+        check_schema_version(manifest, path)
         kv = manifest.get("kv_cache")
         if not kv:
             raise InputError(
@@ -98,6 +101,7 @@ class Runtime:
             self.token_input(),
             embed if table is not None else None,
             states=states,
+            chunk_sizes=list(self.manifest["lm_head_chunks"]),
         )
 
 
@@ -176,11 +180,17 @@ def greedy(
     context = list(prompt_ids)
     if len(context) > capacity - prefill.tokens:
         context = context[-(capacity - prefill.tokens) :]
-    logits = session.prefill("prefill", context)
+    chunks = session.chunk_sizes
+
+    def chosen(outputs: dict[str, np.ndarray]) -> int:
+        # The host's combination of the chunks, whichever the head returns (logits, or an
+        # in-model argmax / top-k): the manifest's head_output convention.
+        return int(top_ids(outputs, chunks)[0, -1, 0])
+
+    token = chosen(session.prefill_outputs("prefill", context))
     new: list[int] = []
     evictions = 0
     while len(new) < max_new_tokens:
-        token = int(np.argmax(logits))
         new.append(token)
         if token == eos or len(new) == max_new_tokens:
             break
@@ -189,6 +199,6 @@ def greedy(
             evictions += 1
             context = context[-(capacity - prefill.tokens) :]
             session = make_session()
-            logits = session.prefill("prefill", context[:-1])
-        logits = session.call("decode", [token])[:, -1]
+            session.prefill_outputs("prefill", context[:-1])
+        token = chosen(session.call_outputs("decode", [token]))
     return Generation(list(prompt_ids), new, evictions)

@@ -1,15 +1,61 @@
 """The artifact manifest (``manifest.json``): the contract a runtime engine reads.
 
-Versioned with ``schema_version``; a runtime refuses a major version it does not know.
+Versioned with ``schema_version``; a runtime refuses a major version it does not know, and
+anec refuses a manifest older than `SCHEMA_VERSION` (`check_schema_version`): its packages
+were built for another I/O contract, which anec no longer reads.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-SCHEMA_VERSION = 2
+from converter.errors import InputError
+
+SCHEMA_VERSION = 3
+
+# Every change of the I/O contract a runtime sees, newest last; recorded in each manifest.
+IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
+    {
+        "schema_version": 3,
+        "tasks": ["text-generation"],
+        "what": "LM-head outputs logits_<k> laid out with the vocabulary last: (B, n, 1, V_k), "
+        "[batch, position, 0, token], for the window program and every cached function",
+        "before": "schema 2: (B, V_k, 1, n), [batch, token, 0, position]",
+        "why": "one logit per 64-byte NE row made the output copies 32x the logits' bytes "
+        "(3 MiB per call for SmolLM2's 96 KiB); vocabulary-last rows are dense",
+    },
+]
+
+
+def check_schema_version(doc: dict[str, Any], path: Path) -> None:
+    """Refuse a manifest this anec cannot read: InputError naming the file, the version found
+    and what changed since. A newer schema is refused; an older one is refused when a change
+    since then applies to its task (schema 2 decoders return vocabulary-on-axis-1 logits,
+    which would be read wrongly), and accepted otherwise (an encoder's contract did not
+    change)."""
+    found = doc.get("schema_version") if isinstance(doc, dict) else None
+    if found == SCHEMA_VERSION:
+        return
+    task = doc.get("task") if isinstance(doc, dict) else None
+    older = isinstance(found, int) and found < SCHEMA_VERSION
+    if not older:  # newer, or not a version at all
+        raise InputError(
+            f"{path}: manifest schema_version {found!r}, this anec reads {SCHEMA_VERSION} "
+            "and older; use the anec that wrote it"
+        )
+    since = [
+        c["what"] for c in IO_CONTRACT_CHANGES if c["schema_version"] > found and task in c["tasks"]
+    ]
+    if not since:
+        return
+    raise InputError(
+        f"{path}: manifest schema_version {found!r} (task {task}), this anec reads "
+        f"{SCHEMA_VERSION} (changed since: {'; '.join(since)}); convert the recipe again "
+        "with this anec"
+    )
 
 
 class _Strict(BaseModel):
@@ -79,6 +125,7 @@ class Manifest(_Strict):
     """Everything a runtime needs to call the package correctly, and how it was made."""
 
     schema_version: int = SCHEMA_VERSION
+    io_contract_changes: list[dict[str, Any]] = IO_CONTRACT_CHANGES
     name: str
     task: str
     architecture: str
@@ -93,6 +140,9 @@ class Manifest(_Strict):
     rope_theta: list[float]
     vocab_size: int
     lm_head_chunks: list[int]
+    # Decoders: the head output choice (io.output), how the host combines the chunks and the
+    # bytes per call (converter.tasks.decoder_contract.head_output_section).
+    head_output: dict[str, Any] | None = None
     package: PackageEntry
     embeddings: FileEntry | None
     tokenizer: FileEntry | None

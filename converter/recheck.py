@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
-from converter.manifest import Manifest
+from converter.manifest import Manifest, check_schema_version
 from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
@@ -61,7 +61,12 @@ def read_manifest(artifact: Path) -> Manifest:
     if not path.is_file():
         raise InputError(f"{artifact}: no manifest.json; expected a directory from anec convert")
     try:
-        return Manifest.model_validate_json(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise InputError(f"{path}: not JSON: {e}") from None
+    check_schema_version(doc, path)
+    try:
+        return Manifest.model_validate(doc)
     except ValidationError as e:
         raise InputError(f"{path}: not an anec manifest: {e.errors()[0]['msg']}") from None
 

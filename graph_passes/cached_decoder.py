@@ -114,7 +114,7 @@ class CachedDecoder(nn.Module):
     """T tokens against a KV cache, with the window module's layers; see the module docstring.
 
     ``forward(x, *host)`` takes the inputs `input_names` lists, in that order; for style
-    ``io`` the cache comes last. It returns the LM-head chunks (1, V_k, 1, n) and, for
+    ``io`` the cache comes last. It returns the LM-head chunks (1, n, 1, V_k) and, for
     ``io``, the new rows (2N, KV, T, d); ``state`` updates the ``kv_cache`` buffer.
     """
 
@@ -193,7 +193,7 @@ class CachedDecoder(nn.Module):
         rows = torch.stack(keys + values)  # (2N, KV, T, d)
         if self.io.logits == "last":
             h = h[:, :, :, t - 1 :]
-        logits = tuple(self.window.head(h))
+        logits = self.window.head_outputs(h)
         if self.io.style == "io":
             return (*logits, rows)
         # One state write of the whole cache (the assignment coremltools reads as a state

@@ -8,8 +8,9 @@ I/O contract (fixed shapes, batch B, window L):
 * ``input_ids`` (B, L) int32, or ``inputs_embeds`` (B, L, D) - rows of the embedding table
   gathered on the host;
 * ``key_mask`` (B, L) additive: 0 for a real token, ``masks.MASKED`` for padding;
-* ``logits_<k>`` (B, V_k, 1, n) for each LM-head chunk k: the logits of tokens
-  ``[k*chunk, k*chunk + V_k)`` at the last n window positions.
+* ``logits_<k>`` (B, n, 1, V_k) for each LM-head chunk k: the logits of tokens
+  ``[k*chunk, k*chunk + V_k)`` at the last n window positions, the vocabulary on the last
+  axis (`graph_passes.logits_layout`; manifest schema 3).
 
 Padding is on the left, so the last real token always sits in slot L-1. Slot ``l`` has RoPE
 position ``l``; left padding by p shifts every real token's position by p, which leaves the
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from graph_passes.attention import conv1x1
+from graph_passes.logits_layout import HeadOutput, choose, vocab_last
 from graph_passes.masks import causal_mask, causal_window_mask
 from graph_passes.model import Block, build_norm
 from graph_passes.norms import RMSNorm
@@ -42,6 +44,8 @@ class DecoderIO:
     inputs: InputKind
     logit_positions: int  # the last n window positions get logits (n = length for all)
     lm_head_chunk: int
+    output: HeadOutput = "logits"  # per LM-head chunk: logits, argmax or top-k
+    top_k: int = 0  # k of output "topk"
 
 
 # A decoder layer is the shared block (pre-norm for Llama / Qwen, "both" for Gemma).
@@ -176,10 +180,19 @@ class BC1LDecoder(nn.Module):
         h = self.final_norm(h)
         return [conv(h) for conv in self.lm_head]
 
+    def head_outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The program's head outputs on ``h`` (B, D, 1, n), per chunk with the vocabulary
+        last (see `graph_passes.logits_layout`): the logits (B, n, 1, V_k), or the output
+        choice's (index, value) pairs of it (`choose`)."""
+        chunks = [vocab_last(chunk) for chunk in self.head(h)]
+        if self.io.output == "logits":
+            return tuple(chunks)
+        return tuple(t for chunk in chunks for t in choose(chunk, self.io.output, self.io.top_k))
+
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         last = self.run_layers(x, key_mask)[-1]
         n = self.io.logit_positions
         if n < self.io.length:
             # The norm and head act per position, so slicing before them is exact.
             last = last[:, :, :, self.io.length - n :]
-        return tuple(self.head(last))
+        return self.head_outputs(last)

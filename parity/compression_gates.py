@@ -35,10 +35,12 @@ import numpy as np
 import torch
 
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.logits_layout import join_logits
 from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gate import Gate, GateResult, all_passed, first_few, gate
 from parity.gates import module_inputs, rel_error, run_module
+from parity.head_outputs import run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.reference import ReferenceRun, run_reference
 from parity.report import gate_line
@@ -167,11 +169,12 @@ def mil_logits(
     windows = held_out.windows if windows is None else windows
     out: Logits = {}
     for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
-        result = evaluator.run(program_feed(evaluator, module, batch, embed_table))
-        logits = np.concatenate(list(result.outputs.values()), axis=1)  # (B, V, 1, n)
+        feed = program_feed(evaluator, module, batch, embed_table)
+        # an argmax / top-k program: its own logits, captured before the selection
+        logits = join_logits(run_capturing_logits(evaluator, feed).outputs)  # (B, n, V)
         for r, fixture in enumerate(batch.fixtures):
-            m = min(logits.shape[-1], len(fixture.token_ids))  # left-padded: real ones last
-            out[fixture.name] = torch.from_numpy(logits[r, :, 0, -m:].T.astype(np.float32))
+            m = min(logits.shape[1], len(fixture.token_ids))  # left-padded: real ones last
+            out[fixture.name] = torch.from_numpy(np.ascontiguousarray(logits[r, -m:]))
         progress()
     return out
 

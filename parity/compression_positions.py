@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 POSITION_AXIS = 3  # BC1L: (batch, channels, 1, length)
+# The logit outputs: (batch, positions, 1, V_k), the vocabulary last (graph_passes.logits_layout).
+OUTPUT_POSITION_AXIS = 1
 
 
 class NotALastPositionProgram(ValueError):
@@ -51,7 +53,7 @@ def all_positions(program: Any, function: str = "main") -> int:
     f = program.functions[function]
     op = position_slice(f)
     if op is None:
-        return int(f.outputs[0].shape[POSITION_AXIS])
+        return int(f.outputs[0].shape[OUTPUT_POSITION_AXIS])
     source, cut = op.inputs["x"], op.outputs[0]
     ops = list(f.operations)
     later = ops[ops.index(op) + 1 :]
@@ -63,7 +65,7 @@ def all_positions(program: Any, function: str = "main") -> int:
         for child in later:
             if child.op_type != "const":
                 child.type_value_inference(overwrite_output=True)
-    positions = {int(v.shape[POSITION_AXIS]) for v in f.outputs}
+    positions = {int(v.shape[OUTPUT_POSITION_AXIS]) for v in f.outputs}
     if positions != {int(source.shape[POSITION_AXIS])}:
         raise NotALastPositionProgram(f"outputs hold {sorted(positions)} positions after the cut")
     return positions.pop()

@@ -29,10 +29,12 @@ import torch
 
 from converter.markers import MarkerError, find_markers
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.logits_layout import join_logits
 from parity import runtime
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
 from parity.gates import Thresholds, module_inputs
+from parity.head_outputs import ChoiceCheck, run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
@@ -60,6 +62,7 @@ class ProfileRun:
     positions: list[PositionRow] = field(default_factory=list)  # against the reference only
     non_finite_values: list[str] = field(default_factory=list)  # any op's output, first seen
     seconds: float = 0.0  # time spent evaluating the program (all batches)
+    choice: ChoiceCheck | None = None  # an argmax / top-k program: choice vs its own logits
 
     def summary(self) -> Summary:
         """Aggregates over all compared positions."""
@@ -232,8 +235,8 @@ def _rel(candidate: Any, reference: Any) -> float:
 
 
 def _logits(outputs: dict[str, np.ndarray]) -> torch.Tensor:
-    # Outputs are the LM-head chunks in vocabulary order: (B, V_k, 1, n) each.
-    return torch.from_numpy(np.concatenate(list(outputs.values()), axis=1))
+    """The program's LM-head chunks joined: (B, n, V) (`graph_passes.logits_layout`)."""
+    return torch.from_numpy(join_logits(outputs))
 
 
 def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], slice]:
@@ -263,7 +266,7 @@ def _run_against_module(
     seconds = 0.0
     for batch, (inputs, _, _), (states, want_logits) in zip(batches, feeds, baseline, strict=True):
         start = time.perf_counter()
-        result = evaluator.run(inputs, capture=markers)
+        result = run_capturing_logits(evaluator, inputs, markers)
         seconds += time.perf_counter() - start
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all())
@@ -275,8 +278,8 @@ def _run_against_module(
                 finite &= bool(np.isfinite(h).all())
                 layers[i] = max(layers[i], _rel(h, states[i][r, :, 0, real].numpy()))
             _, out_slice = _logit_slots(n, length, n_logits)
-            want = want_logits[r, :, 0, out_slice]
-            logits_err = max(logits_err, _rel(logits[r, :, 0, out_slice], want.numpy()))
+            want = want_logits[r, :, 0, out_slice].T
+            logits_err = max(logits_err, _rel(logits[r, out_slice], want.numpy()))
         progress()
     if not markers:
         layers = [math.inf] * len(layers)
@@ -308,10 +311,12 @@ def _run_against_reference(
     non_finite: list[str] = []
     rows: list[PositionRow] = []
     seconds = 0.0
+    choice = ChoiceCheck(module.chunk_sizes) if module.io.output != "logits" else None
     for batch in batches:
         inputs, _, _ = _feed(specs, module, batch, embed_table)
         start = time.perf_counter()
-        result = evaluator.run(inputs, capture=markers)
+        where = ", ".join(f.name for f in batch.fixtures)
+        result = run_capturing_logits(evaluator, inputs, markers, check=choice, where=where)
         seconds += time.perf_counter() - start
         non_finite += [name for name in result.non_finite if name not in non_finite]
         logits = _logits(result.outputs)
@@ -326,7 +331,7 @@ def _run_against_reference(
                 h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
                 layers[i] = max(layers[i], _rel(h, ref.hidden[i].numpy()))
             positions, out_slice = _logit_slots(n, length, n_logits)
-            cand = logits[r, :, 0, out_slice].T
+            cand = logits[r, out_slice]
             want = ref.logits[positions]
             logits_err = max(logits_err, _rel(cand, want.numpy()))
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
@@ -343,7 +348,22 @@ def _run_against_reference(
         positions=rows,
         non_finite_values=non_finite,
         seconds=seconds,
+        choice=choice,
     )
+
+
+def _choice_gate(choice: ChoiceCheck | None) -> list[GateResult]:
+    """The argmax / top-k program's gate (none for a logits program)."""
+    if choice is None:
+        return []
+    return [
+        gate("mil-fp16", "head_choice_mismatches").check(
+            float(len(choice.mismatches)),
+            where=first_few(choice.mismatches),
+            detail=f"{choice.positions} positions: the ids the host combines from the argmax / "
+            "top-k outputs against the top ids of the program's own logits",
+        )
+    ]
 
 
 def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -> list[GateResult]:
@@ -390,6 +410,7 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
                 float(gated.finite),
                 detail="every layer output and logit, padded positions included",
             ),
+            *_choice_gate(gated.choice),
             gate("mil-fp16", "finite_values").check(
                 float(len(gated.non_finite_values)),
                 where=first_few(gated.non_finite_values),
@@ -410,6 +431,10 @@ def _runtime_level(
     available, status = runtime.availability()
     if not available:
         return RuntimeLevel(status)
+    if module.io.output != "logits":  # Core ML returns the outputs only: no logits to compare
+        return RuntimeLevel(
+            f"{status}; not compared: io.output {module.io.output} returns no logits"
+        )
     predict = runtime.predictor(package)
     length, n_logits = module.io.length, module.io.logit_positions
     rows: list[PositionRow] = []
@@ -421,16 +446,13 @@ def _runtime_level(
         start = time.perf_counter()
         outputs = predict(feed)
         seconds += time.perf_counter() - start
-        chunks = sorted((k for k in outputs if k.startswith("logits_")), key=lambda k: int(k[7:]))
-        logits = torch.from_numpy(
-            np.concatenate([outputs[k].astype(np.float32) for k in chunks], axis=1)
-        )
+        logits = _logits(outputs)
         finite &= bool(torch.isfinite(logits).all())
         for r, fixture in enumerate(batch.fixtures):
             ref = references[fixture.name]
             n = len(fixture.token_ids)
             positions, out_slice = _logit_slots(n, length, n_logits)
-            cand, want = logits[r, :, 0, out_slice].T, ref.logits[positions]
+            cand, want = logits[r, out_slice], ref.logits[positions]
             logits_err = max(logits_err, _rel(cand, want.numpy()))
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
     run = ProfileRun(

@@ -246,6 +246,10 @@ _REGISTRY: tuple[Gate, ...] = (
          "decoders: values of the program (every op's output, not only the outputs) that "
          "hold an inf or NaN, padded positions included", fixed=0.0),
     Gate("deterministic", "mil-fp16", _EQ, "encoders: two runs give identical bits", fixed=1.0),
+    Gate("head_choice_mismatches", "mil-fp16", _EQ,
+         "io.output argmax / topk: positions where the ids the host combines from the "
+         "in-model argmax / top-k outputs (or their values) differ from the top ids of the "
+         "program's own logits, captured before the selection", fixed=0.0),
     Gate("candidate_argmax_agreement", "torch-fp16", _GE,
          "decision: share of requests whose chosen candidate matches the original",
          "decision.candidate_argmax_agreement"),
@@ -297,6 +301,9 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("kv_stale_max_abs_diff", "kv-cache", _EQ,
          "decode steps after a rejected draft and 3e4 written into every slot beyond the "
          "position, against the clean run: largest |difference| (bits)", fixed=0.0),
+    Gate("kv_head_choice_mismatches", "kv-cache", _EQ,
+         "io.output argmax / topk: calls of the host loop whose combined argmax / top-k ids "
+         "(or values) differ from the top ids of the function's own logits", fixed=0.0),
     Gate("kv_weights_stored_once", "kv-cache", _LE,
          "weight bytes of the multifunction package / of its largest single-function "
          "package", fixed=1.05),

@@ -16,6 +16,7 @@ import torch
 
 from graph_passes.cache_host import CallShape, call_inputs, write_rows
 from graph_passes.cached_decoder import CachedDecoder
+from graph_passes.logits_layout import join_logits
 
 # (function name, named inputs) -> named outputs (logits_<k> chunks, new_kv for io)
 Runner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -44,6 +45,8 @@ class CacheSession:
     cache: np.ndarray | None = field(default=None, repr=False)  # io style only
     # The runner's state values (style state, MIL evaluator), for `poison`.
     states: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    # The LM-head chunk sizes (manifest lm_head_chunks): to combine argmax / top-k outputs.
+    chunk_sizes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         style = next(iter(self.functions.values())).shape.style
@@ -53,6 +56,11 @@ class CacheSession:
     def call(self, function: str, ids: list[int]) -> np.ndarray:
         """Run ``ids`` (n <= T tokens) at the current position; returns logits (V, m) for the
         m positions the function returns, and advances the position by n."""
+        return join_logits(self.call_outputs(function, ids))[0].T
+
+    def call_outputs(self, function: str, ids: list[int]) -> dict[str, np.ndarray]:
+        """As `call`, returning the function's named outputs (logits, or an argmax / top-k
+        program's choice outputs)."""
         f = self.functions[function]
         t, n = f.shape.tokens, len(ids)
         inputs = call_inputs(f.shape, self.position, n, self.rope)
@@ -68,8 +76,7 @@ class CacheSession:
         if self.cache is not None:
             write_rows(self.cache, out["new_kv"], self.position, n)
         self.position += n
-        chunks = sorted((k for k in out if k.startswith("logits_")), key=lambda k: int(k[7:]))
-        return np.concatenate([out[k][0, :, 0, :] for k in chunks], axis=0)
+        return out
 
     def poison(self, start: int, value: float) -> None:
         """Write ``value`` into every cache slot from ``start`` on (a test of the rule that
@@ -84,14 +91,18 @@ class CacheSession:
         """Run a prompt of any length through ``function`` in calls of its T tokens (the
         first call left-padded, so every later call is full); returns the logits (V,) at the
         prompt's last position."""
+        return join_logits(self.prefill_outputs(function, ids))[0, -1]
+
+    def prefill_outputs(self, function: str, ids: list[int]) -> dict[str, np.ndarray]:
+        """As `prefill`, returning the last call's named outputs."""
         t = self.functions[function].shape.tokens
-        logits = None
+        out = None
         first = len(ids) % t or t
         chunks = [ids[:first]] + [ids[i : i + t] for i in range(first, len(ids), t)]
         for chunk in chunks:
-            logits = self.call(function, chunk)
-        assert logits is not None
-        return logits[:, -1]
+            out = self.call_outputs(function, chunk)
+        assert out is not None
+        return out
 
     def rollback(self, position: int) -> None:
         """Forget every token from ``position`` on (rejected drafts): they become stale."""
@@ -139,12 +150,22 @@ class MilFunctions:
     profile; `session` gives a runner with a fresh (zero) state, as ``make_state()`` does."""
 
     def __init__(
-        self, program: object, profile: str, functions: list[str], cache_shape: tuple[int, ...]
+        self,
+        program: object,
+        profile: str,
+        functions: list[str],
+        cache_shape: tuple[int, ...],
+        chunk_sizes: list[int] | None = None,
     ) -> None:
+        from parity.head_outputs import ChoiceCheck, head_logit_vars
         from parity.mil import Evaluator
 
         self.evaluators = {name: Evaluator(program, profile, name) for name in functions}
         self.cache_shape = cache_shape
+        # An argmax / top-k program: every call's choice against its own logits (which the
+        # runner returns as logits_<k>, captured before the selection).
+        chooses = any(head_logit_vars(e.function) for e in self.evaluators.values())
+        self.check = ChoiceCheck(chunk_sizes) if chooses and chunk_sizes else None
 
     def session(self) -> tuple[Runner, dict[str, np.ndarray]]:
         """A runner over the functions and the state values it keeps between calls (empty
@@ -155,8 +176,13 @@ class MilFunctions:
                 states[name] = np.zeros(self.cache_shape, dtype=np.float32)
 
         def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            from parity.head_outputs import run_capturing_logits
+
             evaluator = self.evaluators[function]
-            result = evaluator.run(inputs, states=states if evaluator.states else None)
-            return result.outputs
+            held = states if evaluator.states else None
+            result = run_capturing_logits(
+                evaluator, inputs, states=held, check=self.check, where=function
+            )
+            return dict(result.outputs)
 
         return run, states

@@ -57,18 +57,22 @@ def decoder(
     chunk: int = 128,
     precision: str = "float16",
     target: str = "macOS14",
+    output: str = "logits",
+    top_k: int = 0,
 ) -> Built:
-    """A tiny perturbed decoder converted like ``anec convert`` does (markers included)."""
+    """A tiny perturbed decoder converted like ``anec convert`` does (markers included);
+    ``output`` argmax / topk: the in-model choice per LM-head chunk (io.output)."""
     torch.manual_seed(0)
     tiny = build_tiny(arch, inputs, lm_head_chunk=chunk)  # type: ignore[arg-type]
     module = tiny.module
-    if logits == "all":
-        module = tiny.rebuild(logit_positions=LENGTH)
+    choice = {"output": output, "top_k": top_k} if output != "logits" else {}
+    if logits == "all" or choice:
+        module = tiny.rebuild(logit_positions=LENGTH if logits == "all" else 1, **choice)
     ins, outs = tensor_contract(module, "float16")
     traced = trace(module, ins)
     mark_layer_outputs(traced, len(module.layers))
     mlmodel = to_mlprogram(traced, ins, outs, TARGETS[target].ct_target(), precision)
-    name = f"{arch}-{inputs}-{logits}-{chunk}-{precision}-{target}"
+    name = f"{arch}-{inputs}-{logits}-{chunk}-{precision}-{target}-{output}{top_k or ''}"
     package = out / f"{name}.mlpackage"
     mlmodel.save(str(package))
     return Built(name, package, tiny, module, precision, mlmodel)
@@ -212,6 +216,8 @@ PROGRAMS: dict[str, Builder] = {
     ),
     "llama-macos15-lut6": _on("llama-macos15", Scheme("lut", 6, "per-tensor")),
     "llama-macos15-int8": _on("llama-macos15", Scheme("int8", 8, "per-channel")),
+    "llama-argmax": lambda out, _: decoder(out, "llama", output="argmax"),
+    "llama-all-topk": lambda out, _: decoder(out, "llama", logits="all", output="topk", top_k=5),
     "llama-kv-state": lambda out, _: cached(out, "llama", "state"),
     "gemma3-kv-io": lambda out, _: cached(out, "gemma3", "io"),
     "bert-embedding": lambda out, _: encoder(out, "bert", "sentence-embedding"),

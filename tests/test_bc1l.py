@@ -105,8 +105,9 @@ def test_last_position_logits_match_in_chunks(arch: str, inputs: str) -> None:
         x, key_mask = module_inputs(module, batch, t.embed_table, torch.float32)
         with torch.no_grad():
             chunks = module(x, key_mask)
-        assert [tuple(c.shape) for c in chunks] == [(3, 128, 1, 1), (3, 128, 1, 1), (3, 44, 1, 1)]
-        logits = torch.cat(chunks, dim=1)[:, :, 0, 0]
+        # The vocabulary on the last axis (manifest schema 3).
+        assert [tuple(c.shape) for c in chunks] == [(3, 1, 1, 128), (3, 1, 1, 128), (3, 1, 1, 44)]
+        logits = torch.cat(chunks, dim=3)[:, 0, 0, :]
         for r, fixture in enumerate(batch.fixtures):
             _, ref_logits = hf_run(t.model, fixture.token_ids)
             err = rel(logits[r], ref_logits[-1])
@@ -124,8 +125,8 @@ def test_lm_head_chunks_concatenate_to_the_unchunked_logits() -> None:
         module = t.rebuild(lm_head_chunk=chunk, logit_positions=LENGTH)
         assert sum(module.chunk_sizes) == VOCAB
         with torch.no_grad():
-            outputs[chunk] = torch.cat(module(x, key_mask), dim=1)
-    assert outputs[128].shape == (3, VOCAB, 1, LENGTH)
+            outputs[chunk] = torch.cat(module(x, key_mask), dim=3)
+    assert outputs[128].shape == (3, LENGTH, 1, VOCAB)
     for chunk in (100, 300, 1024):
         torch.testing.assert_close(outputs[chunk], outputs[128], rtol=1e-6, atol=1e-6)
 
@@ -144,9 +145,9 @@ def test_logit_positions_slice_the_last_window_positions() -> None:
     every = t.rebuild(logit_positions=LENGTH)
     last4 = t.rebuild(logit_positions=4)
     with torch.no_grad():
-        all_logits = torch.cat(every(x, key_mask), dim=1)
-        tail = torch.cat(last4(x, key_mask), dim=1)
-    torch.testing.assert_close(tail, all_logits[..., LENGTH - 4 :], rtol=1e-6, atol=1e-6)
+        all_logits = torch.cat(every(x, key_mask), dim=3)
+        tail = torch.cat(last4(x, key_mask), dim=3)
+    torch.testing.assert_close(tail, all_logits[:, LENGTH - 4 :], rtol=1e-6, atol=1e-6)
 
 
 # ---- GQA ------------------------------------------------------------------------------------

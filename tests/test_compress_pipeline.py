@@ -18,6 +18,7 @@ from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_
 from converter.compress.config import DEFAULT_KEEP_FP16
 from converter.hashing import mlpackage_content_hash, sha256_file
 from converter.manifest import Manifest
+from graph_passes.logits_layout import join_logits
 
 # The variants, appended to the tiny recipe (tiny_models.tiny_recipe).
 COMPRESSION = """\
@@ -287,18 +288,18 @@ def test_the_all_positions_program_holds_the_same_weights_and_scores_every_posit
     assert x_shape is not None and x_shape[:2] == (1, 16)  # host-side embedding rows (1, L, D)
     x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
     mask = np.zeros((1, 16), np.float32)
-    got = np.concatenate(list(full.run({x_name: x, mask_name: mask}).outputs.values()), 1)
-    assert got.shape[-1] == 16
+    got = join_logits(full.run({x_name: x, mask_name: mask}).outputs)  # (1, n, V)
+    assert got.shape[1] == 16
     for p in (15, 9, 3):
         shift = 15 - p  # the window ending at p, left-padded to 16 slots
         x_p = np.concatenate([np.zeros((1, shift, x_shape[2]), np.float32), x[:, : p + 1]], 1)
         mask_p = np.where(np.arange(16) < shift, MASKED, 0.0)[None].astype(np.float32)
-        want = last.run({x_name: x_p, mask_name: mask_p}).outputs.values()
-        want_p = np.concatenate(list(want), 1)[0, :, 0, -1]
+        want = last.run({x_name: x_p, mask_name: mask_p}).outputs
+        want_p = join_logits(want)[0, -1]
         # the last slot: the same computation; earlier ones move RoPE slots and padding, so
         # only rounding differs (a position off by one differs by the logits' own scale, ~1)
         tolerance = 1e-5 if p == 15 else 2e-3
-        np.testing.assert_allclose(got[0, :, 0, p], want_p, rtol=0, atol=tolerance)
+        np.testing.assert_allclose(got[0, p], want_p, rtol=0, atol=tolerance)
 
 
 def test_outliers_keep_their_columns_exact_and_count_every_byte(run: tuple[Result, Path]) -> None:

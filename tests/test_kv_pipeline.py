@@ -83,6 +83,26 @@ def test_the_manifest_describes_every_function_and_the_cache(artifact: Path) -> 
     assert rope.shape == (1, 2, 16, 96)
 
 
+def test_every_function_returns_logits_with_the_vocabulary_last(
+    artifact: Path, tmp_path: Path
+) -> None:
+    """Schema 3: (1, n, 1, V_k) per chunk for every function; a schema 2 manifest (logits
+    (1, V_k, 1, n)) is refused by the host loop, naming the file and the version."""
+    from converter.errors import InputError
+    from converter.generate import Runtime
+
+    doc = json.loads((artifact / "manifest.json").read_text())
+    functions = doc["kv_cache"]["functions"]
+    for name, n in (("prefill", 1), ("decode", 1), ("extend", 4)):
+        shapes = [o["shape"] for o in functions[name]["outputs"]]
+        assert shapes == [[1, n, 1, 128], [1, n, 1, 128], [1, n, 1, 44]], name
+    assert "[batch, position, 0, token]" in doc["kv_cache"]["conventions"]["logits"]
+    doc["schema_version"] = 2
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="manifest schema_version 2 .*vocabulary last"):
+        Runtime.from_artifact(tmp_path)
+
+
 def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Path) -> None:
     from tiny_models import tiny_hf_model
 

@@ -133,3 +133,44 @@ def test_anec_parity_refuses_a_package_that_differs_from_its_manifest(
     result = run_anec("parity", copy)
     assert result.exit_code == 2
     assert "differs from the hash in manifest.json" in result.output
+
+
+def test_the_window_returns_logits_with_the_vocabulary_last(artifact: Path) -> None:
+    """Manifest schema 3: each chunk (B, n, 1, V_k); the plan's output bytes are the dense
+    rows (one 64-byte row per position and chunk, not one per logit) and the transposes that
+    produce the outputs stay in the program's one NE segment."""
+    from converter.coreml import load_program
+    from converter.plan.ops import op_table
+    from converter.plan.static import static_report
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["schema_version"] == 3
+    assert manifest["io_contract_changes"][-1]["schema_version"] == 3
+    assert [o["shape"] for o in manifest["outputs"]] == [[1, 1, 1, 128], [1, 1, 1, 128],
+                                                         [1, 1, 1, 44]]  # fmt: skip
+    assert "[batch, position, 0, token]" in manifest["conventions"]["logits"]
+    table = op_table(load_program(artifact / "tiny.mlpackage"))
+    report = static_report(table, "tiny.mlpackage", "-", "M1")
+    function = report.functions[0]
+    # (vocabulary on axis 1 would be 300 rows of 64 bytes: 19,200 bytes)
+    assert function.summary.output_bytes == 128 + 256 + 256
+    assert function.summary.ne_segments == 1
+    heads = [r for r in function.rows if r.op_type == "transpose" and r.shape[:3] == [1, 1, 1]]
+    assert sorted(r.shape[3] for r in heads) == [44, 128, 128]
+    assert all(r.device == "NE" for r in heads)
+
+
+def test_a_decoder_manifest_of_schema_2_is_refused_naming_the_version(
+    artifact: Path, tmp_path: Path
+) -> None:
+    """Schema 2 packages return (B, V_k, 1, n) logits: `anec parity` refuses to read them
+    rather than compare the wrong axis (exit 2, the file, the version and what changed)."""
+    old = tmp_path / "old"
+    old.mkdir()
+    doc = json.loads((artifact / "manifest.json").read_text())
+    doc["schema_version"] = 2
+    (old / "manifest.json").write_text(json.dumps(doc))
+    result = run_anec("parity", old, "--out", tmp_path / "re")
+    assert result.exit_code == 2
+    text = result.output + str(result.stderr if result.stderr_bytes else "")
+    assert "manifest schema_version 2" in text and "vocabulary last" in text

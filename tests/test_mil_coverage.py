@@ -29,6 +29,7 @@ REQUIRED = {
     "slice_by_size", "squeeze", "expand_dims", "tile", "pad", "gather", "cast", "select",
     "quantize", "dequantize", "constexpr_lut_to_dense", "constexpr_affine_dequantize",
     "constexpr_blockwise_shift_scale", "read_state", "coreml_update_state", "slice_update",
+    "reduce_argmax", "topk",
 }  # fmt: skip
 COMPRESSION = ("lut", "int8", "w8a8")
 ENCODERS = [name for name in PROGRAMS if "bert" in name]
@@ -76,6 +77,7 @@ def test_the_programs_exercise_every_form_anec_emits(programs: Programs) -> None
     assert {"constexpr_affine_dequantize", "constexpr_blockwise_shift_scale"} <= types
     assert {"quantize", "dequantize"} <= types  # w8a8 activations
     assert {"read_state", "coreml_update_state"} <= types  # a cached decoder's state
+    assert {"reduce_argmax", "topk"} <= types  # io.output argmax / topk
 
 
 @pytest.mark.parametrize("name", DECODERS)

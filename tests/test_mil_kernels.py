@@ -439,6 +439,24 @@ def test_argmax_argmin_first_index_on_ties() -> None:
     assert out.dtype == np.int32
 
 
+def test_topk_largest_first_ties_in_index_order_as_torch() -> None:
+    """io.output: topk: values largest first, ties to the lower index, indices as declared."""
+    from coremltools.converters.mil import Builder as mb
+
+    x = np.array([[1, 3, 3, 0, 5], [2, 2, -1, 7, -1]], np.float32)
+    values, index = run(lambda a: mb.topk(x=a, k=3, axis=-1, output_indices_dtype="uint16"), x)
+    np.testing.assert_array_equal(values, [[5, 3, 3], [7, 2, 2]])
+    np.testing.assert_array_equal(index, [[4, 1, 2], [3, 0, 1]])
+    assert index.dtype == np.uint16
+    y = rand(2, 3, 1, 40, seed=36)
+    want_v, want_i = torch.topk(t(y), 5, dim=-1)
+    got_v, got_i = run(lambda a: mb.topk(x=a, k=5, axis=-1), y)
+    np.testing.assert_array_equal(got_v, want_v.numpy())
+    np.testing.assert_array_equal(got_i, want_i.numpy())
+    smallest, _ = run(lambda a: mb.topk(x=a, k=2, axis=1, ascending=True), x)
+    np.testing.assert_array_equal(smallest, [[0, 1], [-1, -1]])
+
+
 # ---- layout -----------------------------------------------------------------------------------
 
 

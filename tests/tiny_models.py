@@ -22,6 +22,7 @@ from torch import nn
 from converter.tasks import text_generation
 from graph_passes.adapters import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
+from graph_passes.logits_layout import HeadOutput
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
@@ -144,10 +145,11 @@ def tiny_recipe(
     precision: str | None = None,
     gates: Mapping[str, object] | None = None,
     extra: str = "",
+    io: Mapping[str, object] | None = None,
 ) -> str:
     """Recipe text converting an hf-dir ``checkpoint`` (`save_tiny_llama`): a 16-token window,
-    two fixtures; ``precision``, ``gates`` (values written as ``str()`` gives them) and
-    ``extra`` YAML (appended) where given."""
+    two fixtures; ``precision``, ``gates`` (values written as ``str()`` gives them), ``io``
+    keys and ``extra`` YAML (appended) where given."""
     lines = [
         f"name: {name}",
         "task: text-generation",
@@ -159,6 +161,7 @@ def tiny_recipe(
         "  sequence_length: 16",
         "io:",
         "  lm_head_chunk: 128",
+        *(f"  {key}: {value}" for key, value in (io or {}).items()),
     ]
     if precision is not None:
         lines.append(f"precision: {precision}")
@@ -215,6 +218,8 @@ def build_module(
     length: int = LENGTH,
     logit_positions: int = 1,
     lm_head_chunk: int = 128,
+    output: HeadOutput = "logits",
+    top_k: int = 0,
 ) -> BC1LDecoder:
     """The BC1L module for a canonical model, eval mode, fp32."""
     io = DecoderIO(
@@ -223,6 +228,8 @@ def build_module(
         inputs=inputs,
         logit_positions=logit_positions,
         lm_head_chunk=lm_head_chunk,
+        output=output,
+        top_k=top_k,
     )
     return BC1LDecoder(canonical, io).eval()
 
@@ -256,6 +263,8 @@ class Tiny:
             "length": current.length,
             "logit_positions": current.logit_positions,
             "lm_head_chunk": current.lm_head_chunk,
+            "output": current.output,
+            "top_k": current.top_k,
         }
         inputs = io.pop("inputs", current.inputs)
         kwargs.update(io)

@@ -16,6 +16,8 @@ MAX_AXIS = 16384  # the Neural Engine's per-axis limit
 
 InputsMode = Literal["token-ids", "embeddings", "auto"]
 DType = Literal["float16", "float32"]
+HeadOutput = Literal["logits", "argmax", "topk"]
+MAX_TOP_K = 64  # top-k per LM-head chunk: a small candidate list, not a second logits output
 
 _LOGITS_EXPECTED = "'last', 'all' or a positive integer n (the last n positions)"
 
@@ -35,6 +37,22 @@ class IOSpec(StrictModel):
     logits: Literal["last", "all"] | int = "last"
     lm_head_chunk: int = Field(default=MAX_AXIS, ge=1, le=MAX_AXIS, strict=True)
     dtype: DType = "float16"
+    # What each LM-head chunk returns: its logits, or its argmax (index and value), or its
+    # top_k (indices and values); the host combines the chunks (manifest head_output).
+    output: HeadOutput = "logits"
+    top_k: int | None = Field(default=None, ge=1, le=MAX_TOP_K, strict=True)
+
+    @model_validator(mode="after")
+    def _top_k_with_topk(self) -> IOSpec:
+        if self.output == "topk" and self.top_k is None:
+            raise_rules("IOSpec", [(("top_k",), "expected a k for io.output: topk")])
+        if self.output != "topk" and self.top_k is not None:
+            problem = f"applies to io.output: topk only (io.output is {self.output})"
+            raise_rules("IOSpec", [(("top_k",), problem)])
+        if self.top_k is not None and self.top_k > self.lm_head_chunk:
+            problem = f"{self.top_k} exceeds io.lm_head_chunk {self.lm_head_chunk}"
+            raise_rules("IOSpec", [(("top_k",), problem)])
+        return self
 
     @field_validator("logits", mode="before")
     @classmethod

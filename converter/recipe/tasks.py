@@ -58,6 +58,10 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     TaskKey(("io", "logits"), DECODER_TASKS, "the positions the LM head returns"),
     TaskKey(("io", "lm_head_chunk"), DECODER_TASKS, "the LM head's vocabulary chunk"),
     TaskKey(
+        ("io", "output"), DECODER_TASKS, "logits, or in-model argmax or top-k per LM-head chunk"
+    ),
+    TaskKey(("io", "top_k"), DECODER_TASKS, "k of io.output: topk"),
+    TaskKey(
         ("gates", "fp32_logits_rel_error"),
         ("text-generation", "feature-extraction", "text-classification", "decision"),
         "relative error of logits or hidden states (a sentence embedding is gated on "

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from converter.checkpoint import Checkpoint
-from converter.coreml import TensorIO
+from converter.coreml import DType, TensorIO
+from converter.errors import InputError
 from converter.manifest import Deviation, FileEntry, Manifest
 from converter.manifest_fields import common_fields
 from converter.recipe import DecoderRecipe
 from converter.tasks.base import Job, Program
-from graph_passes.decoder import BC1LDecoder, DecoderIO
+from graph_passes.decoder import BC1LDecoder, DecoderIO, chunk_sizes
+from graph_passes.logits_layout import LAYOUT, output_names
 from graph_passes.masks import MASKED
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
@@ -21,13 +25,27 @@ def decoder_io(recipe: DecoderRecipe, canonical: CanonicalModel) -> DecoderIO:
     if inputs == "auto":
         # Tied embeddings: keep the table on the host so it is not stored twice (SPEC 2).
         inputs = "embeddings" if canonical.spec.tied_embeddings else "token-ids"
-    return DecoderIO(
+    io = DecoderIO(
         batch=recipe.shapes.batch,
         length=recipe.shapes.sequence_length,
         inputs=inputs,
         logit_positions=recipe.logits_positions,
         lm_head_chunk=recipe.io.lm_head_chunk,
+        output=recipe.io.output,
+        top_k=recipe.io.top_k or 0,
     )
+    check_top_k(io, chunk_sizes(canonical.spec.vocab_size, io.lm_head_chunk))
+    return io
+
+
+def check_top_k(io: DecoderIO, chunk_sizes: list[int]) -> None:
+    """Refuse a top_k above the smallest LM-head chunk (the remainder of the vocabulary)."""
+    if io.output == "topk" and io.top_k > min(chunk_sizes):
+        raise InputError(
+            f"io.top_k: {io.top_k} exceeds the smallest LM-head chunk ({min(chunk_sizes)} "
+            f"tokens: chunks {chunk_sizes}); choose io.top_k <= {min(chunk_sizes)} or another "
+            "io.lm_head_chunk"
+        )
 
 
 def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], list[TensorIO]]:
@@ -49,20 +67,87 @@ def tensor_contract(module: BC1LDecoder, dtype: str) -> tuple[list[TensorIO], li
         dtype,  # type: ignore[arg-type]
         f"additive key mask: 0 for a real token, {MASKED:g} for padding",
     )
+    where = f"at the last {io.logit_positions} window position(s)"
+    outputs = head_contract(module, b, io.logit_positions, dtype, where)  # type: ignore[arg-type]
+    return [first, key_mask], outputs
+
+
+def head_contract(module: BC1LDecoder, b: int, n: int, dtype: DType, where: str) -> list[TensorIO]:
+    """The head's outputs per LM-head chunk for the module's output choice (io.output), in
+    the program's order, the vocabulary (or the candidates) on the last axis."""
+    io = module.io
     outputs = []
     start = 0
     for k, size in enumerate(module.chunk_sizes):
-        outputs.append(
-            TensorIO(
-                f"logits_{k}",
-                (b, size, 1, io.logit_positions),
-                dtype,  # type: ignore[arg-type]
-                f"logits of token ids {start}..{start + size - 1} at the last "
-                f"{io.logit_positions} window position(s): [batch, token, 0, position]",
-            )
-        )
+        ids = f"token ids {start}..{start + size - 1}"
+        names = output_names(io.output, k)
+        if io.output == "logits":
+            outputs.append(TensorIO(names[0], (b, n, 1, size), dtype,
+                                    f"logits of {ids} {where}: {LAYOUT}"))  # fmt: skip
+        else:
+            c = 1 if io.output == "argmax" else io.top_k
+            what = "the argmax" if io.output == "argmax" else f"the top {c} (largest first)"
+            outputs += [
+                TensorIO(names[0], (b, n, 1, c), "int32",
+                         f"{what} of chunk {k} ({ids}) {where}, as an index inside the chunk "
+                         f"(add {start} for the token id): [batch, position, 0, candidate]"),
+                TensorIO(names[1], (b, n, 1, c), dtype,
+                         f"the logits of {names[0]}: [batch, position, 0, candidate]"),
+            ]  # fmt: skip
         start += size
-    return [first, key_mask], outputs
+    return outputs
+
+
+def head_convention(output: str) -> str:
+    """The manifest's one-line convention for the head outputs of an output choice."""
+    if output == "logits":
+        return (
+            f"one output per LM-head chunk, in vocabulary order, laid out {LAYOUT} (the "
+            "vocabulary last); concatenate on the last axis (or take the argmax per chunk) "
+            "on the host"
+        )
+    return (
+        f"io.output {output}: per LM-head chunk an int32 index inside the chunk and its "
+        "logit, [batch, position, 0, candidate]; the host combines the chunks as head_output "
+        "says (no logits are returned)"
+    )
+
+
+def head_output_section(module: BC1LDecoder, positions: dict[str, int]) -> dict[str, Any]:
+    """The manifest's ``head_output``: the output choice, how the host combines the chunks,
+    and the bytes each call returns (dense, and in 64-byte NE rows) per function."""
+    io = module.io
+    c = {"logits": 0, "argmax": 1, "topk": io.top_k}[io.output]
+    combine = {
+        "logits": "concatenate the chunks on the last axis; token id = chunk offset + index",
+        "argmax": "token id = offset of the chunk whose argmax_value is largest (the first "
+        "such chunk on a tie) + its argmax_index",
+        "topk": "token ids = chunk offset + topk_index for every chunk; the k largest "
+        "topk_value over all chunks (ties: the lower token id) are the top k",
+    }[io.output]
+    return {
+        "choice": io.output,
+        "top_k": io.top_k if io.output == "topk" else None,
+        "chunk_offsets": [sum(module.chunk_sizes[:k]) for k in range(len(module.chunk_sizes))],
+        "combine": combine,
+        "bytes_per_call": {
+            name: head_bytes(module.chunk_sizes, n, io.output, c) for name, n in positions.items()
+        },
+    }
+
+
+def head_bytes(chunk_sizes: list[int], n: int, output: str, c: int) -> dict[str, int]:
+    """Bytes of the head outputs of one call at n positions: ``dense`` (fp16 values, int32
+    indices) and ``ne_rows`` (each last-axis row padded to 64 bytes, as the NE writes them)."""
+
+    def row(width: int, size: int) -> int:
+        return -(-width * size // 64) * 64
+
+    if output == "logits":
+        return {"dense": sum(2 * v * n for v in chunk_sizes),
+                "ne_rows": sum(row(v, 2) * n for v in chunk_sizes)}  # fmt: skip
+    k = len(chunk_sizes)
+    return {"dense": k * n * c * (4 + 2), "ne_rows": k * n * (row(c, 4) + row(c, 2))}
 
 
 def deviations(scales: list[NormScale], scaling: StreamScaling, precision: str) -> list[Deviation]:
@@ -195,13 +280,13 @@ def decoder_manifest(
             "equally, which leaves attention unchanged (RoPE is relative)",
             "mask": "key_mask masks keys only; the causal mask is built into the program; "
             "outputs at padded positions are finite and meaningless",
-            "logits": "one output per LM-head chunk, in vocabulary order; concatenate on the "
-            "token axis (or take the argmax per chunk) on the host",
+            "logits": head_convention(module.io.output),
         },
         masked_value=MASKED,
         rope_theta=[layer.attention.rope_theta for layer in spec.layers],
         vocab_size=spec.vocab_size,
         lm_head_chunks=module.chunk_sizes,
+        head_output=head_output_section(module, {"main": module.io.logit_positions}),
         embeddings=embeddings,
         deviations=deviations(scales, scaling, recipe.precision),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from converter.coreml import DType, TensorIO
+from converter.tasks.decoder_contract import head_contract, head_convention
 from graph_passes.cache_host import __doc__ as HOST_DOC
 from graph_passes.cached_decoder import CACHE_NAME, CachedDecoder
 from graph_passes.masks import MASKED
@@ -63,16 +64,8 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
         )  # fmt: skip
     else:
         inputs.append(TensorIO("kv_cache_in", module.cache_shape(), dtype, cache_meaning()))
-    outputs = []
-    start = 0
     n = t if io.logits == "all" else 1
-    for k, size in enumerate(module.window.chunk_sizes):
-        outputs.append(
-            TensorIO(f"logits_{k}", (1, size, 1, n), dtype,
-                     f"logits of token ids {start}..{start + size - 1} at the last {n} "
-                     "slot(s): [0, token, 0, slot]")
-        )  # fmt: skip
-        start += size
+    outputs = head_contract(module.window, 1, n, dtype, f"at the last {n} slot(s)")
     if io.style == "io":
         outputs.append(
             TensorIO("new_kv", module.rows_shape(), dtype,
@@ -150,6 +143,7 @@ def kv_manifest_section(
             "rollback": "after rejecting drafted tokens, set the position back to the first "
             "rejected token's; their slots become stale, are hidden by cache_valid and the "
             "mask, and the next call overwrites them; nothing else is reset",
+            "logits": head_convention(first.window.io.output),
             "draft_cycle": "draft one token at a time with decode; absorb a cycle's accepted "
             "tokens with extend (up to K, left-padded); verify K tokens with extend",
         },

@@ -27,6 +27,7 @@ from converter.steps import Advance, Step, Stop
 from converter.targets import TARGETS
 from converter.tasks import text_generation as window_task
 from converter.tasks.base import Program, load, need
+from converter.tasks.decoder_contract import head_output_section
 from converter.tasks.kv_contract import (
     DEFAULT_FUNCTION,
     function_calls,
@@ -233,7 +234,8 @@ def cache_gates(
 
     program = load_program(package)
     first = functions[DEFAULT_FUNCTION]
-    mil = MilFunctions(program, "fp16", list(functions), first.cache_shape())
+    chunks = first.window.chunk_sizes
+    mil = MilFunctions(program, "fp16", list(functions), first.cache_shape(), chunks)
 
     def make_session() -> CacheSession:
         runner, states = mil.session()
@@ -241,6 +243,15 @@ def cache_gates(
         return session_for(functions, runner, states, lambda ids: table[ids])
 
     kv = check_kv(make_session, continuations, "prefill", extend, "mil-fp16")
+    if mil.check is not None:
+        kv.gates.append(
+            gate("kv-cache", "kv_head_choice_mismatches").check(
+                float(len(mil.check.mismatches)),
+                implementation="mil-fp16",
+                where=", ".join(mil.check.mismatches[:2]),
+                detail=f"{mil.check.positions} positions of every call the gates made",
+            )
+        )
     kv.gates.append(
         gate("kv-cache", "kv_weights_stored_once").check(
             sizes["weight_ratio"],
@@ -293,6 +304,10 @@ def manifest(run: KvRun, advance: Advance) -> None:
     doc.kv_cache = kv_manifest_section(
         run.functions, contracts, run.sizes, rope.model_dump(mode="json")
     )
+    positions = {
+        name: m.io.tokens if m.io.logits == "all" else 1 for name, m in run.functions.items()
+    }
+    doc.head_output = head_output_section(need(run.rewrite, "the rewrite").module, positions)
     write_json_atomic(run.job.directory / "manifest.json", doc.model_dump(mode="json"))
 
 

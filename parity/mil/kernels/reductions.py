@@ -7,6 +7,7 @@ the arg-reductions are exact in any precision.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -80,3 +81,39 @@ def reduce_arg(call: Call) -> np.ndarray:
     fn = np.argmax if call.op.op_type == "reduce_argmax" else np.argmin
     out = fn(x, axis=axis, keepdims=call.flag("keep_dims"))
     return np.asarray(out, dtype=np.int32)
+
+
+_INDEX_DTYPES = {"int32": np.int32, "uint16": np.uint16, "int16": np.int16}
+
+
+def _check_topk(op: Any) -> str | None:
+    dtype = op.output_indices_dtype.val if "output_indices_dtype" in op.inputs else "int32"
+    return None if dtype in _INDEX_DTYPES else f"topk indices as {dtype!r}"
+
+
+@kernel(
+    "topk",
+    attributes=("axis", "ascending", "sort", "return_indices", "output_indices_dtype"),
+    check=_check_topk,
+    exact=True,
+)
+def topk(call: Call) -> list[np.ndarray]:
+    """The k largest (``ascending``: smallest) values along ``axis`` and their indices.
+
+    Sorted by value with ties in index order (a stable sort: the first maximum first, as
+    ``reduce_argmax`` picks it); ``sort=False`` is accepted and gives the same order, which
+    is one of the orders an unsorted topk may return. Values are selected, never rounded.
+    """
+    x = np.asarray(call["x"])
+    k = call.integer("k")
+    axis = norm_axis(call.integer("axis", -1), x.ndim)
+    if not 0 < k <= x.shape[axis]:
+        raise ValueError(f"k = {k} outside 1..{x.shape[axis]} (axis {axis})")
+    key = x if call.flag("ascending") else -x.astype(np.float64)
+    order = np.argsort(key, axis=axis, kind="stable")
+    index = np.take(order, np.arange(k), axis=axis)
+    values = np.take_along_axis(x, index, axis=axis)
+    dtype = _INDEX_DTYPES[call.text("output_indices_dtype", "int32")]
+    if not call.flag("return_indices", True):
+        return [values]
+    return [values, index.astype(dtype)]
