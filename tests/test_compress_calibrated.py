@@ -48,6 +48,14 @@ compression:
       granularity: per-grouped-channel
       group_size: 8
       gates: {min_top1_agreement: 0.25, max_mean_kl: 0.5}
+    - suffix: across
+      method: mixed
+      search:
+        bits: [16, 8, 4]
+        methods: [lut, skm, gptq]
+        group_sizes: [8]
+        budget: {min_top1_agreement: 0.9, max_mean_kl: 0.02}
+      gates: {min_top1_agreement: 0.8, max_mean_kl: 0.05}
 """
 
 
@@ -102,6 +110,34 @@ def test_calibrated_variants_store_their_values_at_nominal_bits(
         )  # a row scale, or the palettes
         assert r["bits_per_weight"] <= (bits + extra) * 1.05, r
         assert r["bits_per_weight"] >= bits
+
+
+def test_the_search_chooses_across_methods_and_the_program_confirms_it(
+    run: tuple[Result, Path],
+) -> None:
+    """method: mixed over lut / skm / gptq x 8 / 4 bits x per tensor / groups of 8: every
+    candidate is measured per weight, the explored plans and frontier are reported, and the
+    emitted program holds each weight as its chosen method stores it, judged at MIL level."""
+    result, out = run
+    assert result.exit_code == 0, result.output
+    manifest = _report(out, "across")
+    search = manifest["compression"]["search"]
+    labels = {"fp16", "lut8", "lut8g8", "lut4", "lut4g8", "skm8", "skm8g8", "skm4", "skm4g8",
+              "gptq8", "gptq4"}  # fmt: skip
+    assert set(search["search_space"]["candidates"]) == labels
+    table = search["sensitivity"]["table"]
+    assert len(table) == 12
+    # the down projection (64 rows) takes every candidate; all measured
+    assert set(table["layers.0.mlp.down.weight"]) == labels
+    assert len(search["explored"]) >= len(labels) and search["frontier"]
+    chosen = search["chosen"]["bits"]
+    records = {r["weight"]: r for r in manifest["compression"]["weights"]}
+    from test_compress_pipeline import _tag
+
+    for weight, tag in chosen.items():
+        assert _tag(records[weight]) == tag
+    report = json.loads((next(out.glob("tiny-across*")) / "parity.json").read_text())
+    assert {lv["implementation"] for lv in report["levels"]} >= {"torch-fp16", "mil-fp16"}
 
 
 # ---- the methods' values, on a tiny BC1L module and a one-conv program ----------------------

@@ -22,7 +22,7 @@ at most 2**-11, far under the grid step).
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -86,9 +86,8 @@ class Gptq(CompressionMethod):
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
     ) -> tuple[Any, Any]:
         """The model with each planned weight as GPTQ's integers and scales."""
-        from converter.compress.decoder import DecoderSubject
-
-        subject = cast(DecoderSubject, ctx.subject)
+        # a DecoderSubject (tasks: text-generation): its module, calibration slice, table
+        subject: Any = ctx.subject
         sites = [s for s in ctx.sites if s.name in plan]
         bits = {s.name: plan[s.name].bits for s in sites}
         start = time.perf_counter()

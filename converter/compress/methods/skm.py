@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -86,10 +86,10 @@ class Skm(CompressionMethod):
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
     ) -> tuple[Any, Any]:
         """The model with each planned weight replaced by its clustered fp16 values."""
-        from converter.compress.decoder import DecoderSubject
         from converter.compress.smooth import replace_constants
 
-        subject = cast(DecoderSubject, ctx.subject)
+        # a DecoderSubject (tasks: text-generation): its module, calibration slice, table
+        subject: Any = ctx.subject
         sites = [s for s in ctx.sites if s.name in plan]
         start = time.perf_counter()
         with ctx.progress.step(f"{variant.suffix}: sensitive k-means ({len(sites)} weights)"):
