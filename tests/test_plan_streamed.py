@@ -12,8 +12,8 @@ import pytest
 from converter.plan.ops import op_table
 from converter.plan.streamed import RULES, streamed_lines, streamed_section
 
-O, I = 64, 128  # a conv weight (O, I, 1, 1)
-DENSE = O * I * 2
+ROWS, COLS = 64, 128  # a conv weight (ROWS, COLS, 1, 1)
+DENSE = ROWS * COLS * 2
 
 
 def _program(kind: str) -> Any:
@@ -22,28 +22,28 @@ def _program(kind: str) -> Any:
     from coremltools.converters.mil.mil import types
 
     @mb.program(
-        input_specs=[mb.TensorSpec(shape=(1, I, 1, 8), dtype=types.fp16)],
+        input_specs=[mb.TensorSpec(shape=(1, COLS, 1, 8), dtype=types.fp16)],
         opset_version=ct.target.iOS18,
     )
     def prog(x: Any) -> Any:
-        ints = np.ones((O, I, 1, 1), np.int8)
+        ints = np.ones((ROWS, COLS, 1, 1), np.int8)
         if kind == "lut4":
             w = mb.constexpr_lut_to_dense(
-                indices=np.zeros((O, I, 1, 1), types.np_uint4_dtype),
+                indices=np.zeros((ROWS, COLS, 1, 1), types.np_uint4_dtype),
                 lut=np.arange(16, dtype=np.float16).reshape(1, 1, 1, 1, 16, 1),
             )
         elif kind == "int4-channel":
             w = mb.constexpr_blockwise_shift_scale(
-                data=ints.astype(types.np_int4_dtype), scale=np.ones((O, 1, 1, 1), np.float16)
+                data=ints.astype(types.np_int4_dtype), scale=np.ones((ROWS, 1, 1, 1), np.float16)
             )
         elif kind == "int8-channel":
             w = mb.constexpr_blockwise_shift_scale(
-                data=ints, scale=np.ones((O, 1, 1, 1), np.float16)
+                data=ints, scale=np.ones((ROWS, 1, 1, 1), np.float16)
             )
         else:  # int4 per block of 32 inputs
             w = mb.constexpr_blockwise_shift_scale(
                 data=ints.astype(types.np_int4_dtype),
-                scale=np.ones((O, I // 32, 1, 1), np.float16),
+                scale=np.ones((ROWS, COLS // 32, 1, 1), np.float16),
             )
         return mb.conv(x=x, weight=w, name="conv")
 
@@ -53,9 +53,9 @@ def _program(kind: str) -> Any:
 @pytest.mark.parametrize(
     ("kind", "rule", "read"),
     [
-        ("lut4", "S-LUT", O * I // 2 + 16 * 2),
-        ("int4-channel", "S-INT4-CHANNEL", O * I // 2 + O * 2),
-        ("int8-channel", "S-INT8", O * I + O * 2),
+        ("lut4", "S-LUT", ROWS * COLS // 2 + 16 * 2),
+        ("int4-channel", "S-INT4-CHANNEL", ROWS * COLS // 2 + ROWS * 2),
+        ("int8-channel", "S-INT8", ROWS * COLS + ROWS * 2),
         ("int4-block", "S-BLOCK", DENSE),
     ],
 )
@@ -86,4 +86,4 @@ def test_every_rule_names_its_source_and_the_floor_reads_the_streamed_bytes() ->
         floors[kind] = work.ne_weight_bytes + work.cpu_weight_bytes
         assert floor(report.functions[0], chip).ms > 0
     # the cost model reads what the rules say: the per-block weight dense, the other packed
-    assert floors == {"int4-channel": O * I // 2 + O * 2, "int4-block": DENSE}
+    assert floors == {"int4-channel": ROWS * COLS // 2 + ROWS * 2, "int4-block": DENSE}

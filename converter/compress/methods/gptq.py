@@ -111,46 +111,62 @@ def gptq_weights(
     pad_id: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """GPTQ's integers (int8 arrays, the sites' shapes, in [-2**(b-1), 2**(b-1) - 1]) and fp16
-    row scales of every site, sequentially: decoder layers in order, then the rest (the head)."""
+    row scales of every site, sequentially: decoder layers in order, then the LM head, each
+    from the previous layer's output with its weights already rounded (one layer run to
+    collect the Hessians, one to move on)."""
     import torch
     from coremltools.optimize.torch.layerwise_compression.algorithms import (
         GPTQ,
         ModuleGPTQConfig,
     )
 
-    from converter.compress.calibrate import (
-        calibration,
-        captured_inputs,
-        fp16_copy,
-        logits,
-        owners,
-    )
+    from converter.compress.calibrate import calibration, captured_inputs, fp16_copy, owners
 
     work = fp16_copy(module)
     cal = calibration(work, fixtures, embed_table, pad_id)
     convs = owners(work, sites)
+    layers = work.decoder_layers()
     groups: dict[int, list[str]] = {}
     for s in sites:
         parts = s.name.split(".")
-        layer = int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else 1 << 30
+        layer = int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else len(layers)
         groups.setdefault(layer, []).append(s.name)
+    masks = work.masks(cal.key_mask)
     ints: dict[str, np.ndarray] = {}
     scales: dict[str, np.ndarray] = {}
-    for _, names in sorted(groups.items()):
-        algos = {n: GPTQ(convs[n], ModuleGPTQConfig(weight_dtype=f"uint{bits[n]}")) for n in names}
 
-        def sink(name: str, x: Any, y: Any, algos: dict[str, Any] = algos) -> None:
-            algos[name].add_batch(x, y)
+    def step(i: int, h: Any) -> Any:
+        """Layer ``i`` on ``h`` (``len(layers)``: the final norm and LM head)."""
+        if i == len(layers):
+            return work.head(h)
+        layer = layers[i]
+        return layer(h, masks[layer.window if layer.window in masks else None])
 
-        with torch.no_grad(), captured_inputs({n: convs[n] for n in names}, cal.starts, sink):
-            logits(work, cal)
-        for n, algo in algos.items():
-            algo._compress_impl()  # the rounding alone: no compression metadata registered
-            q, row_scale = integers(convs[n].weight.data, algo._quantizer, bits[n])
-            ints[n], scales[n] = q, row_scale
-            with torch.no_grad():  # later layers see exactly what the program will hold
+    with torch.no_grad():
+        h = work.embed_bc1l(cal.x)  # the input of layer i, earlier layers already rounded
+        for i in range(len(layers) + 1):
+            names = groups.get(i, [])
+            algos = {
+                n: GPTQ(convs[n], ModuleGPTQConfig(weight_dtype=f"uint{bits[n]}")) for n in names
+            }
+
+            def sink(name: str, x: Any, y: Any, algos: dict[str, Any] = algos) -> None:
+                algos[name].add_batch(x, y)
+
+            with captured_inputs({n: convs[n] for n in names}, cal.starts, sink):
+                step(i, h)
+            for n, algo in algos.items():
+                if algo._nsamples == 0:
+                    raise ValueError(f"{n}: no calibration input reached it (not in a layer "
+                                     "or the LM head)")  # fmt: skip
+                algo._compress_impl()  # the rounding alone: no compression metadata registered
+                q, row_scale = integers(convs[n].weight.data, algo._quantizer, bits[n])
+                ints[n], scales[n] = q, row_scale
+                # later layers see exactly what the program will hold
                 convs[n].weight.copy_(torch.from_numpy(decode(q, row_scale)))
-            algo.cleanup()
+                algo.cleanup()
+            if i < len(layers):
+                h = step(i, h)
     return ints, scales
 
 
