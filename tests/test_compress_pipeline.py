@@ -221,10 +221,18 @@ def test_mixed_search_reports_its_frontier_and_emits_a_plan_within_budget(
     # nothing explored that meets the budget is smaller than the chosen plan
     meeting = [p["weight_bytes"] for p in explored if p["meets_budget"]]
     assert search["chosen"]["weight_bytes"] == min(meeting)
-    # the emitted program holds exactly the chosen widths
-    bits = {r["weight"]: r["bits"] for r in manifest.compression["weights"]}
-    for name, width in search["chosen"]["bits"].items():
-        assert bits[name] == width
+    # the emitted program holds exactly the chosen candidates ("fp16", "lut8", ...)
+    tags = {r["weight"]: _tag(r) for r in manifest.compression["weights"]}
+    for name, tag in search["chosen"]["bits"].items():
+        assert tags[name] == tag
+
+
+def _tag(record: dict[str, object]) -> str:
+    """A weight record as a search candidate label: fp16, lut8, skm4g8, gptq4."""
+    if record["method"] == "fp16":
+        return "fp16"
+    group = f"g{record['group_size']}" if record["group_size"] else ""
+    return f"{record['method']}{record['bits']}{group}"
 
 
 def test_w8a8_quantizes_projection_inputs_and_torch_matches_the_program(

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     Method = str
 else:
     Method = Literal[methods.names()]
+SearchMethod = Literal["lut", "skm", "gptq"]  # what the mixed search may choose per weight
 Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel"]
 
 # Methods that read compression.calibration (layer sensitivity, activation ranges): each
@@ -97,9 +98,13 @@ class SearchBudget(StrictModel):
 
 
 class SearchSpace(StrictModel):
-    """A fixed search space: one bit width per weight tensor, per-tensor k-means palettes."""
+    """A fixed search space: one candidate per weight tensor, method x bits x group
+    (``compress.candidates``): each of ``methods`` at each of ``bits``, palettes per tensor and
+    per group of each of ``group_sizes`` output rows, gptq per row (4 and 8 bits only)."""
 
     bits: list[int] = Field(default_factory=lambda: [16, 8, 6, 4])
+    methods: list[SearchMethod] = Field(default_factory=lambda: list[SearchMethod](["lut"]))
+    group_sizes: list[Annotated[int, Field(ge=1, strict=True)]] = []
     budget: SearchBudget
 
     @model_validator(mode="after")
@@ -109,6 +114,12 @@ class SearchSpace(StrictModel):
         if bad or len(set(self.bits)) != len(self.bits) or len(self.bits) < 2:
             allowed = ", ".join(map(str, SEARCH_BITS))
             problems.append((("bits",), f"expected at least two distinct widths from {allowed}"))
+        if len(set(self.methods)) != len(self.methods) or not self.methods:
+            problems.append((("methods",), "expected distinct methods from lut, skm, gptq"))
+        if "gptq" in self.methods and not {4, 8} & set(self.bits):
+            problems.append((("methods",), "gptq is 4 or 8 bits: add 4 or 8 to bits"))
+        if len(set(self.group_sizes)) != len(self.group_sizes):
+            problems.append((("group_sizes",), "expected distinct group sizes"))
         raise_rules("SearchSpace", problems)
         return self
 

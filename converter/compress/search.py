@@ -1,20 +1,24 @@
 """Layer sensitivity and the mixed-bit search under a parity budget.
 
-Search space (fixed, documented): every compressible weight tensor gets one width from the
-variant's ``search.bits`` (default {16 = fp16, 8, 6, 4}), each a per-tensor k-means palette
-made by the same coremltools routine the emitted program uses, so the fake-quantized torch
-weights are the weights the program will hold.
+Search space (fixed, documented): every compressible weight tensor gets one candidate, method
+x bits x group (``compress.candidates``): fp16 when 16 is in ``search.bits`` (default {16, 8,
+6, 4}); for each of ``search.methods`` (default ``lut``) each width, per tensor and per group
+of ``search.group_sizes`` output rows (``lut``: coremltools' k-means, the routine the emitted
+program's palettes come from; ``skm``: sensitive k-means on the calibration text) or per row
+(``gptq``, 4 and 8 bits).
 
-1. Sensitivity, on the calibration text: for each weight and width, the mean
+1. Sensitivity, on the calibration text: for each weight and candidate, the mean
    KL(p_fp16 || p_quantized) over every real position with that one weight quantized and
    every other weight fp16 (torch fp32 arithmetic: fast, and isolates the weights).
-2. Greedy path: from all-fp16, repeatedly lower the one weight whose next width costs the
-   least summed sensitivity per byte saved; every step is a plan, ending at all-lowest.
+2. Greedy path: each weight's candidates from largest to smallest stored bytes, those no
+   smaller and no less sensitive than another left out; from the largest, repeatedly move the
+   one weight whose next candidate costs the least sensitivity per byte saved; every step is
+   a plan, ending at every weight's smallest.
 3. Budget, on the held-out text (never the calibration text): top-1 agreement and mean KL
    against the fp16 model, measured on full fake-quantized models along the path by binary
    search for the smallest plan that meets it (the path's quality falls as it goes; each
    measured point is kept, so the report shows what was explored). Each uniform plan (every
-   weight at one width) is measured too; the chosen plan is the smallest measured plan that
+   weight at one candidate) is measured too; the chosen plan is the smallest measured plan that
    meets the budget, uniform ones included (all-lut8 is not always on the greedy path).
 4. The chosen plan is emitted and confirmed like any variant: torch and MIL level.
 """
@@ -30,23 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from converter.compress.candidates import palette  # noqa: F401  (tests import it from here)
 from converter.compress.config import SearchSpace
 from converter.compress.plan import Scheme
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
 from parity.fixtures import Fixture, make_batches
 from parity.gates import module_inputs
-
-
-def palette(weight: np.ndarray, bits: int) -> np.ndarray:
-    """``weight`` through a per-tensor k-means palette of ``2**bits`` entries (fp16 values)."""
-    from coremltools.models.neural_network.quantization_utils import (
-        _get_kmeans_lookup_table_and_weight,
-    )
-
-    w = np.asarray(weight, np.float16)
-    lut, indices = _get_kmeans_lookup_table_and_weight(bits, w)
-    return np.asarray(lut, np.float16).reshape(-1)[np.asarray(indices)].reshape(w.shape)
 
 
 @dataclass
@@ -111,25 +105,20 @@ class Point:
     top1: float
     meets_budget: bool
     uniform_bits: int | None = None  # every weight at this width (measured for comparison)
+    uniform: str | None = None  # every weight at this candidate, e.g. "lut4g32"
 
 
 def smallest_meeting(points: list[Point]) -> Point:
     """The smallest measured plan that meets the budget, path and uniform plans alike (a
     uniform plan is not always on the greedy path; all-fp16, step 0, always meets it)."""
     meeting = [p for p in points if p.meets_budget]
-    return min(meeting, key=lambda p: (p.weight_bytes, p.uniform_bits is not None))
+    return min(meeting, key=lambda p: (p.weight_bytes, p.uniform_bits is not None))  # path first
 
 
 def _layer_of(name: str) -> int:
     """The decoder layer a weight belongs to (``layers.<i>.…``); 0 for anything else."""
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else 0
-
-
-def _bytes(site: WeightSite, bits: int) -> int:
-    if bits == 16:
-        return site.elements * 2
-    return (site.elements * bits + 7) // 8 + (2**bits) * 2  # indices + an fp16 palette
 
 
 def search_plan(
@@ -144,9 +133,18 @@ def search_plan(
     advance: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, Scheme], dict[str, Any]]:
     """Search a per-weight plan; returns it and the report (sensitivities, path, frontier).
-    ``advance`` is called after each of the len(sites) x widths sensitivity measurements."""
+    ``advance`` is called after each of the len(sites) x candidates sensitivity measurements."""
+    from converter.compress.candidates import (
+        candidate_values,
+        candidates,
+        fits,
+        label,
+        stored_bytes,
+    )
+
     start = time.perf_counter()
-    widths = sorted((b for b in space.bits if b != 16), reverse=True)  # 8, 6, 4
+    options = candidates(space)
+    lowered = [c for c in options if c is not None]
     # fp16-rounded weights, as the fp16 program holds them (fp32 arithmetic)
     fp16 = {s.name: module.get_parameter(s.name).detach().half().numpy() for s in sites}
     work = copy.deepcopy(module).eval()
@@ -154,36 +152,52 @@ def search_plan(
     with torch.no_grad():
         for name, value in fp16.items():
             params[name].copy_(torch.from_numpy(value.astype(np.float32)))
-    quantized = {(s.name, b): palette(fp16[s.name], b) for s in sites for b in widths}
+    quantized: dict[tuple[str, str], np.ndarray] = {}
+    for c in lowered:
+        fitting = [s for s in sites if fits(s, c)]
+        values = candidate_values(c, fitting, fp16, module, calibration, embed_table, pad_id)
+        quantized.update({(n, label(c)): v for n, v in values.items()})
     quantize_seconds = time.perf_counter() - start
 
     calib = Scorer(work, calibration, embed_table, pad_id)
-    sensitivity: dict[str, dict[int, float]] = {}
+    sensitivity: dict[str, dict[str, float]] = {}
     for site in sites:
-        sensitivity[site.name] = {16: 0.0}
-        for b in widths:
-            calib.set(site.name, quantized[(site.name, b)])
-            sensitivity[site.name][b] = calib.compare(_layer_of(site.name))[0]
+        sensitivity[site.name] = {"fp16": 0.0}
+        for c in lowered:
+            if (site.name, label(c)) in quantized:
+                calib.set(site.name, quantized[(site.name, label(c))])
+                sensitivity[site.name][label(c)] = calib.compare(_layer_of(site.name))[0]
             advance()
         calib.set(site.name, fp16[site.name])
-    log(f"sensitivity: {len(sites)} weights x {len(widths)} widths measured")
+    log(f"sensitivity: {len(sites)} weights x {len(lowered)} candidates measured")
 
-    # greedy path from all-fp16 down to all-lowest
-    choice = {s.name: 16 for s in sites}
-    by_name = {s.name: s for s in sites}
-    ladder = [16, *widths] if 16 in space.bits else widths
-    if 16 not in space.bits:
-        choice = {s.name: widths[0] for s in sites}
+    def ladder(site: WeightSite) -> list[str]:
+        """The site's candidates from largest to smallest, dominated ones left out (a
+        candidate no smaller and no less sensitive than another never helps)."""
+        mine = [c for c in options if label(c) in sensitivity[site.name]]
+        mine.sort(key=lambda c: (-stored_bytes(site, c), sensitivity[site.name][label(c)]))
+        kept: list[str] = []
+        for c in reversed(mine):  # smallest first: keep what beats every smaller one
+            sens = sensitivity[site.name][label(c)]
+            if not kept or sens < min(sensitivity[site.name][k] for k in kept):
+                kept.append(label(c))
+        return kept[::-1]
+
+    size_of = {(s.name, label(c)): stored_bytes(s, c) for s in sites for c in options if fits(s, c)}
+    ladders = {s.name: ladder(s) for s in sites}
+    choice = {n: steps[0] for n, steps in ladders.items()}
     path = [dict(choice)]
     while True:
-        best: tuple[float, str, int] | None = None
-        for name, bits in choice.items():
-            i = ladder.index(bits)
-            if i + 1 >= len(ladder):
+        best: tuple[float, str, str] | None = None
+        for name, now in choice.items():
+            steps = ladders[name]
+            i = steps.index(now)
+            if i + 1 >= len(steps):
                 continue
-            nxt = ladder[i + 1]
-            saved = _bytes(by_name[name], bits) - _bytes(by_name[name], nxt)
-            cost = max(sensitivity[name][nxt] - sensitivity[name][bits], 0.0) / max(saved, 1)
+            nxt = steps[i + 1]
+            saved = size_of[(name, now)] - size_of[(name, nxt)]
+            sens = sensitivity[name]
+            cost = max(sens[nxt] - sens[now], 0.0) / max(saved, 1)
             if best is None or cost < best[0]:
                 best = (cost, name, nxt)
         if best is None:
@@ -191,11 +205,14 @@ def search_plan(
         choice[best[1]] = best[2]
         path.append(dict(choice))
 
-    def size(plan: dict[str, int]) -> int:
-        return sum(_bytes(by_name[n], b) for n, b in plan.items())
+    def size(plan: dict[str, str]) -> int:
+        return sum(size_of[(n, c)] for n, c in plan.items())
 
-    def predicted(plan: dict[str, int]) -> float:
-        return sum(sensitivity[n][b] for n, b in plan.items())
+    def predicted(plan: dict[str, str]) -> float:
+        return sum(sensitivity[n][c] for n, c in plan.items())
+
+    def values_of(name: str, c: str) -> np.ndarray:
+        return fp16[name] if c == "fp16" else quantized[(name, c)]
 
     scorer = Scorer(work, held_out, embed_table, pad_id)
     points: dict[int, Point] = {}
@@ -203,8 +220,8 @@ def search_plan(
 
     def measure(step: int) -> Point:
         if step not in points:
-            for name, bits in path[step].items():
-                scorer.set(name, fp16[name] if bits == 16 else quantized[(name, bits)])
+            for name, c in path[step].items():
+                scorer.set(name, values_of(name, c))
             kl, top1 = scorer.compare()
             ok = kl <= budget.max_mean_kl and top1 >= budget.min_top1_agreement
             points[step] = Point(step, size(path[step]), predicted(path[step]), kl, top1, ok)
@@ -228,21 +245,31 @@ def search_plan(
     # a few more points spread along the path, for the frontier the report shows
     for frac in (0.25, 0.5, 0.75):
         measure(int(frac * (len(path) - 1)))
-    uniform = {}
-    for b in widths:
-        plan_b = {s.name: b for s in sites}
-        for name in plan_b:
-            scorer.set(name, quantized[(name, b)])
+    uniform: dict[str, Point] = {}
+    plans: dict[str, dict[str, str]] = {}
+    for c in lowered:
+        tag = label(c)
+        if not all((s.name, tag) in quantized for s in sites):
+            continue  # a group size some weight cannot take: no uniform plan
+        plans[tag] = {s.name: tag for s in sites}
+        for name in plans[tag]:
+            scorer.set(name, quantized[(name, tag)])
         kl, top1 = scorer.compare()
         ok = kl <= budget.max_mean_kl and top1 >= budget.min_top1_agreement
-        uniform[b] = Point(None, size(plan_b), predicted(plan_b), kl, top1, ok, uniform_bits=b)
+        point = Point(None, size(plans[tag]), predicted(plans[tag]), kl, top1, ok, c.bits, tag)
+        uniform[tag] = point
+        log(
+            f"  uniform {tag:>9}: {point.weight_bytes / 2**20:7.2f} MiB  KL {kl:.4f}  "
+            f"top-1 {top1:.3f}  {'meets' if ok else 'misses'} the budget"
+        )
     pick = smallest_meeting([*points.values(), *uniform.values()])
-    if pick.uniform_bits is not None:
-        chosen = {s.name: pick.uniform_bits for s in sites}
+    if pick.uniform is not None:
+        chosen = plans[pick.uniform]
     else:
         assert pick.step is not None  # a path point
         chosen = path[pick.step]
-    plan = {n: Scheme("lut", b, "per-tensor") for n, b in chosen.items() if b != 16}
+    schemes = {label(c): c for c in lowered}
+    plan = {n: schemes[c] for n, c in chosen.items() if c != "fp16"}
     explored = sorted([*points.values(), *uniform.values()], key=lambda p: p.weight_bytes)
     frontier, best_kl = [], float("inf")
     # Pareto frontier (bytes vs KL): a plan stays if every smaller plan has a higher KL
@@ -251,13 +278,16 @@ def search_plan(
             best_kl = p.mean_kl
             frontier.append(p)
     counts: dict[str, int] = {}
-    for b in chosen.values():
-        label = "fp16" if b == 16 else f"lut{b}"
-        counts[label] = counts.get(label, 0) + 1
+    for tag in chosen.values():
+        counts[tag] = counts.get(tag, 0) + 1
     doc = {
         "search_space": {
             "bits": list(space.bits),
-            "unit": "one width per weight tensor; per-tensor k-means palettes (coremltools)",
+            "methods": list(space.methods),
+            "group_sizes": list(space.group_sizes),
+            "candidates": [label(c) for c in options],
+            "unit": "one candidate (method x bits x group) per weight tensor; lut: k-means "
+            "palettes (coremltools), skm: sensitive k-means, gptq: GPTQ integers per row",
             "weights": len(sites),
         },
         "budget": {
@@ -269,18 +299,18 @@ def search_plan(
         "sensitivity": {
             "measured_on": "calibration text, every real position; one weight quantized, the "
             "rest fp16; mean KL(p_fp16 || p_quantized), nats",
-            "table": {n: {str(b): v for b, v in s.items()} for n, s in sensitivity.items()},
+            "table": sensitivity,
         },
         "path_length": len(path),
         "explored": [vars(p) for p in explored],
         "frontier": [vars(p) for p in frontier],
         "uniform": {
-            f"lut{b}": {"weight_bytes": u.weight_bytes, "mean_kl": u.mean_kl, "top1": u.top1}
-            for b, u in uniform.items()
+            tag: {"weight_bytes": u.weight_bytes, "mean_kl": u.mean_kl, "top1": u.top1}
+            for tag, u in uniform.items()
         },
         "chosen": {
             "step": pick.step,
-            "uniform": pick.uniform_bits,
+            "uniform": pick.uniform,
             "weight_bytes": size(chosen),
             "counts": counts,
             "bits": chosen,

@@ -21,6 +21,7 @@ from converter.plan.planreport import agreement, compute_plan_report
 from converter.plan.report import PlacementReport
 from converter.plan.rules import ComputeUnits
 from converter.plan.static import static_report
+from converter.plan.streamed import streamed_section
 
 
 @dataclass
@@ -108,7 +109,8 @@ def inspect_package(
                 for c in chips
             ],
             uses_w8a8(table),
-        ),
+        )
+        | {"streamed": streamed_section(table)},
     )
     if recorded is None and plan_file is not None:
         recorded = read_dump(plan_file, sha)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from converter.plan.streamed import rule_for
+
 # The NE pads the last axis of every tensor to 64 bytes (docs/placement-rules.md R-ALIGN).
 ALIGN_BYTES = 64
 
@@ -29,9 +31,12 @@ _DTYPE_BYTES = {
     "uint32": 4,
     "int64": 8,
     "bool": 1,
-    "int4": 1,  # stored packed; counted per element as a byte is close enough for a floor
+    "int4": 1,  # a byte per element where a layout is asked for (aligned_nbytes)
     "uint4": 1,
 }
+# Sub-byte dtypes (palette indices, int4 data) are stored packed: `Tensor.nbytes` counts bits,
+# so a 4-bit weight streams half the bytes of an int8 one (plan.streamed).
+_SUB_BYTE_BITS = {"int4": 4, "uint4": 4, "uint1": 1, "uint2": 2, "uint3": 3, "uint6": 6}
 FLOAT_DTYPES = frozenset({"fp16", "fp32", "fp64"})
 INT_DTYPES = frozenset(
     {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "int4", "uint4", "bool"}
@@ -67,6 +72,9 @@ class Tensor:
     def nbytes(self) -> int | None:
         """Bytes as stored densely, or None for a symbolic shape or a non-numeric dtype."""
         n, size = self.elements, _DTYPE_BYTES.get(self.dtype)
+        bits = _SUB_BYTE_BITS.get(self.dtype)
+        if n is not None and bits is not None:
+            return (n * bits + 7) // 8
         return None if n is None or size is None else n * size
 
     @property
@@ -130,6 +138,8 @@ class Function:
     output_names: list[str]
     outputs: list[Tensor]
     weight_bytes_stored: int = 0  # every constant once: the model's size, not its streaming
+    # per stream rule (plan.streamed): compressed weights, their stored and streamed bytes
+    streamed: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -359,6 +369,7 @@ def function_table(name: str, function: Any) -> Function:
     const_vars: dict[str, Tensor] = {}
     const_charge: dict[str, int] = {}  # bytes a reader of this var streams
     stored = 0
+    streamed: dict[str, dict[str, int]] = {}
     ops: list[Op] = []
     producer_of: dict[str, int] = {}
 
@@ -407,9 +418,19 @@ def function_table(name: str, function: Any) -> Function:
             reads_function_input=reads_input,
         )
         if not row.dispatchable:
-            # A constexpr is stored weight: its readers stream what it stores.
+            # A constexpr is stored weight: its readers stream what it stores when the format
+            # stays compressed in NE memory, else the dense weight it expands to at load
+            # (plan.streamed: a prediction from published sources).
+            rule = rule_for(mil_op.op_type, consts)
+            held = sum(_const_bytes(t) for t in consts.values())
+            dense = sum(_const_bytes(t) for t in outputs)
+            charge = held if rule.stays_compressed else dense
             for out in outputs:
-                const_charge[out.name] = sum(_const_bytes(t) for t in consts.values())
+                const_charge[out.name] = charge
+            tally = streamed.setdefault(rule.id, {"weights": 0, "stored": 0, "streamed": 0})
+            tally["weights"] += 1
+            tally["stored"] += held
+            tally["streamed"] += charge
         else:
             row.weight_bytes = weight_bytes
         for p in row.producers:
@@ -424,7 +445,7 @@ def function_table(name: str, function: Any) -> Function:
     for out_name in output_names:
         if out_name in producer_of:
             ops[producer_of[out_name]].writes_function_output = True
-    return Function(name, inputs, ops, output_names, outs, stored)
+    return Function(name, inputs, ops, output_names, outs, stored, streamed)
 
 
 def op_table(program: Any) -> OpTable:

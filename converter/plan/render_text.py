@@ -195,6 +195,11 @@ def print_predicted(section: dict[str, Any], console: Console) -> None:
         )
     console.print(table)
     console.print(Text(f"formula: {section['formula']}", style="dim"))
+    if "streamed" in section:
+        from converter.plan.streamed import streamed_lines
+
+        for line in streamed_lines(section["streamed"]):
+            console.print(Text(line))
 
 
 def print_observed(doc: dict[str, Any], console: Console) -> None:

@@ -27,8 +27,9 @@ Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]
 FeatureUse = tuple[Loc, Feature, str]  # the field that asks, the feature, the fix
 
-# How a weight is stored: a k-means palette or affine int8 (the coremltools constexpr ops).
-SchemeMethod = Literal["lut", "int8"]
+# How a weight is stored: a k-means palette or affine int8 (the coremltools constexpr ops), or
+# values a calibrated method computed (GPTQ's integers, sensitive k-means' palettes).
+SchemeMethod = Literal["lut", "int8", "gptq", "skm"]
 
 # Palette sizes coremltools' k-means palettizer and the constexpr ops accept.
 LUT_BITS = (1, 2, 3, 4, 6, 8)

@@ -1,17 +1,20 @@
-"""``method: mixed``: one palette width per weight tensor, found by the mixed-bit search under
-the variant's parity budget (``compress.search``); the chosen widths are per-tensor k-means
-palettes, stored as ``lut`` stores them.
+"""``method: mixed``: one candidate (method x bits x group) per weight tensor, found by the
+search under the variant's parity budget (``compress.search``); each chosen weight is stored as
+its method stores it (``lut`` palettes, ``skm`` palettes, ``gptq`` integers), the calibrated
+methods' values computed again for the chosen weights (``prepare``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from converter.compress.methods.base import (
     BuildContext,
     CompressionMethod,
     FeatureUse,
     Problem,
+    Scheme,
     Selection,
     VariantFields,
     split_sites,
@@ -37,10 +40,33 @@ class Mixed(CompressionMethod):
         return problems
 
     def features(self, variant: VariantFields) -> list[FeatureUse]:
-        if variant.search is not None and 3 in variant.search.bits:
+        used: list[FeatureUse] = []
+        space = variant.search
+        if space is not None and 3 in space.bits:
             fix = "set target: macOS15 (or iOS18) or drop 3"
-            return [(("search", "bits"), Feature.PALETTE_3BIT, fix)]
-        return []
+            used.append((("search", "bits"), Feature.PALETTE_3BIT, fix))
+        if space is not None and space.group_sizes:
+            fix = "set target: macOS15 (or iOS18) or remove group_sizes"
+            used.append((("search", "group_sizes"), Feature.GROUPED_PALETTE, fix))
+        if space is not None and "gptq" in space.methods and 4 in space.bits:
+            fix = "set target: macOS15 (or iOS18) or drop gptq or 4"
+            used.append((("search", "methods"), Feature.BLOCKWISE_INT4, fix))
+        return used
+
+    def prepare(
+        self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
+    ) -> tuple[Any, Any]:
+        """The model with the calibrated methods' chosen weights written (skm values, gptq
+        integers); ``lut`` weights are palettized by ``apply_plan`` as usual."""
+        from converter.compress import methods
+
+        model, seconds = mlmodel, 0.0
+        for name in ("skm", "gptq"):
+            part = {n: s for n, s in plan.items() if s.method == name}
+            if part:
+                model, state = methods.get(name).prepare(ctx, variant, model, part)
+                seconds += state["seconds"]
+        return model, {"seconds": seconds}
 
     def select(self, ctx: BuildContext, variant: VariantFields) -> Selection:
         """The searched plan; weights the search leaves at 16 bits are kept fp16."""

@@ -1,0 +1,162 @@
+"""``method: skm``: sensitive k-means palettes (coremltools ``SKMPalettizer``) on the recipe's
+calibration text, per tensor or per group of output channels.
+
+What ``SKMPalettizer`` does (read in coremltools 9.0, ``palettization/sensitive_k_means.py``):
+for each calibration item it runs ``loss_fn(model, item)`` and backpropagates with a hook that
+squares every parameter's gradient, so the accumulated gradients are the diagonal empirical
+Fisher information ``sum_items (dL/dw)**2``; normalised to a maximum of 1 and clipped from
+below (1e-4: zero sensitivities let k-means diverge), it weights each value in a 1-D weighted
+k-means of 2**bits centroids per table. anec's loss is the next-token cross-entropy of each
+calibration text (one text an item, so the squares are per text, not of a batch sum).
+
+Stored as such: the clustered weights (fp32 centroids rounded to fp16, the values the program
+holds) replace the fp16 constants, then ``palettize_weights`` (mode ``custom``, `exact_table`)
+stores each table's distinct values exactly, no second clustering.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import numpy as np
+
+from converter.compress.methods.base import (
+    BuildContext,
+    CompressionMethod,
+    FeatureUse,
+    Problem,
+    Scheme,
+    VariantFields,
+    quiet_progress,
+)
+from converter.compress.methods.lut import METHOD as LUT
+from converter.compress.sites import WeightSite
+
+
+class Skm(CompressionMethod):
+    """Fisher-weighted k-means palettes, calibrated on the recipe's calibration text."""
+
+    name = "skm"
+    summary = "sensitive k-means palettes (coremltools SKMPalettizer) on the calibration text"
+    tasks = frozenset({"text-generation"})
+    needs_calibration = True
+
+    def check(self, variant: VariantFields) -> list[Problem]:
+        return LUT.check(variant)
+
+    def features(self, variant: VariantFields) -> list[FeatureUse]:
+        return LUT.features(variant)
+
+    def scheme(self, variant: VariantFields) -> Scheme:
+        assert variant.bits is not None  # check()
+        return Scheme("skm", variant.bits, variant.granularity, variant.group_size)
+
+    def describe(self, scheme: Scheme) -> str:
+        group = f" (groups of {scheme.group_size} output channels)" if scheme.group_size else ""
+        return f"lut{scheme.bits} sensitive k-means {scheme.granularity}{group}"
+
+    def ct_config(self, scheme: Scheme) -> Any:
+        from coremltools.optimize.coreml import OpPalettizerConfig
+
+        return OpPalettizerConfig(
+            mode="custom",  # the values are already SKM's centroids: store them as they are
+            lut_function=functools.partial(exact_table, bits=scheme.bits),
+            granularity=scheme.granularity.replace("-", "_"),
+            group_size=scheme.group_size or 32,
+            channel_axis=0,
+            weight_threshold=1,
+        )
+
+    def algorithm(self, scheme: Scheme, site: WeightSite) -> str:
+        return (
+            "sensitive k-means (coremltools SKMPalettizer: Fisher-weighted 1-D k-means, "
+            "next-token loss on the calibration text), fp16 centroids stored exactly "
+            "(palettize_weights, each table its distinct values)"
+        )
+
+    def apply(self, mlmodel: Any, op_configs: dict[str, Any]) -> Any:
+        from coremltools.optimize.coreml import OptimizationConfig, palettize_weights
+
+        with quiet_progress():
+            return palettize_weights(mlmodel, OptimizationConfig(op_name_configs=op_configs))
+
+    def prepare(
+        self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
+    ) -> tuple[Any, Any]:
+        """The model with each planned weight replaced by its clustered fp16 values."""
+        from converter.compress.smooth import replace_constants
+
+        # a DecoderSubject (tasks: text-generation): its module, calibration slice, table
+        subject: Any = ctx.subject
+        sites = [s for s in ctx.sites if s.name in plan]
+        start = time.perf_counter()
+        with ctx.progress.step(f"{variant.suffix}: sensitive k-means ({len(sites)} weights)"):
+            values = skm_weights(
+                subject.module, sites, {s.name: plan[s.name] for s in sites},
+                subject.held_out.calibration, subject.embed_table, subject.held_out.pad_id,
+            )  # fmt: skip
+        model = replace_constants(mlmodel, {s.const: values[s.name] for s in sites})
+        return model, {"seconds": time.perf_counter() - start}
+
+
+def exact_table(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """A table of ``2**bits`` entries holding ``values``' distinct fp16 values (zero-padded),
+    and each value's index. Distinct by bit pattern: numpy 2.4's ``np.unique`` on a large
+    float16 array returned repeated values here (22 "distinct" values of 16), which made
+    coremltools' ``unique`` mode pick 6-bit indices for a 4-bit table."""
+    flat = np.ascontiguousarray(values, np.float16).reshape(-1)
+    patterns, indices = np.unique(flat.view(np.uint16), return_inverse=True)
+    if patterns.size > 2**bits:
+        raise ValueError(f"{patterns.size} distinct values do not fit a {bits}-bit table")
+    table = np.zeros(2**bits, np.float16)
+    table[: patterns.size] = patterns.view(np.float16)
+    return table, indices.astype(np.uint8)
+
+
+def skm_weights(
+    module: Any,
+    sites: list[WeightSite],
+    plan: dict[str, Scheme],
+    fixtures: list[Any],
+    embed_table: Any,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
+    """Every site's SKM-clustered weight, fp16, the site's shape."""
+    from coremltools.optimize.torch.palettization import (
+        ModuleSKMPalettizerConfig,
+        SKMPalettizer,
+        SKMPalettizerConfig,
+    )
+
+    from converter.compress.calibrate import calibration, fp16_copy, next_token_loss, owners
+
+    work = fp16_copy(module)
+    for p in work.parameters():
+        p.requires_grad_(True)
+    items = [calibration(work, [f], embed_table, pad_id) for f in fixtures]
+    convs = owners(work, sites)
+    configs = {}
+    for s in sites:
+        scheme = plan[s.name]
+        grouped = scheme.granularity == "per-grouped-channel"
+        configs[s.name.rpartition(".")[0]] = ModuleSKMPalettizerConfig(
+            n_bits=scheme.bits,
+            granularity=scheme.granularity.replace("-", "_"),
+            group_size=scheme.group_size if grouped else None,
+            channel_axis=0,
+        )
+    config = SKMPalettizerConfig(module_name_configs=configs, calibration_nsamples=len(items))
+    with quiet_progress():
+        SKMPalettizer(work, config).compress(
+            dataloader=items, loss_fn=next_token_loss, inplace=True
+        )
+    out = {}
+    for s in sites:
+        w = convs[s.name].weight.detach().half().numpy()
+        out[s.name] = w
+    return out
+
+
+METHOD = Skm()
