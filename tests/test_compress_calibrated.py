@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import Result
-from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
+from tiny_models import (
+    convert_tiny_llama,
+    one_torch_thread,
+)
 
 COMPRESSION = """\
 target: macOS15
@@ -66,12 +69,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
-    root = tmp_path_factory.mktemp("calibrated")
-    checkpoint = save_tiny_llama(root / "ckpt")
-    recipe = write_tiny_recipe(root / "tiny.yaml", checkpoint, extra=COMPRESSION)
-    out = root / "out"
-    result = run_anec("convert", str(recipe), "--out", str(out))
-    return result, out
+    return convert_tiny_llama(tmp_path_factory.mktemp("calibrated"), COMPRESSION)
 
 
 def _report(out: Path, suffix: str) -> dict[str, Any]:

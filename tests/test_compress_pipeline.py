@@ -13,7 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import Result
-from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
+from tiny_models import (
+    convert_tiny_llama,
+    one_torch_thread,
+    run_anec,
+)
 
 from converter.compress.config import DEFAULT_KEEP_FP16
 from converter.hashing import mlpackage_content_hash, sha256_file
@@ -76,12 +80,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
-    root = tmp_path_factory.mktemp("compress")
-    checkpoint = save_tiny_llama(root / "ckpt")
-    recipe = write_tiny_recipe(root / "tiny.yaml", checkpoint, extra=COMPRESSION)
-    out = root / "out"
-    result = run_anec("convert", recipe, "--out", out, "--json")
-    return result, out
+    return convert_tiny_llama(tmp_path_factory.mktemp("compress"), COMPRESSION)
 
 
 def _manifest(directory: Path) -> Manifest:

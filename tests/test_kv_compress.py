@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import Result
-from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
+from tiny_models import (
+    convert_tiny_llama,
+    one_torch_thread,
+)
 
 from converter.compress.stateful import HOST_FILES, STRUCTURAL, WINDOW, differing
 from converter.recipe import RecipeError, load_recipe
@@ -52,11 +55,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
-    root = tmp_path_factory.mktemp("kvcomp")
-    checkpoint = save_tiny_llama(root / "ckpt")
-    recipe = write_tiny_recipe(root / "kv.yaml", checkpoint, "tkv", extra=CACHE + COMPRESSION)
-    out = root / "out"
-    return run_anec("convert", recipe, "--out", out, "--json"), out
+    return convert_tiny_llama(tmp_path_factory.mktemp("kvcomp"), CACHE + COMPRESSION, "tkv")
 
 
 def test_every_variant_is_published_with_the_structural_cache_gates(

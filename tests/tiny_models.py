@@ -204,6 +204,15 @@ def run_anec(*args: str | Path) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+def convert_tiny_llama(root: Path, extra: str, name: str = "tiny") -> tuple[Result, Path]:
+    """Save the tiny Llama under ``root``, write its recipe ``name`` with the ``extra`` YAML
+    appended and run ``anec convert --json`` into ``root/out``: (the result, the out folder)."""
+    checkpoint = save_tiny_llama(root / "ckpt")
+    recipe = write_tiny_recipe(root / f"{name}.yaml", checkpoint, name, extra=extra)
+    out = root / "out"
+    return run_anec("convert", recipe, "--out", out, "--json"), out
+
+
 def random_sequences(seed: int, lengths: tuple[int, ...] = FIXTURE_LENGTHS) -> list[list[int]]:
     """Random token ids (never the pad id, so padding is visible in the ids too)."""
     gen = torch.Generator().manual_seed(seed)
