@@ -27,7 +27,7 @@ import numpy as np
 from converter.errors import InputError
 from converter.evidence import Evidence
 from converter.generate import Runtime, greedy
-from parity.gate import Worst, gate
+from parity.gate import Worst, first_few, gate
 from parity.kv_gates import LEVEL, MARGIN, extend_vs_decode, extended, sequential
 from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession
@@ -73,7 +73,7 @@ def extend_drift(
     )
     results = [
         diff_gate.check(worst.value, implementation="runtime", where=worst.where),
-        flip_gate.check(len(flips), implementation="runtime", where="; ".join(flips[:2])),
+        flip_gate.check(len(flips), implementation="runtime", where=first_few(flips, 2)),
     ]
     return {
         "prompts": len(prompts),
