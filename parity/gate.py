@@ -250,36 +250,31 @@ _REGISTRY: tuple[Gate, ...] = (
          "io.output argmax / topk: positions where the ids the host combines from the "
          "in-model argmax / top-k outputs (or their values) differ from the top ids of the "
          "program's own logits, captured before the selection", fixed=0.0),
-    Gate("candidate_argmax_agreement", "torch-fp16", _GE,
-         "decision: share of requests whose chosen candidate matches the original",
-         "decision.candidate_argmax_agreement"),
-    Gate("action_argmax_agreement", "torch-fp16", _GE,
-         "decision: share of requests whose chosen action matches the original",
-         "decision.action_argmax_agreement"),
-    Gate("max_abs_dprob_calibrated", "torch-fp16", _LE,
-         "decision: largest |p' - p| of the calibrated candidate probabilities softmax(z / T)",
-         "decision.max_abs_dprob_calibrated"),
-    Gate("max_abs_dprob_action", "torch-fp16", _LE,
-         "decision: largest |p' - p| of the action probabilities", "decision.max_abs_dprob_action"),
-    Gate("temperature_certificate", "torch-fp16", _LE,
-         "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
-         "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
-         fixed=1.0),
-    Gate("candidate_argmax_agreement", "mil-fp16", _GE,
-         "decision: share of requests whose chosen candidate matches the original",
-         "decision.candidate_argmax_agreement"),
-    Gate("action_argmax_agreement", "mil-fp16", _GE,
-         "decision: share of requests whose chosen action matches the original",
-         "decision.action_argmax_agreement"),
-    Gate("max_abs_dprob_calibrated", "mil-fp16", _LE,
-         "decision: largest |p' - p| of the calibrated candidate probabilities softmax(z / T)",
-         "decision.max_abs_dprob_calibrated"),
-    Gate("max_abs_dprob_action", "mil-fp16", _LE,
-         "decision: largest |p' - p| of the action probabilities", "decision.max_abs_dprob_action"),
-    Gate("temperature_certificate", "mil-fp16", _LE,
-         "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), delta the "
-         "largest scorer-logit error; above 1 the calibrated output is not softmax(z' / T)",
-         fixed=1.0),
+    # a decision model, at torch fp16 and in the MIL evaluator alike
+    *(
+        gate_
+        for level in ("torch-fp16", "mil-fp16")
+        for gate_ in (
+            Gate("candidate_argmax_agreement", level, _GE,
+                 "decision: share of requests whose chosen candidate matches the original",
+                 "decision.candidate_argmax_agreement"),
+            Gate("action_argmax_agreement", level, _GE,
+                 "decision: share of requests whose chosen action matches the original",
+                 "decision.action_argmax_agreement"),
+            Gate("max_abs_dprob_calibrated", level, _LE,
+                 "decision: largest |p' - p| of the calibrated candidate probabilities "
+                 "softmax(z / T)",
+                 "decision.max_abs_dprob_calibrated"),
+            Gate("max_abs_dprob_action", level, _LE,
+                 "decision: largest |p' - p| of the action probabilities",
+                 "decision.max_abs_dprob_action"),
+            Gate("temperature_certificate", level, _LE,
+                 "decision: max over requests of ||p' - p||_inf / (delta / (2T) + rounding), "
+                 "delta the largest scorer-logit error; above 1 the calibrated output is not "
+                 "softmax(z' / T)",
+                 fixed=1.0),
+        )
+    ),
     # a cached decoder's package (cache style state / io) through the host loop, in the MIL
     # evaluator's fp16 profile; thresholds fixed by issue 11
     Gate("kv_max_abs_logit_error", "kv-cache", _LE,

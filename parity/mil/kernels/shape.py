@@ -149,7 +149,12 @@ def pad(call: Call) -> np.ndarray:
 def slice_by_index(call: Call) -> np.ndarray:
     """numpy slicing ``x[begin:end:stride]`` per axis; masks ignore begin/end or index."""
     x = np.asarray(call["x"])
-    rank = x.ndim
+    return np.asarray(x[slice_index(call, x.ndim)])
+
+
+def slice_index(call: Call, rank: int) -> tuple[Any, ...]:
+    """The numpy index of a ``slice_by_index`` (or ``slice_update``) call on a rank-``rank``
+    value: ``begin:end:stride`` per axis, masks ignoring begin / end or squeezing the axis."""
     begin, end = call.integers("begin"), call.integers("end")
     assert begin is not None and end is not None
     stride = call.integers("stride") or [1] * rank
@@ -161,14 +166,10 @@ def slice_by_index(call: Call) -> np.ndarray:
         if squeeze_mask[i]:
             index.append(begin[i])
             continue
-        index.append(
-            slice(
-                None if begin_mask[i] else begin[i],
-                None if end_mask[i] else end[i],
-                stride[i],
-            )
-        )
-    return np.asarray(x[tuple(index)])
+        start = None if begin_mask[i] else begin[i]
+        stop = None if end_mask[i] else end[i]
+        index.append(slice(start, stop, stride[i]))
+    return tuple(index)
 
 
 @kernel("slice_by_size", exact=True)

@@ -9,10 +9,10 @@ how a runtime's ``MLState`` persists between predictions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from parity.mil.kernels.shape import slice_index
 from parity.mil.registry import Call, kernel
 
 
@@ -43,25 +43,6 @@ def coreml_update_state(call: Call) -> np.ndarray:
     return value
 
 
-def _slice_index(call: Call, shape: tuple[int, ...]) -> tuple[Any, ...]:
-    rank = len(shape)
-    begin, end = call.integers("begin"), call.integers("end")
-    assert begin is not None and end is not None
-    stride = call.integers("stride") or [1] * rank
-    begin_mask = call.flags("begin_mask", rank)
-    end_mask = call.flags("end_mask", rank)
-    squeeze_mask = call.flags("squeeze_mask", rank)
-    index: list[Any] = []
-    for i in range(rank):
-        if squeeze_mask[i]:
-            index.append(begin[i])
-            continue
-        start = None if begin_mask[i] else begin[i]
-        stop = None if end_mask[i] else end[i]
-        index.append(slice(start, stop, stride[i]))
-    return tuple(index)
-
-
 @kernel(
     "slice_update",
     attributes=("stride", "begin_mask", "end_mask", "squeeze_mask"),
@@ -72,7 +53,7 @@ def slice_update(call: Call) -> np.ndarray:
     may be run-time values. An update whose shape differs from the slice is an error."""
     x = np.array(call["x"], copy=True)
     update = np.asarray(call["update"])
-    index = _slice_index(call, x.shape)
+    index = slice_index(call, x.ndim)
     target = x[index]
     if np.shape(target) != update.shape:
         raise ValueError(f"update of shape {update.shape} for a slice of shape {target.shape}")
