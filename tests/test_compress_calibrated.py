@@ -233,14 +233,17 @@ def _one_conv_model(weight: np.ndarray) -> Any:
 def test_gptq_integers_are_stored_as_computed(bits: int) -> None:
     """write_integers: the program decodes to the integers times the fp16 scales, bit for bit,
     with int{bits} data."""
-    from converter.compress.methods.gptq import decode, write_integers
+    from converter.compress.integer_weights import write_integers
+    from converter.compress.methods.gptq import decode, row_integers
     from converter.compress.records import decoded_weight
 
     rng = np.random.default_rng(0)
     lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1)
     q = rng.integers(lo, hi, size=(48, 64, 1, 1)).astype(np.int8)
     s = (rng.random(48) * 0.01 + 1e-3).astype(np.float16)
-    model = write_integers(_one_conv_model(np.zeros(q.shape)), {"w_to_fp16": (q, s, bits)})
+    model = write_integers(
+        _one_conv_model(np.zeros(q.shape)), {"w_to_fp16": row_integers(q, s, bits)}
+    )
     function = model._mil_program.functions["main"]
     (op,) = [o for o in function.operations if o.op_type.startswith("constexpr_")]
     from coremltools.converters.mil.mil import types

@@ -32,12 +32,22 @@ METHOD = Int4()
 
 
 def test_every_method_is_a_registered_module_and_a_recipe_value() -> None:
-    assert methods.names() == ("lut", "int8", "w8a8", "mixed", "outliers", "scaled", "gptq", "skm")
+    assert methods.names() == (
+        "lut",
+        "int8",
+        "w8a8",
+        "mixed",
+        "outliers",
+        "scaled",
+        "gptq",
+        "skm",
+        "grid",
+    )
     assert get_args(Variant.model_fields["method"].annotation) == methods.names()
     for name in methods.names():
         assert isinstance(methods.get(name), CompressionMethod) and methods.get(name).summary
     with pytest.raises(
-        KeyError, match="registered: lut, int8, w8a8, mixed, outliers, scaled, gptq, skm"
+        KeyError, match="registered: lut, int8, w8a8, mixed, outliers, scaled, gptq, skm, grid"
     ):
         methods.get("int4")
 

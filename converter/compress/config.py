@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 else:
     Method = Literal[methods.names()]
 SearchMethod = Literal["lut", "skm", "gptq"]  # what the mixed search may choose per weight
-Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel"]
+# per-block: integers with a scale per block of group_size inputs (method grid)
+Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel", "per-block"]
 
 # Methods that read compression.calibration (layer sensitivity, activation ranges): each
 # method module says so (``needs_calibration``).
@@ -152,11 +153,11 @@ class Variant(StrictModel):
             problems.append((("suffix",), f"expected lower-case letters, digits, '.', '_', '-', "
                              f"got {self.suffix!r}"))  # fmt: skip
         problems += methods.get(self.method).check(self)
-        if self.granularity == "per-grouped-channel":
+        if self.granularity in ("per-grouped-channel", "per-block"):
             if self.group_size is None:
-                problems.append((("group_size",), "required for per-grouped-channel"))
+                problems.append((("group_size",), f"required for {self.granularity}"))
         elif self.group_size is not None:
-            problems.append((("group_size",), "only for per-grouped-channel"))
+            problems.append((("group_size",), "only for per-grouped-channel and per-block"))
         for name in methods.optional_fields():
             owners = methods.owners(name)
             default = type(self).model_fields[name].get_default(call_default_factory=True)

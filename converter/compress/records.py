@@ -164,7 +164,7 @@ def weight_records(
                 scheme.bits,
                 scheme.granularity,
                 scheme.group_size,
-                scheme.symmetric if scheme.method == "int8" else None,
+                scheme.symmetric if scheme.method in ("int8", "grid") else None,
                 methods.get(scheme.method).algorithm(scheme, site),
                 op.op_type,
                 fp16_bytes,

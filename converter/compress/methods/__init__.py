@@ -14,7 +14,7 @@ from converter.compress.methods.base import CompressionMethod
 
 # The order the methods are listed in messages and applied in (palettes, then int8); a new
 # method without a place here comes after them, by name.
-_ORDER = ("lut", "int8", "w8a8", "mixed", "outliers", "scaled", "gptq", "skm")
+_ORDER = ("lut", "int8", "w8a8", "mixed", "outliers", "scaled", "gptq", "skm", "grid")
 
 
 def discover(path: list[str], package: str) -> dict[str, CompressionMethod]:

@@ -27,9 +27,10 @@ Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]
 FeatureUse = tuple[Loc, Feature, str]  # the field that asks, the feature, the fix
 
-# How a weight is stored: a k-means palette or affine int8 (the coremltools constexpr ops), or
-# values a calibrated method computed (GPTQ's integers, sensitive k-means' palettes).
-SchemeMethod = Literal["lut", "int8", "gptq", "skm"]
+# How a weight is stored: a k-means palette or affine int8 (the coremltools constexpr ops),
+# values a calibrated method computed (GPTQ's integers, sensitive k-means' palettes), or the
+# integers of the block grid a weight already lies on (grid).
+SchemeMethod = Literal["lut", "int8", "gptq", "skm", "grid"]
 
 # Palette sizes coremltools' k-means palettizer and the constexpr ops accept.
 LUT_BITS = (1, 2, 3, 4, 6, 8)
@@ -68,7 +69,7 @@ class Scheme:
 
     method: SchemeMethod
     bits: int
-    granularity: str  # per-tensor, per-grouped-channel, per-channel
+    granularity: str  # per-tensor, per-grouped-channel, per-channel, per-block
     group_size: int | None = None
     symmetric: bool = True
 

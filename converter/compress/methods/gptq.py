@@ -13,8 +13,8 @@ the layers before it already rounded (the paper's sequential form), the LM head 
 
 Stored as such: the integers GPTQ chose and its scales (fp16) go into one constexpr op per
 weight (``constexpr_blockwise_shift_scale``, iOS 18 / macOS 15; int8 before that
-``constexpr_affine_dequantize``), written here rather than by ``linear_quantize_weights``,
-which would recompute the scale from the rounded weights and could move the integers. The
+``constexpr_affine_dequantize``), written by ``compress.integer_weights`` rather than by
+``linear_quantize_weights``, which would recompute the scale and could move the integers. The
 only change from GPTQ's own result is the fp16 rounding of each row's scale (relative error
 at most 2**-11, far under the grid step).
 """
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from converter.compress.integer_weights import Integers, write_integers
 from converter.compress.methods.base import (
     BuildContext,
     CompressionMethod,
@@ -36,8 +37,6 @@ from converter.compress.methods.base import (
 )
 from converter.compress.sites import WeightSite
 from converter.targets import Feature
-
-_SUFFIX = "_quantized"  # records.py finds the op by it
 
 
 class Gptq(CompressionMethod):
@@ -97,7 +96,7 @@ class Gptq(CompressionMethod):
                 subject.embed_table, subject.held_out.pad_id,
             )  # fmt: skip
         consts = {s.name: s.const for s in sites}
-        values = {consts[n]: (ints[n], scales[n], bits[n]) for n in ints}
+        values = {consts[n]: row_integers(ints[n], scales[n], bits[n]) for n in ints}
         model = write_integers(mlmodel, values)
         return model, {"seconds": time.perf_counter() - start}
 
@@ -185,49 +184,13 @@ def integers(weight: Any, quantizer: Any, bits: int) -> tuple[np.ndarray, np.nda
 
 
 def decode(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """What the program computes from ``q`` and ``scale``: fp32 products, rounded to fp16."""
-    w = q.astype(np.float32) * scale.astype(np.float32).reshape(-1, *([1] * (q.ndim - 1)))
-    return w.astype(np.float16).astype(np.float32)
+    """What the program computes from ``q`` and fp16 row scales ``scale``."""
+    return row_integers(q, scale, 8).decode()
 
 
-def write_integers(mlmodel: Any, values: dict[str, tuple[np.ndarray, np.ndarray, int]]) -> Any:
-    """A new MLModel whose named weight consts are constexpr ops holding the given integers,
-    fp16 row scales and bit width (named ``<const>_quantized``)."""
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import types
-    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
-    from coremltools.models.utils import _apply_graph_pass
-
-    from converter.compress.methods.base import quiet_progress
-
-    class Write(AbstractGraphPass):
-        def apply(self, prog: Any) -> None:
-            from coremltools.converters.mil._deployment_compatibility import AvailableTarget
-
-            f = prog.functions["main"]
-            ios18 = f.opset_version is not None and f.opset_version >= AvailableTarget.iOS18
-            ops = {op.outputs[0].name: op for op in f.operations if op.op_type == "const"}
-            with f:
-                for const, (q, s, bits) in values.items():
-                    old = ops[const]
-                    if ios18:
-                        data = q.astype(types.np_int4_dtype) if bits == 4 else q
-                        scale = s.reshape(-1, *([1] * (q.ndim - 1)))
-                        new = mb.constexpr_blockwise_shift_scale(
-                            data=data, scale=scale, before_op=old, name=const + _SUFFIX
-                        )
-                    else:  # int8 only (int4 needs iOS18: features())
-                        new = mb.constexpr_affine_dequantize(
-                            quantized_data=q, zero_point=np.int8(0), scale=s, axis=0,
-                            before_op=old, name=const + _SUFFIX,
-                        )  # fmt: skip
-                    f.replace_uses_of_var_after_op(
-                        anchor_op=old, old_var=old.outputs[0], new_var=new
-                    )
-                    f.remove_ops([old])
-
-    with quiet_progress():
-        return _apply_graph_pass(mlmodel, Write())
+def row_integers(q: np.ndarray, scale: np.ndarray, bits: int) -> Integers:
+    """GPTQ's integers with one scale per output row, as the program stores them."""
+    return Integers(q, scale.reshape(-1, *([1] * (q.ndim - 1))), bits)
 
 
 METHOD = Gptq()

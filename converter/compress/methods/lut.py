@@ -38,7 +38,7 @@ class Lut(CompressionMethod):
         if variant.bits not in LUT_BITS:
             allowed = ", ".join(map(str, LUT_BITS))
             problems.append((("bits",), f"a lut variant needs bits from {allowed}"))
-        if variant.granularity == "per-channel":
+        if variant.granularity in ("per-channel", "per-block"):
             problems.append((("granularity",), "palettes are per-tensor or per-grouped-channel"))
         return problems
 
