@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def speculate_command(
     for each K; with --draft-ms, --verify-ms and --target-ms, a predicted speed-up (never for
     the draft's own checkpoint, whose figure is self-acceptance)."""
     from converter.generate import Runtime, mil_backend
-    from converter.speculate import TEXTS, Acceptance, speculate, speedup
+    from converter.speculate import TEXTS, Acceptance, speculate, speedup, target_tokens
 
     draft = Runtime.from_artifact(draft_dir)
     if draft.tokenizer is None:
@@ -99,7 +100,7 @@ def speculate_command(
     for k in parse_depths(depths):
         stats = Acceptance(k)
         for prompt in prompts:
-            speculate(make, model, prompt, k, max_new_tokens, stats)
+            speculate(make, partial(target_tokens, model), prompt, k, max_new_tokens, stats)
         row: dict[str, Any] = {
             "k": k,
             "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],

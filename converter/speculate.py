@@ -80,16 +80,21 @@ def absorb(session: CacheSession, tokens: list[int], k: int) -> np.ndarray:
     return logits
 
 
+# (ids, first) -> the target's greedy token after each position of ids from ``first`` on
+Verifier = Callable[[list[int], int], list[int]]
+
+
 def speculate(
     make_session: Callable[[], CacheSession],
-    target: nn.Module,
+    verify: Verifier,
     prompt: list[int],
     k: int,
     max_new_tokens: int,
     stats: Acceptance,
 ) -> list[int]:
-    """Generate ``max_new_tokens`` greedily with draft depth ``k``; adds to ``stats`` and
-    returns the new tokens (the target's own greedy continuation)."""
+    """Generate ``max_new_tokens`` greedily with draft depth ``k``, the target's tokens from
+    ``verify`` (e.g. ``partial(target_tokens, model)``); adds to ``stats`` and returns the new
+    tokens (the target's own greedy continuation)."""
     session = make_session()
     context = list(prompt)
     logits = session.prefill("prefill", context)
@@ -101,7 +106,7 @@ def speculate(
             drafted.append(int(np.argmax(logits)))
             if i < k - 1:
                 logits = session.call("decode", [drafted[-1]])[:, -1]
-        verified = target_tokens(target, context + drafted, start - 1)  # K + 1 tokens
+        verified = verify(context + drafted, start - 1)  # K + 1 tokens
         stats.target_calls += 1
         stats.cycles += 1
         accepted = 0

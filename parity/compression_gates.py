@@ -247,6 +247,8 @@ class VariantParity:
     gates: list[GateResult]
     mil_fp32_logits_rel_error: float
     notes: list[str] = field(default_factory=list)
+    # compress.acceptance's report section (measured, not gated), when the recipe asks for it
+    acceptance: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -422,7 +424,7 @@ def parity_json(result: VariantParity) -> dict[str, Any]:
         ],
         "mil_fp32_logits_rel_error": result.mil_fp32_logits_rel_error,
         "notes": result.notes,
-    }
+    } | ({"acceptance": result.acceptance} if result.acceptance is not None else {})
 
 
 def parity_text(result: VariantParity) -> str:

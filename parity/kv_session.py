@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,3 +187,23 @@ class MilFunctions:
             return dict(result.outputs)
 
         return run, states
+
+
+def session_for(
+    functions: dict[str, CachedDecoder], runner: Runner, states: Any, embed: Any
+) -> CacheSession:
+    """A fresh host loop over the cached modules ``functions`` run by ``runner`` (the
+    functions share the cache shape, RoPE rows and token input)."""
+    first = next(iter(functions.values()))
+    shapes = {
+        name: FunctionShape(
+            name,
+            CallShape(m.io.cache_length, m.io.tokens, tuple(m.windows), m.io.style),
+            m.io.logits,
+        )
+        for name, m in functions.items()
+    }
+    token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
+    return CacheSession(
+        shapes, rope_rows(first), first.cache_shape(), runner, token_input, embed, states=states
+    )

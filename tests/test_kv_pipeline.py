@@ -5,6 +5,7 @@ run from, and the recipe rules of the cache section."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +126,7 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
     from tiny_models import tiny_hf_model
 
     from converter.generate import Runtime, mil_backend
-    from converter.speculate import Acceptance, speculate
+    from converter.speculate import Acceptance, speculate, target_tokens
     from parity.kv_reference import greedy_ids
 
     target = tiny_hf_model("llama")
@@ -133,7 +134,7 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
     k = 3
     stats = Acceptance(k)
     prompt = [7, 8, 9, 10]
-    new = speculate(make, target, prompt, k, 20, stats)
+    new = speculate(make, partial(target_tokens, target), prompt, k, 20, stats)
     assert new == greedy_ids(target, tuple(prompt), 20)
     assert stats.tokens == 20 and stats.target_calls == stats.cycles
     # The draft is the target in fp16: self-acceptance is high but measured, not assumed.

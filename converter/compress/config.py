@@ -125,6 +125,25 @@ class SearchSpace(StrictModel):
         return self
 
 
+class AcceptanceSpec(StrictModel):
+    """Each variant's acceptance as a speculative draft for the fp16 model (decoders only):
+    greedy, at each depth K, on the first ``prompt_tokens`` tokens of the first ``prompts``
+    held-out texts that long, ``new_tokens`` generated each (``compress.acceptance``)."""
+
+    depths: list[Annotated[int, Field(ge=1, le=8, strict=True)]] = Field(
+        default_factory=lambda: [1, 2, 3, 4]
+    )
+    prompts: int = Field(default=4, ge=1, strict=True)
+    prompt_tokens: int = Field(default=32, ge=1, strict=True)
+    new_tokens: int = Field(default=32, ge=1, strict=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> AcceptanceSpec:
+        if not self.depths or len(set(self.depths)) != len(self.depths):
+            raise_rules("AcceptanceSpec", [(("depths",), "expected distinct depths from 1 to 8")])
+        return self
+
+
 class Variant(StrictModel):
     """One compressed variant, published as ``<name>-<suffix>``."""
 
@@ -197,6 +216,8 @@ class Compression(StrictModel):
     # one evaluation. A number n: each text is run as its prefixes ending at its last n tokens
     # through the emitted program as it is (one evaluation each).
     mil_positions: Annotated[int, Field(ge=1, le=64, strict=True)] | Literal["all"] = "all"
+    # Decoders: each variant's acceptance as a draft for the fp16 model, in its report.
+    acceptance: AcceptanceSpec | None = None
     variants: list[Variant]
 
     @model_validator(mode="after")
@@ -283,6 +304,10 @@ def compression_problems(
             problems.append(
                 ((*at, "method"), f"{v.method} is implemented for {', '.join(sorted(tasks))} only")
             )
+    if compression.acceptance is not None and not decoder:
+        problems.append(
+            (("compression", "acceptance"), "speculative acceptance is measured for decoders only")
+        )
     for part in ("held_out", "calibration"):
         items = getattr(compression, part)
         if isinstance(items, Corpus):

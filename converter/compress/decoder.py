@@ -7,6 +7,7 @@ embedding table and the held-out slice with the original model's logits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ class DecoderSubject:
         "activations, norms' parameters, RoPE tables, masks and the host-side embedding table "
         "stay as in the fp16 artifact"
     )
+    # compression.acceptance (a `config.AcceptanceSpec`): each variant's speculative acceptance
+    acceptance: Any = None
     # The fp16 artifact's own logits, computed once for all variants by `baselines`.
     torch_fp16: Logits = field(default_factory=dict)
     mil_fp16: Logits = field(default_factory=dict)
@@ -67,7 +70,8 @@ class DecoderSubject:
     @property
     def parity_steps(self) -> int:
         """Progress steps of `parity`."""
-        return len(self.held_out.windows) + FP32_WINDOWS
+        depths = len(self.acceptance.depths) if self.acceptance is not None else 0
+        return len(self.held_out.windows) + FP32_WINDOWS + depths
 
     def baselines(self, program: Any, advance: Callable[[], None]) -> None:
         """The fp16 artifact's logits: the torch module in fp16 and the program (MIL fp16)."""
@@ -155,7 +159,37 @@ class DecoderSubject:
             levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
             self.mil_fp32_threshold, mismatches, quantizers,
         )  # fmt: skip
-        return VariantParity(levels, gates, fp32_error, notes)
+        acceptance = self._acceptance(with_variant, wrap, advance)
+        return VariantParity(levels, gates, fp32_error, notes, acceptance)
+
+    def _acceptance(
+        self, variant: BC1LDecoder, wrap: Any, advance: Callable[[], None]
+    ) -> dict[str, Any] | None:
+        """The variant's acceptance as a draft for the fp16 model, when the recipe asks."""
+        spec = self.acceptance
+        if spec is None:
+            return None
+        from converter.compress.acceptance import (
+            AcceptanceSetup,
+            acceptance_json,
+            draft_acceptance,
+        )
+        from converter.compress.calibrate import fp16_copy
+
+        long_enough = [
+            f.token_ids for f in self.held_out.texts if len(f.token_ids) >= spec.prompt_tokens
+        ]
+        if len(long_enough) < spec.prompts:
+            raise ValueError(
+                f"compression.acceptance.prompts: {spec.prompts} prompts of {spec.prompt_tokens} "
+                f"tokens asked, the held-out slice has {len(long_enough)} texts that long"
+            )
+        prompts = [list(ids[: spec.prompt_tokens]) for ids in long_enough[: spec.prompts]]
+        setup = AcceptanceSetup(list(spec.depths), prompts, spec.new_tokens)
+        draft, target = fp16_copy(variant), fp16_copy(self.module)
+        with wrap(draft) if wrap is not None else contextlib.nullcontext():
+            rows = draft_acceptance(draft, target, self.embed_table, setup, advance)
+        return acceptance_json(rows, setup)
 
     def _positions(self, program: Any) -> None:
         """Make ``program`` its all-positions copy in place when the slice asks for it."""
@@ -177,4 +211,9 @@ class DecoderSubject:
             f"held-out slice: {h.source}; {len(h.texts)} texts, {h.positions} positions "
             "scored at torch level"
         )
-        return parity_json(parity) | {"held_out": about}, line + "\n" + parity_text(parity)
+        text = line + "\n" + parity_text(parity)
+        if parity.acceptance is not None:
+            from converter.compress.acceptance import acceptance_text
+
+            text += "\n" + acceptance_text(parity.acceptance)
+        return parity_json(parity) | {"held_out": about}, text

@@ -96,7 +96,9 @@ def emit_variants(
     """Build, measure and publish every variant of a decoder (in recipe order)."""
     from converter.compress.decoder import DecoderSubject
 
-    subject = DecoderSubject(module, embed_table, held_out, mil_fp32_threshold)
+    subject = DecoderSubject(
+        module, embed_table, held_out, mil_fp32_threshold, acceptance=compression.acceptance
+    )
     return emit(compression, name, fp16_dir, subject, out_dir, force, steps)
 
 

@@ -357,8 +357,9 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
         [n for n, _ in rw.module.named_parameters()],
     )
     subject = DecoderSubject(
-        rw.module, rw.embed_table, run.held_out, recipe.gates.mil_fp32_layer_rel_error
-    )
+        rw.module, rw.embed_table, run.held_out, recipe.gates.mil_fp32_layer_rel_error,
+        acceptance=compression.acceptance,
+    )  # fmt: skip
     return emit_kv_variants(
         compression, recipe.name, published, subject, build, out_dir, force, progress
     )
