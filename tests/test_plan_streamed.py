@@ -16,7 +16,7 @@ ROWS, COLS = 64, 128  # a conv weight (ROWS, COLS, 1, 1)
 DENSE = ROWS * COLS * 2
 
 
-def _program(kind: str) -> Any:
+def _program(kind: str, layers: int = 1) -> Any:
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
@@ -45,7 +45,10 @@ def _program(kind: str) -> Any:
                 data=ints.astype(types.np_int4_dtype),
                 scale=np.ones((ROWS, COLS // 32, 1, 1), np.float16),
             )
-        return mb.conv(x=x, weight=w, name="conv")
+        y = mb.conv(x=x, weight=w, name="conv")
+        for i in range(1, layers):  # square convs reading the same weight format
+            y = mb.conv(x=mb.concat(values=[y, y], axis=1), weight=w, name=f"conv_{i}")
+        return y
 
     return prog
 
@@ -87,3 +90,22 @@ def test_every_rule_names_its_source_and_the_floor_reads_the_streamed_bytes() ->
         assert floor(report.functions[0], chip).ms > 0
     # the cost model reads what the rules say: the per-block weight dense, the other packed
     assert floors == {"int4-channel": ROWS * COLS // 2 + ROWS * 2, "int4-block": DENSE}
+
+
+@pytest.mark.parametrize(("kind", "device", "rule"), [
+    ("int4-block", "CPU", "O-BLOCKW"), ("int4-channel", "NE", "O-CONV"), ("lut4", "NE", "O-CONV"),
+])  # fmt: skip
+def test_a_conv_on_per_block_weights_is_predicted_off_the_ne(
+    kind: str, device: str, rule: str
+) -> None:
+    """Per-block integers are GPU-oriented: the NE runs per-channel or per-tensor formats only
+    (rule O-BLOCKW, with its sources); three convs, so the tiny-graph rule does not decide."""
+    from converter.plan.chips import CHIPS
+    from converter.plan.static import static_report
+
+    table = op_table(_program(kind, layers=3))
+    for chip in CHIPS.values():
+        report = static_report(table, kind, "0" * 64, chip.name, "CPU_AND_NE", ())
+        convs = [r for r in report.functions[0].rows if r.op_type == "conv"]
+        assert len(convs) == 3
+        assert all((r.device, r.rule) == (device, rule) for r in convs), convs

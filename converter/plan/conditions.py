@@ -143,6 +143,13 @@ def batched_activation_matmul(op: Op, ctx: Context) -> str | None:
     return None
 
 
+def block_weights(op: Op, ctx: Context) -> str | None:
+    """O-BLOCKW: a compute layer whose weight is per-block integers (plan.streamed S-BLOCK)."""
+    if op.op_type in COMPUTE_LAYER_TYPES and "S-BLOCK" in op.weight_formats:
+        return "weight is per-block integers (constexpr_blockwise_shift_scale, blocks of inputs)"
+    return None
+
+
 def conv_kernel(limit: int) -> Test:
     """A test matching convolutions whose kernel is wider than ``limit``."""
 

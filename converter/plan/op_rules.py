@@ -7,6 +7,7 @@ the op stage the first matching rule decides. Sources as in ``converter.plan.rul
 from __future__ import annotations
 
 from converter.plan.conditions import (
+    block_weights,
     conv_kernel,
     op_types,
 )
@@ -175,6 +176,22 @@ OP_RULES: tuple[Rule, ...] = (
         "kernels along width)",
         "split the kernel into narrower convs, or fold the width into channels",
         conv_kernel(16),
+    ),
+    Rule(
+        "O-BLOCKW",
+        "op",
+        "conv / linear / matmul whose weight is per-block integers (blocks along the inputs)",
+        "CPU",
+        "medium",
+        "ane_rules.md O-BLOCK4 (coremltools opt-quantization-perf.md: per-block is for the "
+        "GPU, per-channel on the NE); anchors_style.md quantization pitfalls (coremltools#2510 "
+        "'ANE only support per-cout/per-tensor quantization'; apple/coreai-models#279: "
+        "per-block on the ANE, cosine 0.367); dump D3 (constexpr_blockwise_shift_scale among "
+        "executorch's non-ANE ops). Conflict: ane-guide appendix A (blockwise streams natively "
+        "from M3), one source, not applied",
+        "store the weight per output channel (method int8 or gptq) or as palettes (lut, skm); "
+        "a per-block variant (method grid) saves storage, not NE time",
+        block_weights,
     ),
     Rule(
         "O-CONV",

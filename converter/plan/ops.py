@@ -121,6 +121,8 @@ class Op:
     reads_function_input: bool = False
     writes_function_output: bool = False
     layer: int | None = None  # the transformer layer the op belongs to (see assign_layers)
+    # plan.streamed rule ids of the compressed weights it reads (e.g. "S-BLOCK")
+    weight_formats: tuple[str, ...] = ()
 
     @property
     def dispatchable(self) -> bool:
@@ -368,6 +370,7 @@ def function_table(name: str, function: Any) -> Function:
     input_names = {t.name for t in inputs}
     const_vars: dict[str, Tensor] = {}
     const_charge: dict[str, int] = {}  # bytes a reader of this var streams
+    const_format: dict[str, str] = {}  # a constexpr output's plan.streamed rule id
     stored = 0
     streamed: dict[str, dict[str, int]] = {}
     ops: list[Op] = []
@@ -385,6 +388,7 @@ def function_table(name: str, function: Any) -> Function:
         attrs: dict[str, Any] = {}
         weight_bytes = 0
         producers: list[int] = []
+        formats: list[str] = []
         reads_input = False
         for key, var in _input_vars(mil_op):
             t = tensor_of(var)
@@ -398,6 +402,8 @@ def function_table(name: str, function: Any) -> Function:
             elif var.name in producer_of:
                 producers.append(producer_of[var.name])
                 weight_bytes += const_charge.get(var.name, 0)  # a constexpr's output
+                if var.name in const_format:
+                    formats.append(const_format[var.name])
             elif var.name in input_names:
                 reads_input = True
         outputs = [tensor_of(v) for v in mil_op.outputs]
@@ -416,6 +422,7 @@ def function_table(name: str, function: Any) -> Function:
             in_block_of=parent,
             producers=sorted(set(producers)),
             reads_function_input=reads_input,
+            weight_formats=tuple(formats),
         )
         if not row.dispatchable:
             # A constexpr is stored weight: its readers stream what it stores when the format
@@ -427,6 +434,7 @@ def function_table(name: str, function: Any) -> Function:
             charge = held if rule.stays_compressed else dense
             for out in outputs:
                 const_charge[out.name] = charge
+                const_format[out.name] = rule.id
             tally = streamed.setdefault(rule.id, {"weights": 0, "stored": 0, "streamed": 0})
             tally["weights"] += 1
             tally["stored"] += held
