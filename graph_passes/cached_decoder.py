@@ -180,6 +180,12 @@ class CachedDecoder(nn.Module):
         module's layers)."""
         return (2 * self.num_layers, self.kv_heads, self.io.cache_length, self.head_dim)
 
+    def model_cache_shape(self) -> tuple[int, int, int, int]:
+        """(2N, KV, S, d) over every layer of the model, whichever chunk this is: the
+        one-package layout a chunked decoder's host loop keeps (`parity.kv_chain`)."""
+        n = self.spec.num_layers
+        return (2 * n, self.kv_heads, self.io.cache_length, self.head_dim)
+
     def rows_shape(self) -> tuple[int, int, int, int]:
         """(2N, KV, T, d): the new rows of one call, in the cache's layout."""
         return (2 * self.num_layers, self.kv_heads, self.io.tokens, self.head_dim)

@@ -199,7 +199,8 @@ def session_for(
     functions: dict[str, CachedDecoder], runner: Runner, states: Any, embed: Any
 ) -> CacheSession:
     """A fresh host loop over the cached modules ``functions`` run by ``runner`` (the
-    functions share the cache shape, RoPE rows and token input)."""
+    functions share the cache shape, RoPE rows and token input; a chunk's functions give
+    the host loop of the whole chain: its cache in the one-package layout)."""
     first = next(iter(functions.values()))
     shapes = {
         name: FunctionShape(
@@ -211,5 +212,6 @@ def session_for(
     }
     token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
     return CacheSession(
-        shapes, rope_rows(first), first.cache_shape(), runner, token_input, embed, states=states
-    )
+        shapes, rope_rows(first), first.model_cache_shape(), runner, token_input, embed,
+        states=states,
+    )  # fmt: skip

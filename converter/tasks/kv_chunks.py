@@ -167,13 +167,6 @@ def package_file(name: str, chunk: Chunk, count: int) -> str:
     return f"{name}.mlpackage" if count == 1 else f"{name}.chunk{chunk.index}.mlpackage"
 
 
-def whole_cache_shape(module: CachedDecoder) -> tuple[int, int, int, int]:
-    """The one-package cache layout (2N, KV, S, d) of every layer, whichever chunk
-    ``module`` is: the host loop's cache (`parity.kv_chain`)."""
-    n = module.spec.num_layers
-    return (2 * n, module.kv_heads, module.io.cache_length, module.head_dim)
-
-
 def chunk_meta(module: CachedDecoder) -> ChunkMeta:
     """What the chained host loop needs to call the chunk ``module`` belongs to."""
     tokens = {"input_ids", "inputs_embeds"} if module.first else set()

@@ -40,7 +40,6 @@ from converter.tasks.kv_chunks import (
     plan_chunks,
     split_layers,
     weight_bytes,
-    whole_cache_shape,
 )
 from converter.tasks.kv_contract import (
     DEFAULT_FUNCTION,
@@ -49,12 +48,11 @@ from converter.tasks.kv_contract import (
     kv_manifest_section,
     state_contract,
 )
-from graph_passes.cache_host import CallShape
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import Continuation, continuation, originals
-from parity.kv_session import CacheSession, FunctionShape, MilFunctions, rope_rows
+from parity.kv_session import CacheSession, MilFunctions, rope_rows, session_for
 from parity.report_files import write_parity_reports
 from parity.threads import with_torch_threads
 
@@ -86,26 +84,6 @@ class KvRun(window_task.DecoderRun):
 def package_bytes(path: Path) -> int:
     """Bytes of every file under a package."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def session_for(
-    functions: dict[str, CachedDecoder], runner: Any, states: Any, embed: Any
-) -> CacheSession:
-    """A fresh host loop over ``functions`` run by ``runner``."""
-    first = functions[DEFAULT_FUNCTION]  # any chunk's: the shapes of a call are the same
-    shapes = {
-        name: FunctionShape(
-            name,
-            CallShape(m.io.cache_length, m.io.tokens, tuple(m.windows), m.io.style),
-            m.io.logits,
-        )
-        for name, m in functions.items()
-    }
-    token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
-    return CacheSession(
-        shapes, rope_rows(first), whole_cache_shape(first), runner, token_input, embed,
-        states=states,
-    )  # fmt: skip
 
 
 # ---- steps -----------------------------------------------------------------------------------
