@@ -101,3 +101,43 @@ def test_anec_parity_reruns_the_gates_on_the_chunks(artifact: Path, tmp_path: Pa
     gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
     names = {g["name"]: g for g in gates}
     assert names["same_gate_set"]["passed"] and names["kv_weights_stored_once"]["passed"]
+
+
+def test_speculative_decoding_runs_the_chain(artifact: Path) -> None:
+    from functools import partial
+
+    from converter.generate import Runtime, mil_backend
+    from converter.speculate import Acceptance, speculate, target_tokens
+    from parity.kv_reference import greedy_ids
+
+    target = tiny_hf_model("llama")
+    stats = Acceptance(3)
+    make = mil_backend(Runtime.from_artifact(artifact))
+    new = speculate(make, partial(target_tokens, target), [7, 8, 9, 10], 3, 12, stats)
+    # rollback and extend through three chunk caches: still exactly the target's tokens
+    assert new == greedy_ids(target, (7, 8, 9, 10), 12)
+    assert stats.rate(0) > 0.8
+
+
+def test_plan_inspect_reports_every_chunk(artifact: Path) -> None:
+    result = run_anec("plan-inspect", artifact, "--json")
+    assert result.exit_code == 0, result.output
+    for i in range(3):
+        assert f"tch.chunk{i}.mlpackage" in result.output
+
+
+def test_a_chunk_fed_its_predecessors_input_fails_the_rerun_naming_the_position(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import parity.kv_chain as kv_chain
+
+    def wrong(fed, returned):  # type: ignore[no-untyped-def]
+        return fed.get("hidden_in", returned["hidden_out"])  # chunk 1's layer skipped
+
+    monkeypatch.setattr(kv_chain, "handoff", wrong)
+    result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
+    assert result.exit_code == 1, result.output
+    gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
+    failed = {g["name"]: g for g in gates if not g["passed"]}
+    assert "kv_max_abs_logit_error" in failed
+    assert "position" in failed["kv_max_abs_logit_error"]["where"]
