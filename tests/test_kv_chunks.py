@@ -130,3 +130,50 @@ def test_a_budget_is_accepted_on_a_cached_decoder(tmp_path: Path) -> None:
     file = tmp_path / "r.yaml"
     file.write_text(RECIPE.format(rest="cache: {style: io, package_budget_mb: 0.25}"))
     assert load_recipe(file).cache.package_budget_mb == 0.25  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def tiny_module():  # type: ignore[no-untyped-def]
+    from tiny_models import build_tiny, one_torch_thread
+
+    threads = one_torch_thread()
+    next(threads)
+    yield build_tiny("llama", "embeddings", batch=1).module
+    next(threads, None)
+
+
+def _split_run(module, compression: object, budget_mb: float | None):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(
+        style="state", length=32, prefill=8, extend=4, package_budget_mb=budget_mb
+    )
+    recipe = SimpleNamespace(precision="float16", target="iOS18", compression=compression)
+    return SimpleNamespace(
+        rewrite=SimpleNamespace(module=module), recipe=recipe, cache=cache, split=[], budget=0
+    )
+
+
+def test_the_split_step_builds_each_chunks_functions(tiny_module) -> None:  # type: ignore[no-untyped-def]
+    from converter.tasks.text_generation_kv import split_packages
+
+    run = _split_run(tiny_module, None, 0.12)
+    split_packages(run, lambda: None)  # type: ignore[arg-type]
+    assert [c.layers for c in run.split] == [(0, 1), (1, 2), (2, 3)]
+    assert [c["decode"].layers() for c in run.chunks] == [
+        [layer] for layer in run.rewrite.module.decoder_layers()
+    ]
+    assert run.budget == 120_000 and run.functions is run.chunks[0]
+    one = _split_run(tiny_module, None, None)  # iOS default: 1000 MB, one chunk
+    split_packages(one, lambda: None)  # type: ignore[arg-type]
+    assert [c.layers for c in one.split] == [(0, 3)] and one.budget == 1_000_000_000
+
+
+def test_a_default_budget_that_chunks_refuses_compression_before_converting(  # type: ignore[no-untyped-def]
+    tiny_module,
+) -> None:
+    from converter.tasks.text_generation_kv import split_packages
+
+    run = _split_run(tiny_module, object(), 0.12)  # as if the default budget had split it
+    with pytest.raises(InputError, match="cache.package_budget_mb: .* 3 packages; compressed"):
+        split_packages(run, lambda: None)  # type: ignore[arg-type]
