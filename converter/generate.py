@@ -15,8 +15,8 @@ one token per call. Backends:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from converter.errors import InputError
 from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
 from graph_passes.logits_layout import top_ids
+from parity.kv_chain import ChunkMeta, MilChain, chain_runner
 from parity.kv_session import CacheSession, FunctionShape, MilFunctions, Runner
 
 
@@ -39,7 +40,11 @@ class Runtime:
     rope: list[tuple[np.ndarray, np.ndarray]]
     embeddings: np.ndarray | None
     tokenizer: Any
-    package: Path
+    package: Path  # the package, or chunk 0's of a chunked decoder
+    # A chunked decoder (manifest kv_cache.chunks): every chunk's package and what the
+    # chained host loop needs to call it, in call order; empty for one package.
+    packages: list[Path] = field(default_factory=list)
+    chunks: list[ChunkMeta] = field(default_factory=list)
 
     @property
     def kv(self) -> dict[str, Any]:
@@ -79,13 +84,17 @@ class Runtime:
 
             tokenizer = Tokenizer.from_file(str(directory / manifest["tokenizer"]["file"]))
         package = directory / manifest["package"]["file"]
-        return cls(directory, manifest, functions, rope, embeddings, tokenizer, package)
+        runtime = cls(directory, manifest, functions, rope, embeddings, tokenizer, package)
+        for entry in kv.get("chunks") or []:
+            runtime.packages.append(directory / entry["package"])
+            runtime.chunks.append(chunk_of(entry, kv["cache"]["shape"][0] // 2))
+        return runtime
 
     def token_input(self) -> str:
         """``input_ids`` or ``inputs_embeds``: the first input of the decode function."""
         return str(self.kv["functions"]["decode"]["inputs"][0]["name"])
 
-    def session(self, runner: Runner, states: dict[str, np.ndarray] | None) -> CacheSession:
+    def session(self, runner: Runner, states: Mapping[str, np.ndarray] | None) -> CacheSession:
         """A host loop over this artifact's functions run by ``runner``."""
         table = self.embeddings
 
@@ -105,14 +114,27 @@ class Runtime:
         )
 
 
+def chunk_of(entry: dict[str, Any], layers: int) -> ChunkMeta:
+    """One ``kv_cache.chunks`` entry as the chained host loop reads it."""
+    names = {t["name"] for f in entry["functions"].values() for t in f["inputs"]}
+    start, stop = entry["layers"]
+    return ChunkMeta(start, stop, layers, frozenset(names), tuple(entry["cache"]["shape"]))
+
+
 def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:
-    """Sessions run by the MIL evaluator (functions prepared once, a fresh state each)."""
+    """Sessions run by the MIL evaluator (functions prepared once, a fresh state each); a
+    chunked decoder's chunks run as one chain (`parity.kv_chain`)."""
     from converter.coreml import load_program
 
-    program = load_program(runtime.package)
-    mil = MilFunctions(
-        program, profile, list(runtime.functions), tuple(runtime.kv["cache"]["shape"])
-    )
+    mil: MilFunctions | MilChain
+    if runtime.chunks:
+        programs = [load_program(p) for p in runtime.packages]
+        mil = MilChain(programs, profile, list(runtime.functions), runtime.chunks)
+    else:
+        mil = MilFunctions(
+            load_program(runtime.package), profile, list(runtime.functions),
+            tuple(runtime.kv["cache"]["shape"]),
+        )  # fmt: skip
 
     def make() -> CacheSession:
         runner, states = mil.session()
@@ -128,14 +150,19 @@ def coreml_backend(
     macOS on this machine)."""
     import coremltools as ct
 
-    models = {
-        name: ct.models.MLModel(
-            str(runtime.package), function_name=name, compute_units=ct.ComputeUnit[units]
-        )
-        for name in runtime.functions
-    }
+    packages = runtime.packages or [runtime.package]
+    per_package = [
+        {
+            name: ct.models.MLModel(
+                str(package), function_name=name, compute_units=ct.ComputeUnit[units]
+            )
+            for name in runtime.functions
+        }
+        for package in packages
+    ]
 
-    def make() -> CacheSession:
+    def runner(models: dict[str, Any]) -> Runner:
+        # One state per package (per chunk), shared by its functions.
         state = models["decode"].make_state() if runtime.kv["style"] == "state" else None
 
         def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -146,7 +173,13 @@ def coreml_backend(
             out = model.predict(feed, state=state) if state else model.predict(feed)
             return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
-        return runtime.session(run, None)
+        return run
+
+    def make() -> CacheSession:
+        runners = [runner(models) for models in per_package]
+        if runtime.chunks:
+            return runtime.session(chain_runner(runtime.chunks, runners), None)
+        return runtime.session(runners[0], None)
 
     return make
 

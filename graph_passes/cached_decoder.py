@@ -61,6 +61,10 @@ from graph_passes.spec import AttentionSpec
 CacheStyle = Literal["state", "io"]
 LogitPositions = Literal["last", "all"]
 CACHE_NAME = "kv_cache"
+# A chunk of a chunked decoder (layers [start, stop) of N) returns the stream (1, D, 1, T) as
+# HIDDEN_OUT unless it is the last; the next chunk reads it as HIDDEN_IN.
+HIDDEN_OUT = "hidden_out"
+HIDDEN_IN = "hidden_in"
 # Up to this many tokens per call the state write is elementwise (see `CachedDecoder.updated`).
 ELEMENTWISE_WRITE = 8
 
@@ -120,9 +124,14 @@ class CachedDecoder(nn.Module):
 
     kv_cache: torch.Tensor
 
-    def __init__(self, window: BC1LDecoder, io: CacheIO) -> None:
+    def __init__(
+        self, window: BC1LDecoder, io: CacheIO, layers: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         spec = window.spec
+        self.start, self.stop = layers or (0, spec.num_layers)
+        if not 0 <= self.start < self.stop <= spec.num_layers:
+            raise ValueError(f"layers {layers}: expected a range inside 0..{spec.num_layers}")
         if io.inputs != window.io.inputs:
             raise ValueError(
                 f"a cached decoder reads its window module's inputs ({window.io.inputs}), "
@@ -135,8 +144,14 @@ class CachedDecoder(nn.Module):
         self.io = io
         self.spec = spec
         attention = [layer.attention for layer in spec.layers]
+        # RoPE groups and windows of the whole model: every chunk of a call reads the same
+        # host inputs (its own subset of them: `used_groups`, `chunk_windows`).
         self.groups, self.group_of = rope_groups(attention)
         self.windows = sorted({w for a in attention if (w := a.window) is not None})
+        mine = attention[self.start : self.stop]
+        self.used_groups = sorted({self.group_of[i] for i in range(self.start, self.stop)})
+        self.chunk_windows = sorted({w for a in mine if (w := a.window) is not None})
+        self.uses_global_mask = any(a.window is None for a in mine)
         first = attention[0]
         self.kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         if any((a.num_kv_heads, a.head_dim) != (self.kv_heads, self.head_dim) for a in attention):
@@ -144,22 +159,46 @@ class CachedDecoder(nn.Module):
         if io.style == "state":
             self.register_buffer(CACHE_NAME, torch.zeros(self.cache_shape()))
 
+    @property
+    def first(self) -> bool:
+        """Whether this chunk reads the tokens (else the previous chunk's ``hidden_out``)."""
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this chunk applies the final norm and the LM head (else returns the
+        stream as ``hidden_out``)."""
+        return self.stop == self.spec.num_layers
+
+    @property
+    def num_layers(self) -> int:
+        """Layers this module runs (all of them unless it is a chunk)."""
+        return self.stop - self.start
+
     def cache_shape(self) -> tuple[int, int, int, int]:
-        """(2N, KV, S, d): keys of layer i in row i, values in row N + i."""
+        """(2N, KV, S, d): keys of layer i in row i, values in row N + i (N, i: this
+        module's layers)."""
+        return (2 * self.num_layers, self.kv_heads, self.io.cache_length, self.head_dim)
+
+    def model_cache_shape(self) -> tuple[int, int, int, int]:
+        """(2N, KV, S, d) over every layer of the model, whichever chunk this is: the
+        one-package layout a chunked decoder's host loop keeps (`parity.kv_chain`)."""
         n = self.spec.num_layers
         return (2 * n, self.kv_heads, self.io.cache_length, self.head_dim)
 
     def rows_shape(self) -> tuple[int, int, int, int]:
         """(2N, KV, T, d): the new rows of one call, in the cache's layout."""
-        n = self.spec.num_layers
-        return (2 * n, self.kv_heads, self.io.tokens, self.head_dim)
+        return (2 * self.num_layers, self.kv_heads, self.io.tokens, self.head_dim)
 
     def input_names(self) -> list[str]:
-        """The host inputs after the tokens, in ``forward`` order."""
+        """The host inputs after the tokens (or ``hidden_in``), in ``forward`` order: the
+        RoPE rows and masks this module's layers read, then the cache inputs."""
         names = []
-        for g in range(len(self.groups)):
+        for g in self.used_groups:
             names += [f"rope_cos_{g}", f"rope_sin_{g}"]
-        names += ["mask", *(f"mask_window_{w}" for w in self.windows), "cache_valid"]
+        if self.uses_global_mask:
+            names.append("mask")
+        names += [*(f"mask_window_{w}" for w in self.chunk_windows), "cache_valid"]
         names.append("write_slots" if self.io.style == "state" else "kv_cache_in")
         return names
 
@@ -169,37 +208,43 @@ class CachedDecoder(nn.Module):
             self.kv_cache.zero_()
 
     def layers(self) -> list[Block]:
-        """The window module's transformer layers (shared objects)."""
-        return self.window.decoder_layers()
+        """The window module's transformer layers this module runs (shared objects)."""
+        return self.window.decoder_layers()[self.start : self.stop]
 
     def forward(self, x: torch.Tensor, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         named = dict(zip(self.input_names(), host, strict=True))
         t = self.io.tokens
-        rope = [(named[f"rope_cos_{g}"], named[f"rope_sin_{g}"]) for g in range(len(self.groups))]
-        masks: dict[int | None, torch.Tensor] = {None: named["mask"]}
-        for w in self.windows:
+        rope = {g: (named[f"rope_cos_{g}"], named[f"rope_sin_{g}"]) for g in self.used_groups}
+        masks: dict[int | None, torch.Tensor] = {}
+        if self.uses_global_mask:
+            masks[None] = named["mask"]
+        for w in self.chunk_windows:
             masks[w] = named[f"mask_window_{w}"]
         raw = self.kv_cache if self.io.style == "state" else named["kv_cache_in"]
         cache = raw * named["cache_valid"]
-        h = self.window.embed_bc1l(x)
+        # The first chunk embeds the tokens; a later one reads the stream (1, D, 1, T).
+        h = self.window.embed_bc1l(x) if self.first else x
         keys, values = [], []
-        n = self.spec.num_layers
+        n = self.num_layers
         for i, layer in enumerate(self.layers()):
-            cos, sin = rope[self.group_of[i]]
+            cos, sin = rope[self.group_of[self.start + i]]
             mask = masks[layer.window]
             h, k, v = self._layer(layer, h, mask, cos, sin, cache[i], cache[n + i])
             keys.append(k)
             values.append(v)
         rows = torch.stack(keys + values)  # (2N, KV, T, d)
-        if self.io.logits == "last":
-            h = h[:, :, :, t - 1 :]
-        logits = self.window.head_outputs(h)
+        if self.last:
+            if self.io.logits == "last":
+                h = h[:, :, :, t - 1 :]
+            outputs = self.window.head_outputs(h)
+        else:
+            outputs = (h,)  # every position: the next chunk's layers need all T
         if self.io.style == "io":
-            return (*logits, rows)
+            return (*outputs, rows)
         # One state write of the whole cache (the assignment coremltools reads as a state
         # update; converter.mil_passes folds its whole-tensor slice_update away).
         self.kv_cache[:, :, :, :] = self.updated(raw, named["write_slots"], rows)
-        return logits
+        return outputs
 
     def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The cache with each token's rows written at its slot: ``slots`` (1, 1, S, T)
@@ -290,16 +335,20 @@ class CachedDecoder(nn.Module):
 
 
 def cached_functions(
-    window: BC1LDecoder, style: CacheStyle, cache_length: int, calls: dict[str, tuple[int, str]]
+    window: BC1LDecoder,
+    style: CacheStyle,
+    cache_length: int,
+    calls: dict[str, tuple[int, str]],
+    layers: tuple[int, int] | None = None,
 ) -> dict[str, CachedDecoder]:
     """One cached module per function (name -> (T, logits)), all on the window module's layers
-    and, for the ``state`` style, one shared cache buffer (as the functions of one package
-    share one state)."""
+    (``layers``: a chunk's [start, stop), every layer by default) and, for the ``state``
+    style, one shared cache buffer (as the functions of one package share one state)."""
     modules: dict[str, CachedDecoder] = {}
     shared: torch.Tensor | None = None
     for name, (tokens, logits) in calls.items():
         io = CacheIO(style, cache_length, tokens, logits, window.io.inputs)  # type: ignore[arg-type]
-        module = CachedDecoder(window, io).eval()
+        module = CachedDecoder(window, io, layers).eval()
         if style == "state":
             if shared is None:
                 shared = module.kv_cache

@@ -8,7 +8,7 @@ gates, the tests and ``anec generate`` drive the same loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from graph_passes.cache_host import CallShape, call_inputs, write_rows
-from graph_passes.cached_decoder import CachedDecoder
+from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import join_logits
 
 # (function name, named inputs) -> named outputs (logits_<k> chunks, new_kv for io)
@@ -45,7 +45,7 @@ class CacheSession:
     position: int = 0
     cache: np.ndarray | None = field(default=None, repr=False)  # io style only
     # The runner's state values (style state, MIL evaluator), for `poison`.
-    states: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    states: Mapping[str, np.ndarray] | None = field(default=None, repr=False)
     # The LM-head chunk sizes (manifest lm_head_chunks): to combine argmax / top-k outputs.
     chunk_sizes: list[int] = field(default_factory=list)
 
@@ -127,7 +127,10 @@ def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Runne
 
     def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         module = modules[function]
-        names = ["input_ids" if "input_ids" in inputs else "inputs_embeds"]
+        if module.first:
+            names = ["input_ids" if "input_ids" in inputs else "inputs_embeds"]
+        else:
+            names = [HIDDEN_IN]
         names += module.input_names()
         args = []
         for name in names:
@@ -135,10 +138,13 @@ def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Runne
             args.append(value if name == "input_ids" else value.to(dtype))
         with torch.no_grad():
             out = module(*args)
-        result = {
-            f"logits_{k}": o.float().numpy()
-            for k, o in enumerate(out[: len(module.window.lm_head)])
-        }
+        if module.last:
+            result = {
+                f"logits_{k}": o.float().numpy()
+                for k, o in enumerate(out[: len(module.window.lm_head)])
+            }
+        else:
+            result = {HIDDEN_OUT: out[0].float().numpy()}
         if module.io.style == "io":
             result["new_kv"] = out[-1].float().numpy()
         return result
@@ -193,7 +199,8 @@ def session_for(
     functions: dict[str, CachedDecoder], runner: Runner, states: Any, embed: Any
 ) -> CacheSession:
     """A fresh host loop over the cached modules ``functions`` run by ``runner`` (the
-    functions share the cache shape, RoPE rows and token input)."""
+    functions share the cache shape, RoPE rows and token input; a chunk's functions give
+    the host loop of the whole chain: its cache in the one-package layout)."""
     first = next(iter(functions.values()))
     shapes = {
         name: FunctionShape(
@@ -205,5 +212,6 @@ def session_for(
     }
     token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
     return CacheSession(
-        shapes, rope_rows(first), first.cache_shape(), runner, token_input, embed, states=states
-    )
+        shapes, rope_rows(first), first.model_cache_shape(), runner, token_input, embed,
+        states=states,
+    )  # fmt: skip

@@ -24,6 +24,12 @@ def test_an_old_decoder_manifest_is_refused_with_what_changed() -> None:
     assert "(B, n, 1, V_k)" in message and "convert the recipe again" in message
 
 
+def test_a_schema_3_decoder_manifest_is_read_one_package_means_what_it_meant() -> None:
+    (chunks,) = [c for c in IO_CONTRACT_CHANGES if c["schema_version"] == 4]
+    assert "kv_cache.chunks" in chunks["what"] and chunks["older_readable"]
+    check_schema_version({"schema_version": 3, "task": "text-generation"}, PATH)
+
+
 def test_an_old_encoder_manifest_is_read_its_contract_did_not_change() -> None:
     assert all("feature-extraction" not in c["tasks"] for c in IO_CONTRACT_CHANGES)
     check_schema_version({"schema_version": 2, "task": "feature-extraction"}, PATH)

@@ -37,6 +37,10 @@ class CacheSpec(StrictModel):
     # Sequential decode steps the parity gates run after each fixture's prompt (>= 64 is the
     # gate the issue fixes; fewer only for CI-sized recipes, which say so in their comment).
     decode_steps: int = Field(default=64, ge=1, le=4096, strict=True)
+    # Stored weight megabytes (10^6 bytes) per package: the layers are split into consecutive
+    # chunk packages within it (`converter.tasks.kv_chunks`); default by target, about 1 GB
+    # for iOS and 2 GB for macOS (Anemll's chunk sizes).
+    package_budget_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _fits(self) -> CacheSpec:
@@ -57,6 +61,14 @@ def cache_problems(
     """Rules between the cache section and the rest of a decoder recipe (``methods``: each
     compression variant's method, in order)."""
     if cache.style == "none":
+        if cache.package_budget_mb is not None:
+            return [
+                (
+                    ("cache", "package_budget_mb"),
+                    "applies to a cached decoder (style state "
+                    "or io); style none emits one window program",
+                )
+            ]
         return []
     problems: list[tuple[Loc, str]] = []
     needs = [Feature.MULTIFUNCTION] + ([Feature.STATES] if cache.style == "state" else [])
@@ -68,6 +80,15 @@ def cache_problems(
         problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
     if precision != "float16":
         problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
+    if methods and cache.package_budget_mb is not None:
+        problems.append(
+            (
+                ("cache", "package_budget_mb"),
+                "compressed variants of a chunked cached decoder are not implemented (each "
+                "chunk would need the plan applied to its own functions); drop the budget or "
+                "the compression section",
+            )
+        )
     for i, method in enumerate(methods):
         if method not in KV_METHODS:
             problems.append(

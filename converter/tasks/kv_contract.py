@@ -8,7 +8,7 @@ from typing import Any
 from converter.coreml import DType, TensorIO
 from converter.tasks.decoder_contract import head_contract, head_convention
 from graph_passes.cache_host import __doc__ as HOST_DOC
-from graph_passes.cached_decoder import CACHE_NAME, CachedDecoder
+from graph_passes.cached_decoder import CACHE_NAME, HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.masks import MASKED
 
 FUNCTIONS = ("prefill", "decode", "extend")
@@ -24,7 +24,12 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
     """The inputs and outputs of one function, with their meaning."""
     io, spec = module.io, module.spec
     t, s, d = io.tokens, io.cache_length, spec.hidden_size
-    if io.inputs == "token-ids":
+    if not module.first:
+        first = TensorIO(
+            HIDDEN_IN, (1, d, 1, t), dtype,
+            f"the previous chunk's {HIDDEN_OUT}, as it returned it",
+        )  # fmt: skip
+    elif io.inputs == "token-ids":
         first = TensorIO("input_ids", (1, t), "int32", "token ids, left-padded to T")
     else:
         first = TensorIO(
@@ -32,8 +37,8 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
             "rows of embeddings.npy for each token id, left-padded to T",
         )  # fmt: skip
     inputs = [first]
-    for g, group in enumerate(module.groups):
-        r = group.rotary_dim
+    for g in module.used_groups:
+        r = module.groups[g].rotary_dim
         for kind in ("cos", "sin"):
             inputs.append(
                 TensorIO(
@@ -42,12 +47,13 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
                     "position (a padding slot: any row)",
                 )
             )  # fmt: skip
-    inputs.append(
-        TensorIO("mask", (1, s + t, 1, t), dtype,
-                 f"additive mask [0, key, 0, query]: keys are the {s} cache slots then the "
-                 f"{t} new slots; 0 visible, {MASKED:g} hidden (causal, global layers)")
-    )  # fmt: skip
-    for w in module.windows:
+    if module.uses_global_mask:
+        inputs.append(
+            TensorIO("mask", (1, s + t, 1, t), dtype,
+                     f"additive mask [0, key, 0, query]: keys are the {s} cache slots then the "
+                     f"{t} new slots; 0 visible, {MASKED:g} hidden (causal, global layers)")
+        )  # fmt: skip
+    for w in module.chunk_windows:
         inputs.append(
             TensorIO(f"mask_window_{w}", (1, s + t, 1, t), dtype,
                      f"as mask, for the local layers: also hidden where key <= query - {w}")
@@ -65,7 +71,14 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
     else:
         inputs.append(TensorIO("kv_cache_in", module.cache_shape(), dtype, cache_meaning()))
     n = t if io.logits == "all" else 1
-    outputs = head_contract(module.window, 1, n, dtype, f"at the last {n} slot(s)")
+    if module.last:
+        outputs = head_contract(module.window, 1, n, dtype, f"at the last {n} slot(s)")
+    else:
+        outputs = [
+            TensorIO(HIDDEN_OUT, (1, d, 1, t), dtype,
+                     f"the residual stream after layer {module.stop - 1} at every slot "
+                     f"[0, channel, 0, slot]: the next chunk's {HIDDEN_IN}")
+        ]  # fmt: skip
     if io.style == "io":
         outputs.append(
             TensorIO("new_kv", module.rows_shape(), dtype,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from converter.coreml import combine_functions, live_ops, load_program, save_package
+from converter.errors import InputError
 from converter.manifest_fields import write_npy
 from converter.progress import Steps
 from converter.publish import write_json_atomic
@@ -28,6 +29,18 @@ from converter.targets import TARGETS
 from converter.tasks import text_generation as window_task
 from converter.tasks.base import Program, load, need
 from converter.tasks.decoder_contract import head_output_section
+from converter.tasks.kv_chunks import (
+    FIELD,
+    Chunk,
+    budget_bytes,
+    chunk_meta,
+    chunked_manifest,
+    chunking_section,
+    package_file,
+    plan_chunks,
+    split_layers,
+    weight_bytes,
+)
 from converter.tasks.kv_contract import (
     DEFAULT_FUNCTION,
     function_calls,
@@ -35,11 +48,11 @@ from converter.tasks.kv_contract import (
     kv_manifest_section,
     state_contract,
 )
-from graph_passes.cache_host import CallShape
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
+from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import Continuation, continuation, originals
-from parity.kv_session import CacheSession, FunctionShape, MilFunctions, rope_rows
+from parity.kv_session import CacheSession, MilFunctions, rope_rows, session_for
 from parity.report_files import write_parity_reports
 from parity.threads import with_torch_threads
 
@@ -52,9 +65,15 @@ class KvRun(window_task.DecoderRun):
     """A cached decoder conversion in progress."""
 
     continuations: list[Continuation] = field(default_factory=list)
+    split: list[Chunk] = field(default_factory=list)  # the packages' layer ranges, call order
+    # Each chunk's functions and sizes, in call order; `functions` / `sizes` are the first's
+    # (the only one's, without chunking).
+    chunks: list[dict[str, CachedDecoder]] = field(default_factory=list)
+    chunk_sizes: list[dict[str, Any]] = field(default_factory=list)
     functions: dict[str, CachedDecoder] = field(default_factory=dict)
     sizes: dict[str, Any] = field(default_factory=dict)
     kv: KvParity | None = None
+    budget: int = 0  # bytes per package (cache.package_budget_mb or the target's default)
 
     @property
     def cache(self) -> Any:
@@ -65,25 +84,6 @@ class KvRun(window_task.DecoderRun):
 def package_bytes(path: Path) -> int:
     """Bytes of every file under a package."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def session_for(
-    functions: dict[str, CachedDecoder], runner: Any, states: Any, embed: Any
-) -> CacheSession:
-    """A fresh host loop over ``functions`` run by ``runner``."""
-    first = functions[DEFAULT_FUNCTION]
-    shapes = {
-        name: FunctionShape(
-            name,
-            CallShape(m.io.cache_length, m.io.tokens, tuple(m.windows), m.io.style),
-            m.io.logits,
-        )
-        for name, m in functions.items()
-    }
-    token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
-    return CacheSession(
-        shapes, rope_rows(first), first.cache_shape(), runner, token_input, embed, states=states
-    )
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -175,67 +175,97 @@ def emit_functions(
     return Emitted(package, sizes, replace(decode, path=package))
 
 
+def split_packages(run: KvRun, advance: Advance) -> None:
+    """Split the layers into chunk packages within the recipe's weight budget (one chunk when
+    everything fits), and build each chunk's cached functions."""
+    rw, recipe = need(run.rewrite, "the rewrite"), run.recipe
+    cache, module = run.cache, rw.module
+    named = ((n, p.numel()) for n, p in module.named_parameters())
+    weights = weight_bytes(
+        named, module.spec.num_layers, recipe.precision, module.io.inputs == "token-ids"
+    )
+    budget = budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
+    run.budget = budget
+    run.split = split_layers(weights, budget, recipe.precision)
+    if len(run.split) > 1 and recipe.compression is not None:
+        raise InputError(
+            f"{FIELD}: the budget splits the layers into {len(run.split)} packages; "
+            "compressed variants of a chunked cached decoder are not implemented (drop the "
+            "compression section or raise the budget)"
+        )
+    calls = function_calls(cache.prefill, cache.extend)
+    run.chunks = [
+        cached_functions(module, cache.style, cache.length, calls, c.layers) for c in run.split
+    ]
+    run.functions = run.chunks[0]
+
+
 def convert_functions(run: KvRun, advance: Advance) -> None:
-    """Convert prefill, decode and extend and combine them into one multifunction package."""
-    rw = need(run.rewrite, "the rewrite")
-    cache = run.cache
-    run.functions = cached_functions(
-        rw.module, cache.style, cache.length, function_calls(cache.prefill, cache.extend)
-    )
-    emitted = emit_functions(
-        run.functions,
-        run.recipe.io.dtype,
-        run.recipe.precision,
-        TARGETS[run.recipe.target].ct_target(),
-        run.job.directory / f"{run.recipe.name}.mlpackage",
-        advance,
-    )
-    run.sizes = emitted.sizes
-    run.programs.append(emitted.decode)
+    """Convert prefill, decode and extend of each chunk and combine them into one
+    multifunction package per chunk."""
+    for chunk, functions in zip(run.split, run.chunks, strict=True):
+        emitted = emit_functions(
+            functions,
+            run.recipe.io.dtype,
+            run.recipe.precision,
+            TARGETS[run.recipe.target].ct_target(),
+            run.job.directory / package_file(run.recipe.name, chunk, len(run.split)),
+            advance,
+        )
+        run.chunk_sizes.append(emitted.sizes)
+        run.programs.append(emitted.decode)
+    run.sizes = run.chunk_sizes[0]
 
 
 def published_functions(run: KvRun, advance: Advance) -> None:
-    """``anec parity``: the cached modules of the published package, and its sizes (the
-    single-function sizes as the manifest recorded them; the combined package measured)."""
+    """``anec parity``: the sizes of the published packages (the single-function sizes as
+    the manifest recorded them; each combined package measured)."""
     import json
 
-    rw = need(run.rewrite, "the rewrite")
-    cache = run.cache
-    run.functions = cached_functions(
-        rw.module, cache.style, cache.length, function_calls(cache.prefill, cache.extend)
-    )
-    package = run.main.path
-    manifest = json.loads((package.parent / "manifest.json").read_text(encoding="utf-8"))
-    recorded = manifest["kv_cache"]["sizes"]
-    sizes = dict(recorded)
-    sizes["multifunction_package_bytes"] = package_bytes(package)
-    sizes["multifunction_weight_bytes"] = (package / WEIGHTS).stat().st_size
-    sizes["package_ratio"] = sizes["multifunction_package_bytes"] / max(
-        recorded["single_function_package_bytes"].values()
-    )
-    sizes["weight_ratio"] = sizes["multifunction_weight_bytes"] / max(
-        recorded["single_function_weight_bytes"].values()
-    )
-    run.sizes = sizes
+    manifest = json.loads((run.main.path.parent / "manifest.json").read_text(encoding="utf-8"))
+    kv = manifest["kv_cache"]
+    records = [c["sizes"] for c in kv["chunks"]] if "chunks" in kv else [kv["sizes"]]
+    for program, recorded in zip(run.programs, records, strict=True):
+        package = program.path
+        sizes = dict(recorded)
+        sizes["multifunction_package_bytes"] = package_bytes(package)
+        sizes["multifunction_weight_bytes"] = (package / WEIGHTS).stat().st_size
+        sizes["package_ratio"] = sizes["multifunction_package_bytes"] / max(
+            recorded["single_function_package_bytes"].values()
+        )
+        sizes["weight_ratio"] = sizes["multifunction_weight_bytes"] / max(
+            recorded["single_function_weight_bytes"].values()
+        )
+        run.chunk_sizes.append(sizes)
+    run.sizes = run.chunk_sizes[0]
 
 
 def cache_gates(
-    package: Path,
-    functions: dict[str, CachedDecoder],
+    packages: list[Path],
+    chunks: list[dict[str, CachedDecoder]],
     continuations: list[Continuation],
     extend: int,
     table: np.ndarray,
-    sizes: dict[str, Any],
+    sizes: list[dict[str, Any]],
     advance: Advance = lambda: None,
 ) -> KvParity:
-    """Every cache gate on the multifunction ``package`` in the MIL evaluator's fp16 profile,
-    and whether it stores its weights once (``sizes`` from `combine_measured`)."""
+    """Every cache gate on the multifunction ``packages`` (one per chunk, in call order, run
+    as one chain) in the MIL evaluator's fp16 profile, and whether each stores its weights
+    once (``sizes`` from `combine_measured`, per chunk)."""
     from parity.gate import gate
 
-    program = load_program(package)
+    functions = chunks[0]
     first = functions[DEFAULT_FUNCTION]
-    chunks = first.window.chunk_sizes
-    mil = MilFunctions(program, "fp16", list(functions), first.cache_shape(), chunks)
+    heads = first.window.chunk_sizes
+    mil: MilFunctions | MilChain
+    if len(chunks) == 1:
+        mil = MilFunctions(
+            load_program(packages[0]), "fp16", list(functions), first.cache_shape(), heads
+        )
+    else:
+        programs = [load_program(p) for p in packages]
+        metas = [chunk_meta(c[DEFAULT_FUNCTION]) for c in chunks]
+        mil = MilChain(programs, "fp16", list(functions), metas, heads)
 
     def make_session() -> CacheSession:
         runner, states = mil.session()
@@ -252,11 +282,14 @@ def cache_gates(
                 detail=f"{mil.check.positions} positions of every call the gates made",
             )
         )
+    # Per chunk: the worst chunk's ratio is the gate's value.
+    worst = max(range(len(sizes)), key=lambda i: sizes[i]["weight_ratio"])
     kv.gates.append(
         gate("kv-cache", "kv_weights_stored_once").check(
-            sizes["weight_ratio"],
+            sizes[worst]["weight_ratio"],
             implementation="package",
-            detail=f"package bytes ratio {sizes['package_ratio']:.4f}",
+            where=f"chunk {worst} ({packages[worst].name})" if len(sizes) > 1 else "",
+            detail=f"package bytes ratio {sizes[worst]['package_ratio']:.4f}",
         )
     )
     return kv
@@ -266,8 +299,8 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
     """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
     rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
     run.kv = cache_gates(
-        run.main.path, run.functions, run.continuations, run.cache.extend,
-        rw.embed_table.numpy(), run.sizes, advance,
+        [p.path for p in run.programs], run.chunks, run.continuations, run.cache.extend,
+        rw.embed_table.numpy(), run.chunk_sizes, advance,
     )  # fmt: skip
     report.gates.extend(run.kv.gates)
     report.implementations["mil-fp16"] = "anec MIL evaluator, fp16 profile, through the cache"
@@ -277,7 +310,7 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
             "gates": [g.to_json() for g in run.kv.gates],
             "flips": run.kv.flips,
             "fixtures": run.kv.rows,
-            "sizes": run.sizes,
+            "sizes": run.sizes if len(run.chunk_sizes) == 1 else {"chunks": run.chunk_sizes},
         },
     )
     write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name})
@@ -298,17 +331,38 @@ def manifest(run: KvRun, advance: Advance) -> None:
     doc = need(run.manifest, "the manifest")
     # The package holds prefill / decode / extend; its default function is decode, not main.
     doc.package.function = DEFAULT_FUNCTION
-    contracts = {
-        name: function_contract(m, run.recipe.io.dtype) for name, m in run.functions.items()
-    }
-    doc.kv_cache = kv_manifest_section(
-        run.functions, contracts, run.sizes, rope.model_dump(mode="json")
+    dtype, rope_doc = run.recipe.io.dtype, rope.model_dump(mode="json")
+    if len(run.split) == 1:
+        contracts = {name: function_contract(m, dtype) for name, m in run.functions.items()}
+        doc.kv_cache = kv_manifest_section(run.functions, contracts, run.sizes, rope_doc)
+    else:
+        cache = run.cache
+        whole = cached_functions(
+            need(run.rewrite, "the rewrite").module, cache.style, cache.length,
+            function_calls(cache.prefill, cache.extend),
+        )  # fmt: skip
+        chunked_manifest(
+            doc, run.split, run.chunks, run.programs, run.chunk_sizes, whole, dtype, rope_doc
+        )
+    files = [p.path.name for p in run.programs]
+    need(doc.kv_cache, "the kv_cache section")["chunking"] = chunking_section(
+        run.split, run.budget, files
     )
     positions = {
         name: m.io.tokens if m.io.logits == "all" else 1 for name, m in run.functions.items()
     }
     doc.head_output = head_output_section(need(run.rewrite, "the rewrite").module, positions)
     write_json_atomic(run.job.directory / "manifest.json", doc.model_dump(mode="json"))
+
+
+def plan(run: KvRun, advance: Advance) -> Stop | None:
+    """The static plan of the package (of each chunk's, ``plan.chunk<i>.*``) and the recipe's
+    plan gates."""
+    if len(run.programs) == 1:
+        return window_task.plan(run, advance)
+    platform = TARGETS[run.recipe.target].platform
+    failures = plan_chunks(run.programs, run.job.directory, platform, run.recipe.gates)
+    return Stop("plan", failures) if failures else None
 
 
 def window_package(run: KvRun, path: Path) -> Path:
@@ -346,7 +400,7 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
 
     def gates(package: Path, sizes: dict[str, Any]) -> KvParity:
         return cache_gates(
-            package, run.functions, run.continuations, run.cache.extend, table, sizes
+            [package], [run.functions], run.continuations, run.cache.extend, table, [sizes]
         )
 
     build = KvBuild(
@@ -378,11 +432,12 @@ CONVERT_STEPS: tuple[Step[KvRun], ...] = (
          window_task._fixture_count),
     Step("parity (torch fp32, fp16)", with_torch_threads(window_task.torch_parity),
          window_task._batch_count),
-    Step("convert prefill, decode, extend", convert_functions, lambda run: 3),
+    Step("split into packages (weight budget)", split_packages),
+    Step("convert prefill, decode, extend", convert_functions, lambda run: 3 * len(run.split)),
     Step("parity through the cache (MIL evaluator)", with_torch_threads(kv_parity),
          lambda run: 3 * _continuation_count(run)),
     Step("write manifest", manifest),
-    Step("plan (static)", window_task.plan),
+    Step("plan (static)", plan),
 )  # fmt: skip
 # `anec parity`: the same gates on the published package, nothing converted or written into it.
 RECHECK_STEPS = tuple(
@@ -390,5 +445,5 @@ RECHECK_STEPS = tuple(
     if s.run is convert_functions
     else s
     for s in CONVERT_STEPS
-    if s.run not in (manifest, window_task.plan)
+    if s.run not in (manifest, plan)
 )
