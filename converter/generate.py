@@ -25,7 +25,6 @@ import numpy as np
 from converter.errors import InputError
 from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
-from graph_passes.logits_layout import top_ids
 from parity.kv_chain import ChunkMeta, MilChain, chain_runner
 from parity.kv_session import CacheSession, FunctionShape, MilFunctions, Runner
 
@@ -213,13 +212,7 @@ def greedy(
     context = list(prompt_ids)
     if len(context) > capacity - prefill.tokens:
         context = context[-(capacity - prefill.tokens) :]
-    chunks = session.chunk_sizes
-
-    def chosen(outputs: dict[str, np.ndarray]) -> int:
-        # The host's combination of the chunks, whichever the head returns (logits, or an
-        # in-model argmax / top-k): the manifest's head_output convention.
-        return int(top_ids(outputs, chunks)[0, -1, 0])
-
+    chosen = session.choose
     token = chosen(session.prefill_outputs("prefill", context))
     new: list[int] = []
     evictions = 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -70,14 +69,13 @@ def target_tokens(target: nn.Module, ids: list[int], start: int) -> list[int]:
     return [int(t) for t in logits[start:].argmax(dim=-1)]
 
 
-def absorb(session: CacheSession, tokens: list[int], k: int) -> np.ndarray:
-    """Feed ``tokens`` to the draft in extend calls of up to K; the last position's logits."""
-    logits = None
+def absorb(session: CacheSession, tokens: list[int], k: int) -> int:
+    """Feed ``tokens`` to the draft in extend calls of up to K; its greedy next token."""
+    outputs = None
     for i in range(0, len(tokens), k):
-        chunk = tokens[i : i + k]
-        logits = session.call("extend", chunk)[:, -1]
-    assert logits is not None
-    return logits
+        outputs = session.call_outputs("extend", tokens[i : i + k])
+    assert outputs is not None
+    return session.choose(outputs)
 
 
 # (ids, first) -> the target's greedy token after each position of ids from ``first`` on
@@ -97,15 +95,15 @@ def speculate(
     tokens (the target's own greedy continuation)."""
     session = make_session()
     context = list(prompt)
-    logits = session.prefill("prefill", context)
+    token = session.choose(session.prefill_outputs("prefill", context))
     new: list[int] = []
     while len(new) < max_new_tokens:
         start = len(context)
         drafted: list[int] = []
         for i in range(k):
-            drafted.append(int(np.argmax(logits)))
+            drafted.append(token)
             if i < k - 1:
-                logits = session.call("decode", [drafted[-1]])[:, -1]
+                token = session.choose(session.call_outputs("decode", [token]))
         verified = verify(context + drafted, start - 1)  # K + 1 tokens
         stats.target_calls += 1
         stats.cycles += 1
@@ -123,7 +121,7 @@ def speculate(
         stats.tokens += len(produced)
         context += produced
         session.rollback(start)  # the rejected drafts become stale slots
-        logits = absorb(session, produced, session.functions["extend"].shape.tokens)
+        token = absorb(session, produced, session.functions["extend"].shape.tokens)
     return new
 
 

@@ -17,7 +17,7 @@ import torch
 
 from graph_passes.cache_host import CallShape, call_inputs, write_rows
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
-from graph_passes.logits_layout import join_logits
+from graph_passes.logits_layout import join_logits, top_ids
 
 # (function name, named inputs) -> named outputs (logits_<k> chunks, new_kv for io)
 Runner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -78,6 +78,11 @@ class CacheSession:
             write_rows(self.cache, out["new_kv"], self.position, n)
         self.position += n
         return out
+
+    def choose(self, outputs: dict[str, np.ndarray]) -> int:
+        """The greedy token at the last position of ``outputs``, whichever the head returns
+        (logits, or an in-model argmax / top-k per chunk): the manifest's head_output rule."""
+        return int(top_ids(outputs, self.chunk_sizes)[0, -1, 0])
 
     def poison(self, start: int, value: float) -> None:
         """Write ``value`` into every cache slot from ``start`` on (a test of the rule that
@@ -213,5 +218,5 @@ def session_for(
     token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
     return CacheSession(
         shapes, rope_rows(first), first.model_cache_shape(), runner, token_input, embed,
-        states=states,
+        states=states, chunk_sizes=list(first.window.chunk_sizes),
     )  # fmt: skip

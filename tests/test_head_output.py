@@ -112,6 +112,36 @@ def test_generate_runs_on_the_argmax_outputs_alone(artifact: Path) -> None:
     assert got.new_ids == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 24)
 
 
+def test_speculate_drafts_from_the_argmax_outputs_alone(artifact: Path) -> None:
+    """A draft that returns only the in-model argmax per chunk (what a Core ML draft gives):
+    speculative decoding drafts and absorbs from the chosen ids, and its output is still the
+    target's greedy continuation."""
+    from functools import partial
+
+    from tiny_models import tiny_hf_model
+
+    from converter.generate import Runtime, mil_backend
+    from converter.speculate import Acceptance, speculate, target_tokens
+    from parity.kv_reference import greedy_ids
+
+    make = mil_backend(Runtime.from_artifact(artifact))
+
+    def outputs_only():  # type: ignore[no-untyped-def]
+        session = make()
+        run = session.runner
+        session.runner = lambda f, x: {
+            k: v for k, v in run(f, x).items() if not k.startswith("logits_")
+        }
+        return session
+
+    target = tiny_hf_model("llama")
+    stats = Acceptance(3)
+    prompt = [7, 8, 9, 10]
+    new = speculate(outputs_only, partial(target_tokens, target), prompt, 3, 12, stats)
+    assert new == greedy_ids(target, tuple(prompt), 12)
+    assert stats.cycles > 0 and stats.rate(0) > 0.5
+
+
 def test_a_wrong_choice_is_a_mismatch_naming_the_position() -> None:
     """The check's teeth: the program's logits say one id, the returned argmax another."""
     from parity.head_outputs import ChoiceCheck
@@ -172,3 +202,11 @@ def test_recipe_rules_of_the_output_choice(tmp_path: Path, io: dict, message: st
     recipe = write_tiny_recipe(tmp_path / "r.yaml", tmp_path, "r", io=io)
     with pytest.raises(RecipeError, match=message):
         load_recipe(recipe)
+
+
+def test_extend_drift_refuses_an_argmax_artifact_naming_the_choice(artifact: Path) -> None:
+    from converter.errors import InputError
+    from converter.plan.extend_drift import record_drift
+
+    with pytest.raises(InputError, match="head_output.choice is argmax"):
+        record_drift(artifact, ["CPU_AND_NE"], 4, "mil")
