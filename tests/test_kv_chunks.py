@@ -102,10 +102,6 @@ target: macOS15
 fixtures: {{token_ids: [[1, 2, 3]]}}
 {rest}
 """
-VARIANT = (
-    "compression: {held_out: [[1, 2, 3]], variants: [{suffix: q, method: int8, "
-    "granularity: per-channel, gates: {min_top1_agreement: 0.9, max_mean_kl: 0.1}}]}"
-)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +111,6 @@ VARIANT = (
         ("cache: {style: state, package_budget_mb: -1}", "greater than 0"),
         ("cache: {style: io, package_budget_mb: .inf}", "package_budget_mb"),
         ("cache: {package_budget_mb: 100}", "applies to a cached decoder"),
-        (f"cache: {{style: state, package_budget_mb: 100}}\n{VARIANT}", "chunked cached decoder"),
     ],
 )
 def test_budget_rules_name_the_field(tmp_path: Path, rest: str, message: str) -> None:
@@ -167,13 +162,3 @@ def test_the_split_step_builds_each_chunks_functions(tiny_module) -> None:  # ty
     one = _split_run(tiny_module, None, None)  # iOS default: 1000 MB, one chunk
     split_packages(one, lambda: None)  # type: ignore[arg-type]
     assert [c.layers for c in one.split] == [(0, 3)] and one.budget == 1_000_000_000
-
-
-def test_a_default_budget_that_chunks_refuses_compression_before_converting(  # type: ignore[no-untyped-def]
-    tiny_module,
-) -> None:
-    from converter.tasks.text_generation_kv import split_packages
-
-    run = _split_run(tiny_module, object(), 0.12)  # as if the default budget had split it
-    with pytest.raises(InputError, match="cache.package_budget_mb: .* 3 packages; compressed"):
-        split_packages(run, lambda: None)  # type: ignore[arg-type]

@@ -3,7 +3,8 @@ packages (tiny Llama, cache style state): every cache gate passes on the chain, 
 its own multifunction package storing its weights once, the manifest lists the chunks, and a
 host loop built from the manifest alone reproduces transformers' greedy ids.
 
-One conversion shared by every test here."""
+An int8 variant of it is three chunk packages too, compressed with one plan, gated on the
+chain. One conversion shared by every test here."""
 
 from __future__ import annotations
 
@@ -22,11 +23,23 @@ CACHE = (
     "target: macOS15\ncache:\n  style: state\n  length: 96\n  prefill: 8\n  extend: 4\n"
     "  decode_steps: 64\n  package_budget_mb: 0.12\n"
 )
+# An int8 variant of the chunked decoder: each chunk package compressed with the one plan.
+COMPRESSION = """\
+compression:
+  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
+  variants:
+    - suffix: int8
+      method: int8
+      granularity: per-channel
+      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
+"""
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    result, out = convert_tiny_llama(tmp_path_factory.mktemp("kvchunks"), CACHE, "tch")
+    result, out = convert_tiny_llama(
+        tmp_path_factory.mktemp("kvchunks"), CACHE + COMPRESSION, "tch"
+    )
     assert result.exit_code == 0, result.output
     return out / "tch"
 
@@ -141,3 +154,35 @@ def test_a_chunk_fed_its_predecessors_input_fails_the_rerun_naming_the_position(
     failed = {g["name"]: g for g in gates if not g["passed"]}
     assert "kv_max_abs_logit_error" in failed
     assert "position" in failed["kv_max_abs_logit_error"]["where"]
+
+
+def test_a_compressed_variant_is_chunked_like_its_fp16_artifact(artifact: Path) -> None:
+    """One plan applied to every chunk's functions: each chunk package stores its own int8
+    weights once, byte-identical to the window program's, every structural cache gate passes
+    on the chain, and the manifest names the variant's own packages."""
+    from converter.generate import Runtime, greedy, mil_backend
+
+    variant = artifact.parent / "tch-int8"
+    parity = json.loads((variant / "parity.json").read_text())
+    failed = [g for g in parity["gates"] if not g["passed"]]
+    assert parity["passed"] is True and not failed, failed
+    names = {g["name"] for g in parity["gates"]}
+    assert {"kv_weights_identical", "kv_weights_stored_once", "kv_extend_max_abs_diff"} <= names
+    manifest = json.loads((variant / "manifest.json").read_text())
+    files = [f"tch-int8.chunk{i}.mlpackage" for i in range(3)]
+    kv = manifest["kv_cache"]
+    assert kv["chunking"]["call_order"] == files == [c["package"] for c in kv["chunks"]]
+    assert manifest["package"]["file"] == files[0] and manifest["package"]["function"] == "decode"
+    assert [p["file"] for p in manifest["extra_packages"]] == files[1:]
+    assert [p["files"] for p in manifest["pieces"]] == [[f] for f in files]
+    for i, file in enumerate(files):
+        program = load_package(variant / file)
+        ops = {op.op_type for f in program.functions.values() for op in f.operations}
+        assert "constexpr_affine_dequantize" in ops or "constexpr_blockwise_shift_scale" in ops
+        sizes = kv["chunks"][i]["sizes"]
+        assert sizes["multifunction_weight_bytes"] == max(
+            sizes["single_function_weight_bytes"].values()
+        )
+    # the variant runs from its manifest alone, through its three packages
+    got = greedy(mil_backend(Runtime.from_artifact(variant)), [7, 8, 9, 10], 8)
+    assert len(got.new_ids) == 8

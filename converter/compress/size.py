@@ -53,15 +53,22 @@ class SizeReport:
         )
 
 
-def size_report(records: list[WeightRecord], fp16_package: Path, package: Path) -> SizeReport:
-    """The size report of a variant whose records are ``records``."""
+def _total(packages: Path | list[Path]) -> int:
+    return sum(map(package_bytes, packages if isinstance(packages, list) else [packages]))
+
+
+def size_report(
+    records: list[WeightRecord], fp16_package: Path | list[Path], package: Path | list[Path]
+) -> SizeReport:
+    """The size report of a variant whose records are ``records`` (packages: one, or the
+    chunk packages of a chunked cached decoder, counted together)."""
     compressed = [r for r in records if r.method != "fp16"]
     c_fp16 = sum(r.fp16_bytes for r in compressed)
     c_stored = sum(r.stored_bytes for r in compressed)
     c_values = c_fp16 // 2
     a_fp16 = sum(r.fp16_bytes for r in records)
     a_stored = sum(r.stored_bytes for r in records)
-    base, now = package_bytes(fp16_package), package_bytes(package)
+    base, now = _total(fp16_package), _total(package)
     return SizeReport(
         compressed_weights=len(compressed),
         kept_fp16_weights=len(records) - len(compressed),

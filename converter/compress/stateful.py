@@ -30,6 +30,7 @@ model, so they are reported in ``kv_parity.json`` and not gated (SPEC section 3)
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -72,16 +73,19 @@ class KvBuild:
     """What the cached task hands in: how to make the fp16 programs again (the published
     artifact holds only the combined package) and how to gate a combined package.
 
-    ``singles(folder)`` saves one fp16 single-function package per function into ``folder``;
-    ``window(path)`` saves the fp16 window program (the same weights, markers on its layer
-    outputs) as ``path``; ``gates(package, sizes)`` runs the cache gates (`KvParity`).
+    ``singles(folder)`` saves one fp16 single-function package per function of each chunk
+    package (one chunk without a weight budget) under ``folder``; ``window(path)`` saves the
+    fp16 window program (the same weights, markers on its layer outputs) as ``path``;
+    ``gates(packages, sizes)`` runs the cache gates on the chunk packages in call order
+    (`KvParity`); ``package_file(name, i)`` names chunk ``i``'s package of artifact ``name``.
     ``parameters`` are the window module's parameter names."""
 
-    singles: Callable[[Path], dict[str, Path]]
+    singles: Callable[[Path], list[dict[str, Path]]]
     window: Callable[[Path], Path]
-    gates: Callable[[Path, dict[str, Any]], Any]
+    gates: Callable[[list[Path], list[dict[str, Any]]], Any]
     combine: Callable[[dict[str, Path], Path], dict[str, Any]]
     parameters: list[str]
+    package_file: Callable[[str, int], str]
 
 
 def function_sites(function: Any, parameters: list[str]) -> list[WeightSite]:
@@ -101,16 +105,27 @@ def payloads(records: list[WeightRecord]) -> dict[str, str]:
     return {r.weight: r.payload_sha256 for r in records}
 
 
-def differing(stored: dict[str, dict[str, str]]) -> list[str]:
+def differing(
+    stored: dict[str, dict[str, str]], chunk_of: dict[str, int] | None = None
+) -> list[str]:
     """Weights whose stored payload differs between the programs in ``stored`` (program name
-    -> weight -> sha256), or that one program lacks, as ``weight (programs)`` lines."""
+    -> weight -> sha256), or that a program lacks while another function of its package holds
+    it (``chunk_of``: a function program's package index; one package when not given), as
+    ``weight (programs)`` lines."""
+    chunk_of = chunk_of or {}
     names = sorted({w for per in stored.values() for w in per})
     out = []
     for weight in names:
-        seen = {program: per.get(weight) for program, per in stored.items()}
-        if len(set(seen.values())) != 1:
-            odd = sorted(p for p, h in seen.items() if h != seen.get(WINDOW))
-            out.append(f"{weight} ({', '.join(odd)})")
+        holders = {program: per[weight] for program, per in stored.items() if weight in per}
+        owning = {chunk_of.get(p, 0) for p in holders if p != WINDOW}
+        odd = {p for p, h in holders.items() if h != holders.get(WINDOW)}
+        odd |= {
+            p
+            for p in stored
+            if p not in holders and (p == WINDOW or chunk_of.get(p, 0) in owning or not owning)
+        }
+        if odd:
+            out.append(f"{weight} ({', '.join(sorted(odd))})")
     return out
 
 
@@ -125,6 +140,16 @@ def check_methods(compression: Compression) -> None:
                 f"compression.variants[{i}].method: {variant.method} variants of a cached "
                 f"decoder are not implemented; use one of {', '.join(KV_METHODS)}"
             )
+
+
+def program_labels(singles: list[dict[str, Path]]) -> dict[str, tuple[int, str, Path]]:
+    """Each fp16 single-function package by its label in the reports: the function's name
+    (``decode``) for one package, ``chunk<i>.<function>`` for each chunk of several."""
+    return {
+        (f if len(singles) == 1 else f"chunk{i}.{f}"): (i, f, path)
+        for i, chunk in enumerate(singles)
+        for f, path in chunk.items()
+    }
 
 
 def emit_kv_variants(
@@ -159,19 +184,21 @@ def emit_kv_variants(
             sites = weight_sites(program.functions["main"], build.parameters)
             subject.baselines(program, advance)
             del program
+        programs = program_labels(singles)
         fsites = {
-            f: function_sites(load_package(p).functions["main"], build.parameters)
-            for f, p in singles.items()
+            label: function_sites(load_package(p).functions["main"], build.parameters)
+            for label, (_, _, p) in programs.items()
         }
         models = {WINDOW: ct.models.MLModel(str(window), skip_model_load=True)} | {
-            f: ct.models.MLModel(str(p), skip_model_load=True) for f, p in singles.items()
+            label: ct.models.MLModel(str(p), skip_model_load=True)
+            for label, (_, _, p) in programs.items()
         }
         results = []
         for variant in compression.variants:
             keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
             ctx = BuildContext(subject, sites, keep, compression.min_weight_elements, window, steps)
             one = _KvVariant(ctx, variant, name, fp16_dir, scratch / variant.suffix, build)
-            results.append(one.emit(models, sites, fsites, out_dir, force))
+            results.append(one.emit(models, programs, sites, fsites, out_dir, force))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return results
@@ -198,13 +225,42 @@ class _KvVariant:
         self.scratch.mkdir(parents=True)
         out = {}
         for program, model in models.items():
-            compressed = apply_plan(model, plan, sites if program == WINDOW else fsites[program])
-            out[program] = save_package(compressed, self.scratch / f"{program}.mlpackage")
+            own = sites if program == WINDOW else fsites[program]
+            names = {s.name for s in own}  # a chunk's programs hold only its own layers
+            part = {n: scheme for n, scheme in plan.items() if n in names}
+            out[program] = save_package(
+                apply_plan(model, part, own), self.scratch / f"{program}.mlpackage"
+            )
         return out
+
+    @staticmethod
+    def stored(
+        records: list[WeightRecord],
+        packages: list[Path],
+        programs: dict[str, tuple[int, str, Path]],
+        fsites: dict[str, list[WeightSite]],
+        plan: dict[str, Scheme],
+        kept: dict[str, str],
+    ) -> tuple[dict[str, dict[str, str]], list[dict[str, int]]]:
+        """Each program's stored payloads by weight (the window program's ``records`` and
+        every function of every combined package), and each package's decode live ops."""
+        from parity.mil import load_package
+
+        stored = {WINDOW: payloads(records)}
+        ops = []
+        for i, package in enumerate(packages):
+            combined = load_package(package)
+            for label, (j, f, _) in programs.items():
+                if j == i:
+                    per, _ = weight_records(combined.functions[f], fsites[label], plan, kept)
+                    stored[label] = payloads(per)
+            ops.append(decode_ops(combined))
+        return stored, ops
 
     def emit(
         self,
         models: dict[str, Any],
+        programs: dict[str, tuple[int, str, Path]],
         sites: list[WeightSite],
         fsites: dict[str, list[WeightSite]],
         out_dir: Path,
@@ -218,6 +274,7 @@ class _KvVariant:
         subject = ctx.subject
         method = methods.get(variant.method)
         vname = f"{self.name}-{variant.suffix}"
+        count = 1 + max(i for i, _, _ in programs.values())
         seconds: dict[str, float] = {}
         with stage_artifact(out_dir, vname, force=force) as stage:
             selection = method.select(ctx, variant)  # once: a searched plan is searched once
@@ -226,9 +283,11 @@ class _KvVariant:
             with steps.step(f"{variant.suffix}: compress window + {len(models) - 1} functions"):
                 start = time.perf_counter()
                 built = self.compress_all(models, plan, sites, fsites)
-                functions = {f: p for f, p in built.items() if f != WINDOW}
-                package = stage.path / f"{vname}.mlpackage"
-                sizes = self.build.combine(functions, package)
+                packages, sizes = [], []
+                for i in range(count):
+                    functions = {f: built[label] for label, (j, f, _) in programs.items() if j == i}
+                    packages.append(stage.path / self.build.package_file(vname, i))
+                    sizes.append(self.build.combine(functions, packages[-1]))
                 for host in HOST_FILES:
                     if (self.fp16_dir / host).is_file():
                         shutil.copyfile(self.fp16_dir / host, stage.path / host)
@@ -236,15 +295,12 @@ class _KvVariant:
             with steps.step(f"{variant.suffix}: records and size"):
                 program = load_package(built[WINDOW])
                 records, decoded = weight_records(program.functions["main"], sites, plan, kept)
-                stored = {WINDOW: payloads(records)}
-                combined = load_package(package)
-                for f in functions:
-                    per, _ = weight_records(combined.functions[f], fsites[f], plan, kept)
-                    stored[f] = payloads(per)
-                ops = decode_ops(combined)
-                del combined
-                odd = differing(stored)
-                size = size_report(records, self.fp16_dir / f"{self.name}.mlpackage", package)
+                stored, ops = self.stored(records, packages, programs, fsites, plan, kept)
+                odd = differing(stored, {label: i for label, (i, _, _) in programs.items()})
+                fp16_packages = [
+                    self.fp16_dir / self.build.package_file(self.name, i) for i in range(count)
+                ]
+                size = size_report(records, fp16_packages, packages)
                 fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
                 errors = weight_errors(decoded, fp16)
             with steps.step(
@@ -256,7 +312,7 @@ class _KvVariant:
             del program, decoded
             with steps.step(f"{variant.suffix}: parity through the cache (MIL evaluator)"):
                 start = time.perf_counter()
-                kv = self.build.gates(package, sizes)
+                kv = self.build.gates(packages, sizes)
                 seconds["kv_parity"] = time.perf_counter() - start
             identical = gate("kv-cache", "kv_weights_identical").check(
                 float(len(odd)),
@@ -269,11 +325,12 @@ class _KvVariant:
             write_reports(stage.path, doc | {"variant": vname}, text)
             write_json_atomic(stage.path / "kv_parity.json", kv_json(kv, sizes, odd))
             manifest = _manifest(
-                self.fp16_dir, stage.path, vname, variant, package, ops, records, size,
+                self.fp16_dir, stage.path, vname, variant, packages[0], ops[0], records, size,
                 method.manifest(variant) | selection.doc, subject.not_compressed,
             )  # fmt: skip
-            kv_section = dict(manifest.kv_cache or {}) | {"sizes": sizes}
-            manifest = manifest.model_copy(update={"kv_cache": kv_section})
+            fp16_doc = json.loads((self.fp16_dir / "manifest.json").read_text(encoding="utf-8"))
+            function = fp16_doc["package"]["function"]  # the packages' default function
+            manifest = with_chunks(manifest, packages, ops, sizes, function)
             write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
             shutil.rmtree(self.scratch)
             peak = _peak_rss_mib()
@@ -288,6 +345,43 @@ class _KvVariant:
         return VariantResult(vname, variant.suffix, True, final, size, parity, seconds, peak)
 
 
+def with_chunks(
+    manifest: Any,
+    packages: list[Path],
+    ops: list[dict[str, int]],
+    sizes: list[dict[str, Any]],
+    function: str,
+) -> Any:
+    """The variant's manifest naming its own packages and sizes where the fp16 artifact's
+    named its own: ``kv_cache.sizes`` for one package; for chunks, each chunk's package and
+    sizes, the call order, ``extra_packages`` and the pieces' files; every package's default
+    ``function`` as the fp16 artifact's (decode)."""
+    from converter.manifest_fields import package_entry
+
+    kv = dict(manifest.kv_cache or {})
+    manifest.package.function = function
+    if len(packages) == 1:
+        return manifest.model_copy(update={"kv_cache": kv | {"sizes": sizes[0]}})
+    files = [p.name for p in packages]
+    kv["chunks"] = [
+        dict(entry) | {"package": file, "sizes": size}
+        for entry, file, size in zip(kv["chunks"], files, sizes, strict=True)
+    ]
+    kv["chunking"] = dict(kv["chunking"]) | {"call_order": files}
+    kv["sizes"] = dict(kv["sizes"]) | {
+        "package_bytes": sum(s["multifunction_package_bytes"] for s in sizes),
+        "weight_bytes": sum(s["multifunction_weight_bytes"] for s in sizes),
+    }
+    extra = [package_entry(p, o) for p, o in zip(packages[1:], ops[1:], strict=True)]
+    for entry in extra:
+        entry.function = function
+    pieces = [
+        piece.model_copy(update={"files": [file]})
+        for piece, file in zip(manifest.pieces or [], files, strict=True)
+    ]
+    return manifest.model_copy(update={"kv_cache": kv, "extra_packages": extra, "pieces": pieces})
+
+
 def decode_ops(program: Any) -> dict[str, int]:
     """Live op counts of the default (decode) function, as the fp16 manifest records them."""
     counts: dict[str, int] = {}
@@ -297,7 +391,12 @@ def decode_ops(program: Any) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def kv_json(kv: Any, sizes: dict[str, Any], odd: list[str]) -> dict[str, Any]:
+def _one(sizes: list[dict[str, Any]]) -> Any:
+    """Sizes as the fp16 artifact reports them: one package's dict, or a list per chunk."""
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
+def kv_json(kv: Any, sizes: list[dict[str, Any]], odd: list[str]) -> dict[str, Any]:
     """kv_parity.json of a variant: every cache gate as measured (the fidelity gates against
     the original reported, not gated: see the module docstring), flips, sizes."""
     return {
@@ -305,7 +404,7 @@ def kv_json(kv: Any, sizes: dict[str, Any], odd: list[str]) -> dict[str, Any]:
         "gates": [g.to_json() for g in kv.gates],
         "flips": kv.flips,
         "fixtures": kv.rows,
-        "sizes": sizes,
+        "sizes": _one(sizes),
         "weights_differing_between_functions": odd,
     }
 
@@ -314,7 +413,7 @@ def parity_reports(
     subject: Any,
     parity: Any,
     kv: Any,
-    sizes: dict[str, Any],
+    sizes: list[dict[str, Any]],
     size: Any,
     errors: Any,
     extra: dict[str, Any],
@@ -326,14 +425,17 @@ def parity_reports(
         "cache (MIL evaluator fp16, through the package's functions): structural gates above; "
         "reported, not gated (the fp16 program's fidelity gates; a variant changes the model):"
     ] + [f"  {g.name}: {g.value:.6g} (fp16 threshold {g.threshold:g})" for g in reported]
-    lines.append(
-        f"weights stored once: multifunction weight file {sizes['multifunction_weight_bytes']:,}"
-        f" bytes = {sizes['weight_ratio']:.4f}x the largest single function's"
-    )
+    for i, per in enumerate(sizes):
+        where = f" (package {i})" if len(sizes) > 1 else ""
+        lines.append(
+            f"weights stored once{where}: multifunction weight file "
+            f"{per['multifunction_weight_bytes']:,} bytes = {per['weight_ratio']:.4f}x the "
+            "largest single function's"
+        )
     doc = doc | {
         "size": size.to_json(),
         "weight_errors": errors_json(errors),
-        "kv_cache": {"reported": [g.to_json() for g in reported], "sizes": sizes},
+        "kv_cache": {"reported": [g.to_json() for g in reported], "sizes": _one(sizes)},
         **extra,
     }
     sections = [text, "\n".join(lines), size.to_text(), errors_text(errors)]

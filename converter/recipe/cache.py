@@ -80,15 +80,6 @@ def cache_problems(
         problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
     if precision != "float16":
         problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
-    if methods and cache.package_budget_mb is not None:
-        problems.append(
-            (
-                ("cache", "package_budget_mb"),
-                "compressed variants of a chunked cached decoder are not implemented (each "
-                "chunk would need the plan applied to its own functions); drop the budget or "
-                "the compression section",
-            )
-        )
     for i, method in enumerate(methods):
         if method not in KV_METHODS:
             problems.append(

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from converter.coreml import combine_functions, live_ops, load_program, save_package
-from converter.errors import InputError
 from converter.manifest_fields import write_npy
 from converter.progress import Steps
 from converter.publish import write_json_atomic
@@ -30,7 +29,6 @@ from converter.tasks import text_generation as window_task
 from converter.tasks.base import Program, load, need
 from converter.tasks.decoder_contract import head_output_section
 from converter.tasks.kv_chunks import (
-    FIELD,
     Chunk,
     budget_bytes,
     chunk_meta,
@@ -187,12 +185,6 @@ def split_packages(run: KvRun, advance: Advance) -> None:
     budget = budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
     run.budget = budget
     run.split = split_layers(weights, budget, recipe.precision)
-    if len(run.split) > 1 and recipe.compression is not None:
-        raise InputError(
-            f"{FIELD}: the budget splits the layers into {len(run.split)} packages; "
-            "compressed variants of a chunked cached decoder are not implemented (drop the "
-            "compression section or raise the budget)"
-        )
     calls = function_calls(cache.prefill, cache.extend)
     run.chunks = [
         cached_functions(module, cache.style, cache.length, calls, c.layers) for c in run.split
@@ -394,14 +386,14 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
     target = TARGETS[recipe.target].ct_target()
     table = rw.embed_table.numpy()
 
-    def singles(folder: Path) -> dict[str, Path]:
-        out, _ = convert_singles(run.functions, recipe.io.dtype, recipe.precision, target, folder)
-        return out
+    def singles(folder: Path) -> list[dict[str, Path]]:
+        return [
+            convert_singles(c, recipe.io.dtype, recipe.precision, target, folder / f"chunk{i}")[0]
+            for i, c in enumerate(run.chunks)
+        ]
 
-    def gates(package: Path, sizes: dict[str, Any]) -> KvParity:
-        return cache_gates(
-            [package], [run.functions], run.continuations, run.cache.extend, table, [sizes]
-        )
+    def gates(packages: list[Path], sizes: list[dict[str, Any]]) -> KvParity:
+        return cache_gates(packages, run.chunks, run.continuations, run.cache.extend, table, sizes)
 
     build = KvBuild(
         singles,
@@ -409,6 +401,7 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
         gates,
         combine_measured,
         [n for n, _ in rw.module.named_parameters()],
+        lambda name, i: package_file(name, run.split[i], len(run.split)),
     )
     subject = DecoderSubject(
         rw.module, rw.embed_table, run.held_out, recipe.gates.mil_fp32_layer_rel_error,
