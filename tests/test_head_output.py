@@ -88,6 +88,18 @@ def test_plan_inspect_places_the_argmax_off_the_ne_and_says_so(artifact: Path) -
     assert decode.summary.ne_segments > 1  # reported, not hidden
 
 
+def _outputs_only(make):  # type: ignore[no-untyped-def]
+    """Sessions whose runner hides the captured logits, as Core ML returns only the outputs."""
+
+    def session():  # type: ignore[no-untyped-def]
+        s = make()
+        run = s.runner
+        s.runner = lambda f, x: {k: v for k, v in run(f, x).items() if not k.startswith("logits_")}
+        return s
+
+    return session
+
+
 def test_generate_runs_on_the_argmax_outputs_alone(artifact: Path) -> None:
     """A runner that hides the captured logits (as Core ML returns only the outputs): the
     host loop combines the argmax chunks and still follows transformers' greedy path."""
@@ -96,17 +108,7 @@ def test_generate_runs_on_the_argmax_outputs_alone(artifact: Path) -> None:
     from converter.generate import Runtime, greedy, mil_backend
     from parity.kv_reference import greedy_ids
 
-    runtime = Runtime.from_artifact(artifact)
-    make = mil_backend(runtime)
-
-    def outputs_only():  # type: ignore[no-untyped-def]
-        session = make()
-        run = session.runner
-        session.runner = lambda f, x: {
-            k: v for k, v in run(f, x).items() if not k.startswith("logits_")
-        }
-        return session
-
+    outputs_only = _outputs_only(mil_backend(Runtime.from_artifact(artifact)))
     prompt = [1, 2, 3, 4, 5]
     got = greedy(outputs_only, prompt, 24)
     assert got.new_ids == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 24)
@@ -124,16 +126,7 @@ def test_speculate_drafts_from_the_argmax_outputs_alone(artifact: Path) -> None:
     from converter.speculate import Acceptance, speculate, target_tokens
     from parity.kv_reference import greedy_ids
 
-    make = mil_backend(Runtime.from_artifact(artifact))
-
-    def outputs_only():  # type: ignore[no-untyped-def]
-        session = make()
-        run = session.runner
-        session.runner = lambda f, x: {
-            k: v for k, v in run(f, x).items() if not k.startswith("logits_")
-        }
-        return session
-
+    outputs_only = _outputs_only(mil_backend(Runtime.from_artifact(artifact)))
     target = tiny_hf_model("llama")
     stats = Acceptance(3)
     prompt = [7, 8, 9, 10]
