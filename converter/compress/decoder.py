@@ -180,7 +180,9 @@ class DecoderSubject:
             f.token_ids for f in self.held_out.texts if len(f.token_ids) >= spec.prompt_tokens
         ]
         if len(long_enough) < spec.prompts:
-            raise ValueError(
+            from converter.errors import InputError
+
+            raise InputError(
                 f"compression.acceptance.prompts: {spec.prompts} prompts of {spec.prompt_tokens} "
                 f"tokens asked, the held-out slice has {len(long_enough)} texts that long"
             )

@@ -30,16 +30,6 @@ class Grid:
     bits: int
     symmetric: bool
 
-    @property
-    def bits_per_weight_extra(self) -> int:
-        """Bits stored per block beyond the integers: an fp16 scale, and an fp16 offset."""
-        return 16 if self.symmetric else 32
-
-    def label(self, block: int) -> str:
-        """E.g. ``int4 affine, blocks of 32 inputs``."""
-        kind = "symmetric" if self.symmetric else "affine"
-        return f"int{self.bits} {kind}, blocks of {block} inputs"
-
 
 # Cheapest first (bits per weight at blocks of 32: 4.5, 5.0, 8.5): Q4_0, Q4_1, Q8_0.
 GRIDS = (Grid(4, True), Grid(4, False), Grid(8, True))
@@ -103,12 +93,11 @@ def find_grid(weight: np.ndarray, block: int) -> tuple[Grid, Integers] | None:
         return None
     w = weight.astype(np.float64).reshape(rows, inputs // block, block)
     bound = TOLERANCE * np.abs(w).max(-1, keepdims=True)
+    shape = (rows, inputs // block) + (1,) * (weight.ndim - 2)  # one scale per block
     for grid in GRIDS:
         q, scale, offset = _fit(w, grid)
-        shape = (rows, inputs // block) + (1,) * (weight.ndim - 2)
-        spread = (rows, inputs) + tuple(weight.shape[2:])
         ints = Integers(
-            q.astype(np.int8).reshape(spread),
+            q.astype(np.int8).reshape(weight.shape),
             scale.reshape(shape),
             grid.bits,
             None if offset is None else offset.reshape(shape),

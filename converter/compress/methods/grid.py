@@ -76,7 +76,9 @@ class GridMethod(CompressionMethod):
                     plan[site.name] = _scheme(found[0], block)
                 advance()
         if chosen and not plan:
-            raise ValueError(
+            from converter.errors import InputError
+
+            raise InputError(
                 f"compression variant {variant.suffix}: none of the {len(chosen)} weights lies "
                 f"on an int4 / int8 grid of blocks of {block} inputs; method grid re-encodes a "
                 "checkpoint de-quantized from a block format (e.g. a GGUF), it does not quantize"
