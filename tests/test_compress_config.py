@@ -95,6 +95,24 @@ def test_w8a8_needs_ios17_activation_ops(tmp_path: Path) -> None:
     assert "int8 activation quantize/dequantize ops need iOS17 / macOS14" in errors
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ("smooth_alpha: 0.8", "smooth_alpha: only with smooth: true"),
+        ("smooth: true\n      smooth_alpha: 0", "greater than 0.0 and at most 1.0, got 0"),
+        ("smooth: true\n      smooth_alpha: 1.5", "greater than 0.0 and at most 1.0, got 1.5"),
+    ],
+)
+def test_smooth_alpha_needs_smooth_and_a_share(tmp_path: Path, fields: str, message: str) -> None:
+    text = f"    - suffix: a\n      method: w8a8\n      granularity: per-channel\n      {fields}\n"
+    assert message in _errors(tmp_path, text + GATES)
+    ok = "    - suffix: a\n      method: w8a8\n      granularity: per-channel\n"
+    recipe = _load(tmp_path, ok + "      smooth: true\n      smooth_alpha: 0.8\n" + GATES)
+    assert recipe.compression.variants[0].smooth_alpha == 0.8  # type: ignore[attr-defined]
+    lut = "    - suffix: v\n      method: lut\n      bits: 4\n      smooth_alpha: 0.8\n"
+    assert "only for method: w8a8" in _errors(tmp_path, lut + GATES)
+
+
 def test_duplicate_suffix_missing_gates_and_overlaps(tmp_path: Path) -> None:
     text = (
         "    - {suffix: a, method: lut, bits: 4, gates: {min_top1_agreement: 0.9}}\n"

@@ -342,37 +342,50 @@ def test_outliers_keep_their_columns_exact_and_count_every_byte(run: tuple[Resul
 
 
 def test_w8a8_smoothing_folds_are_recorded_and_exact(run: tuple[Result, Path]) -> None:
-    """smooth: true - each MLP's down-projection input scales (powers of two) folded into its
-    up rows and down columns: recorded per layer, and the folded fp16 program computes the
-    same logits as the fp16 program bit for bit (the folds move no rounding)."""
+    """smooth: true - every quantized input's scales (powers of two) folded into what produces
+    it: MLP down inputs into the up rows, o inputs into the value rows (one scale per kv head
+    channel for the query heads sharing it), q/k/v and gate/up inputs into the norm gains.
+    Recorded per projection, and the folded fp16 program and the folded torch module compute
+    what the unfolded ones compute, bit for bit (the folds move no rounding)."""
     import coremltools as ct
+    import torch
 
+    from converter.checkpoint import load_checkpoint
     from converter.compress.sites import weight_sites
-    from converter.compress.smooth import (
-        down_pairs,
-        folded_weights,
-        measure_folds,
-        replace_constants,
-    )
+    from converter.compress.smooth import folded_constants, replace_constants, scale_tensors, smooth
+    from converter.recipe import load_recipe
+    from converter.tasks.text_generation import rewrite_decoder
     from parity.mil import Evaluator, load_package
 
     _, out = run
     directory = out / "tiny-w8a8-smooth"
     report = json.loads((directory / "parity.json").read_text())
     assert report["passed"] is True, report["gates"]
-    folds = report["smoothing"]
-    assert [f["down"] for f in folds] == [f"layers.{i}.mlp.down.weight" for i in range(3)]
-    assert all(f["input_max_after"] <= f["input_max_before"] * 4 for f in folds)
-    assert "power of two" in folds[0]["why_exact"]
+    section = report["smoothing"]
+    assert section["alpha"] == 0.5 and section["not_folded"] == {}
+    kinds: dict[str, list[str]] = {}
+    for fold in section["folds"]:
+        kinds.setdefault(fold["kind"], []).append(fold["projection"])
+    layers = range(3)
+    assert kinds["mlp-down"] == [f"layers.{i}.mlp.down.weight" for i in layers]
+    assert kinds["attention-o"] == [f"layers.{i}.attention.o.weight" for i in layers]
+    assert sorted(kinds["norm"]) == sorted(
+        f"layers.{i}.{p}.weight" for i in layers for p in ("attention.qkv", "mlp.gate_up")
+    )
+    down = next(f for f in section["folds"] if f["kind"] == "mlp-down")
+    assert down["divided"] == ["layers.0.mlp.gate_up.weight"]
+    assert "power of two" in down["why_exact"]
+    assert "smoothing (alpha 0.5): 12 folds" in (directory / "parity.txt").read_text()
     gates = {(g["name"], g["implementation"]): g for g in report["gates"]}
     assert gates[("activation_quantizers_alike", "mil-fp32")]["value"] == 0
     assert gates[("weights_decoded_alike", "mil-fp32")]["value"] == 0
 
+    recipe = load_recipe(out.parent / "tiny.yaml")
+    module = rewrite_decoder(recipe, load_checkpoint(recipe.resolve_source(), recipe.task)).module
     package = out / "tiny" / "tiny.mlpackage"
     program = load_package(package)
     function = program.functions["main"]
-    names = [n for n, _ in program_parameter_names(function)]
-    sites = weight_sites(function, names)
+    sites = weight_sites(function, [n for n, _ in module.named_parameters()])
     evaluator = Evaluator(program, "fp16")
     (x_name, (_, x_shape)), (mask_name, _) = evaluator.inputs.items()
     rng = np.random.default_rng(1)
@@ -380,16 +393,34 @@ def test_w8a8_smoothing_folds_are_recorded_and_exact(run: tuple[Result, Path]) -
         {x_name: rng.standard_normal(x_shape).astype(np.float32) * 3, mask_name: np.zeros((1, 16))}
         for _ in range(2)
     ]
-    fold_list = measure_folds(function, evaluator, feeds, down_pairs(sites))
-    assert any((f.scales != 1).any() for f in fold_list)
+    projections = [s for s in sites if s.name.startswith("layers.")]
+    smoothing = smooth(function, module, sites, projections, evaluator, feeds)
+    assert {f.kind for f in smoothing.folds} == {"mlp-down", "attention-o", "norm"}
+    assert all((f.scales != 1).any() for f in smoothing.folds)
+    o = next(f for f in smoothing.folds if f.kind == "attention-o")
+    # query heads 0 and 1 read kv head 0: their 16 channels share one scale each
+    np.testing.assert_array_equal(o.scales[:16], o.scales[16:32])
+
     model = ct.models.MLModel(str(package), skip_model_load=True)
-    folded = replace_constants(model, folded_weights(function, sites, fold_list))
+    folded = replace_constants(model, folded_constants(function, smoothing.folds))
     other = Evaluator(folded._mil_program, "fp16")
     for feed in feeds:
         a = evaluator.run(feed).outputs
         b = other.run(feed).outputs
         for name in a:
             np.testing.assert_array_equal(a[name], b[name])
+
+    x = torch.from_numpy(feeds[0][x_name]).float()
+    mask = torch.zeros(x.shape[0], x_shape[-1])
+    before = [t.clone() for t in module(x, mask)]
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    scale_tensors(module, smoothing.folds, set())
+    after = module(x, mask)
+    scale_tensors(module, smoothing.folds, set(), inverse=True)
+    for a_, b_ in zip(before, after, strict=True):
+        torch.testing.assert_close(b_, a_, rtol=0, atol=0)
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, state[k]), k
 
 
 def program_parameter_names(function: object) -> list[tuple[str, str]]:

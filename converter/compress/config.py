@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from converter.compress import methods
 from converter.compress.methods.base import LUT_BITS, SEARCH_BITS
+from converter.compress.smooth import ALPHA
 from converter.targets import Feature, check_feature
 from converter.yaml_errors import Loc, StrictModel, raise_rules
 
@@ -161,9 +162,12 @@ class Variant(StrictModel):
     search: SearchSpace | None = None
     # outliers only: input columns of each weight kept exact (largest |w| first)
     outlier_columns: int | None = Field(default=None, strict=True)
-    # w8a8 only: fold each MLP down projection's input scales into its up rows and down
-    # columns (SmoothQuant-style, powers of two: exact; compress.smooth)
+    # w8a8 only: fold each quantized projection's input scales into the weights (SmoothQuant-
+    # style, powers of two: exact; compress.smooth): MLP down inputs into the up rows, o
+    # inputs into the value rows, q/k/v and gate/up inputs into the preceding norm's gain
     smooth: bool = Field(default=False, strict=True)
+    # with smooth: the migration strength, the share of each input's range moved into weights
+    smooth_alpha: float = Field(default=ALPHA, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> Variant:

@@ -8,6 +8,7 @@ arithmetic pays only on A17 Pro / M4 and later (SPEC 3); older NEs dequantize to
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from converter.compress.methods.base import (
 )
 from converter.compress.methods.int8 import int8_problems
 from converter.compress.sites import keep_reason
+from converter.compress.smooth import ALPHA
 from converter.targets import Feature
 
 
@@ -37,10 +39,14 @@ class W8A8(CompressionMethod):
         "symmetric": "weights have a zero point",
         "activations_keep_fp16": None,
         "smooth": None,
+        "smooth_alpha": None,
     }
 
     def check(self, variant: VariantFields) -> list[Problem]:
-        return int8_problems(variant)
+        problems = int8_problems(variant)
+        if not variant.smooth and variant.smooth_alpha != ALPHA:
+            problems.append((("smooth_alpha",), "only with smooth: true"))
+        return problems
 
     def features(self, variant: VariantFields) -> list[FeatureUse]:
         return [(("method",), Feature.INT8_ACTIVATIONS, "choose a later target")]
@@ -53,7 +59,7 @@ class W8A8(CompressionMethod):
     ) -> tuple[Any, Any]:
         """Input ranges of every planned projection (the fp16 program in the MIL evaluator,
         profile fp16, on the calibration text), then a quantize/dequantize pair before each.
-        With ``smooth``, the down projections' input scales are folded into the weights first
+        With ``smooth``, the quantized inputs' scales are folded into the weights first
         (``compress.smooth``) and the ranges are those of the folded program."""
         from converter.compress.activations import (
             activation_sites,
@@ -65,44 +71,31 @@ class W8A8(CompressionMethod):
         program = load_package(Path(ctx.fp16_package))
         evaluator = Evaluator(program, "fp16")
         feeds = ctx.subject.calibration_feeds(evaluator)
-        folds: list[Any] = []
-        if variant.smooth:
-            from converter.compress.smooth import (
-                down_pairs,
-                folded_weights,
-                measure_folds,
-                replace_constants,
-            )
-
-            function = program.functions["main"]
-            pairs = down_pairs([s for s in ctx.sites if s.name in plan])
-            folds = measure_folds(function, evaluator, feeds, pairs)
-            mlmodel = replace_constants(mlmodel, folded_weights(function, ctx.sites, folds))
-            program = mlmodel._mil_program  # the folded program: ranges are measured on it
-            evaluator = Evaluator(program, "fp16")
         keep = variant.activations_keep_fp16
         quantized = [s for s in ctx.sites if s.name in plan and keep_reason(s, keep, 0) is None]
+        smoothing = None
+        if variant.smooth:
+            from converter.compress.smooth import folded_constants, replace_constants, smooth
+
+            function = program.functions["main"]
+            smoothing = smooth(
+                function, ctx.subject.module, ctx.sites, quantized, evaluator, feeds,
+                variant.smooth_alpha,
+            )  # fmt: skip
+            mlmodel = replace_constants(mlmodel, folded_constants(function, smoothing.folds))
+            program = mlmodel._mil_program  # the folded program: ranges are measured on it
+            evaluator = Evaluator(program, "fp16")
         chosen = activation_sites(program.functions["main"], quantized)
         sites = calibrate(evaluator, feeds, chosen)
-        return insert_activation_quantization(mlmodel, sites), (sites, folds)
+        return insert_activation_quantization(mlmodel, sites), (sites, smoothing)
 
     def effective(self, decoded: dict[str, Any], state: Any) -> dict[str, Any]:
         """The decoded weights with every fold undone: what they stand for in the original
         model (for the weight-error table; the program computes the same function)."""
-        import numpy as np
+        from converter.compress.smooth import unfolded
 
-        _, folds = state
-        out = dict(decoded)
-        for fold in folds:
-            s = fold.scales.astype(np.float32)
-            inter = s.size
-            if fold.down in out:
-                out[fold.down] = (out[fold.down] / s[None, :, None, None]).astype(np.float16)
-            if fold.gate_up in out:
-                w = out[fold.gate_up].astype(np.float32).copy()
-                w[inter:] *= s[:, None, None, None]
-                out[fold.gate_up] = w.astype(np.float16)
-        return out
+        smoothing = state[1]
+        return decoded if smoothing is None else unfolded(decoded, smoothing.folds)
 
     def inspect(self, function: Any, state: Any, selection: Selection) -> Inspected | None:
         from converter.compress.activations import (
@@ -113,28 +106,34 @@ class W8A8(CompressionMethod):
             ranges_text,
         )
 
-        sites, folds = state
+        sites, smoothing = state
+        folds = smoothing.folds if smoothing is not None else []
         if not sites:
             return None
         scales = program_scales(function, sites)
         kept_inputs = sorted(set(selection.plan) - {a.weight for a in sites})
 
-        def wrap(module: Any) -> contextlib.AbstractContextManager[Any]:
-            return fake_quantized_inputs(module, scales)
+        decoded = set(selection.plan)  # these already hold the program's folded values
+
+        @contextlib.contextmanager
+        def wrap(module: Any) -> Iterator[None]:
+            from converter.compress.smooth import scale_tensors
+
+            scale_tensors(module, folds, decoded)
+            try:
+                with fake_quantized_inputs(module, scales):
+                    yield
+            finally:
+                scale_tensors(module, folds, decoded, inverse=True)
 
         def check(evaluator: Any, feed: dict[str, Any]) -> int:
             return quantizer_mismatches(evaluator, feed, function, sites, scales)
 
         doc: dict[str, Any] = {"activations": activation_report(sites, scales, kept_inputs)}
         text = ranges_text(sites, scales, kept_inputs)
-        if folds:
-            doc["smoothing"] = [f.to_json() for f in folds]
-            worst = max(folds, key=lambda f: f.input_max_before)
-            text += (
-                f"\nsmoothing: {len(folds)} down-projection inputs folded into their up rows "
-                f"(powers of two, exact); the widest, {worst.down}: max |x| "
-                f"{worst.input_max_before:.1f} -> {worst.input_max_after:.1f}"
-            )
+        if smoothing is not None:
+            doc["smoothing"] = smoothing.to_json()
+            text += "\n" + smoothing.text()
         return Inspected(
             wrap=wrap,
             check=check,
