@@ -142,6 +142,22 @@ def test_mixed_needs_search_and_calibration(tmp_path: Path) -> None:
         load_recipe(path)
 
 
+def test_a_search_over_grids_needs_macos15_and_grid_block_needs_grid(tmp_path: Path) -> None:
+    def mixed(search: str) -> str:
+        return (
+            "    - suffix: m\n      method: mixed\n      search:\n"
+            f"        {search}\n        budget: {{min_top1_agreement: 0.9, max_mean_kl: 0.1}}\n"
+            + GATES
+        )
+
+    grid = mixed("methods: [grid, lut]\n        grid_block: 16")
+    assert "search.methods: block-wise int4 weights need iOS18 / macOS15" in _errors(tmp_path, grid)
+    recipe = _load(tmp_path, grid, target="macOS15")
+    assert recipe.compression.variants[0].search.grid_block == 16  # type: ignore[attr-defined]
+    errors = _errors(tmp_path, mixed("grid_block: 16"), target="macOS15")
+    assert "search.grid_block: only when grid is in methods" in errors
+
+
 def test_calibration_without_a_variant_that_reads_it_is_refused(tmp_path: Path) -> None:
     """Calibration text feeds mixed and w8a8 variants only; with lut / int8 variants alone it
     would validate and then be ignored."""

@@ -78,6 +78,14 @@ compression:
       granularity: per-block
       group_size: 32
       gates: {min_top1_agreement: 0.9, max_mean_kl: 0.0001}
+    - suffix: mixed
+      method: mixed
+      search:
+        methods: [grid, lut]
+        bits: [16, 4]
+        budget: {min_top1_agreement: 0.9, max_mean_kl: 0.0001}
+      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.0001}
+  calibration: [[60, 61, 62, 63, 64, 65, 66, 67], [80, 81, 82, 83, 84, 85, 86]]
 """
 
 
@@ -97,8 +105,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path, dict[st
     return run_anec("convert", recipe, "--out", root / "out", "--json"), root / "out", weights
 
 
-def _manifest(out: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((out / "tiny-grid" / "manifest.json").read_text())
+def _manifest(out: Path, suffix: str = "grid") -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((out / f"tiny-{suffix}" / "manifest.json").read_text())
     return doc
 
 
@@ -135,6 +143,36 @@ def test_the_variant_keeps_the_checkpoint_and_passes_its_gates(
     for d in acceptance["depths"]:
         assert min(d["acceptance_per_position"]) >= 0.75 and d["cycles"] > 0
     assert "Acceptance as a draft" in (out / "tiny-grid" / "parity.txt").read_text()
+
+
+def test_the_mixed_search_takes_each_weight_s_own_grid_where_it_has_one(
+    run: tuple[Result, Path, Any],
+) -> None:
+    """grid as a search candidate: exact where a weight lies on a grid, absent where not; the
+    plan within a budget no palette meets keeps every grid weight on its grid and the off-grid
+    weight fp16, and is stored as the grid variant stores it."""
+    result, out, _ = run
+    assert result.exit_code == 0, result.output
+    manifest = _manifest(out, "mixed")
+    search = manifest["compression"]["search"]
+    assert search["search_space"]["candidates"] == ["fp16", "grid", "lut4"]
+    table = search["sensitivity"]["table"]
+    assert "grid" not in table["layers.2.mlp.down.weight"]  # OFF_GRID, by its BC1L name
+    assert all(row["grid"] < 1e-5 for name, row in table.items() if "grid" in row)
+    assert "grid" not in search["uniform"]  # one weight has no grid: no uniform grid plan
+    chosen = search["chosen"]["bits"]
+    assert chosen["layers.2.mlp.down.weight"] == "fp16"
+    assert {c for n, c in chosen.items() if n != "layers.2.mlp.down.weight"} == {"grid"}
+    records = {r["weight"]: r for r in manifest["compression"]["weights"]}
+    grid_records = {r["weight"]: r for r in _manifest(out)["compression"]["weights"]}
+    for name, tag in chosen.items():
+        if tag == "grid":
+            mine, theirs = records[name], grid_records[name]
+            assert mine["op"] == "constexpr_blockwise_shift_scale"
+            assert mine["stored_bytes"] == theirs["stored_bytes"]
+            assert mine["decoded_sha256"] == theirs["decoded_sha256"]
+    parity = json.loads((out / "tiny-mixed" / "parity.json").read_text())
+    assert parity["passed"] is True
 
 
 def test_a_checkpoint_on_no_grid_is_an_error_naming_the_variant(tmp_path: Path) -> None:

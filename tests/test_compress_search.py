@@ -6,7 +6,8 @@ from converter.compress.search import Point, smallest_meeting
 
 
 def _point(step: int | None, size: int, ok: bool, uniform: int | None = None) -> Point:
-    return Point(step, size, 0.0, 0.0, 1.0 if ok else 0.0, ok, uniform_bits=uniform)
+    tag = None if uniform is None else f"lut{uniform}"
+    return Point(step, size, 0.0, 0.0, 1.0 if ok else 0.0, ok, uniform_bits=uniform, uniform=tag)
 
 
 def test_a_uniform_plan_off_the_path_wins_when_it_is_smaller() -> None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     Method = str
 else:
     Method = Literal[methods.names()]
-SearchMethod = Literal["lut", "skm", "gptq"]  # what the mixed search may choose per weight
+SearchMethod = Literal["lut", "skm", "gptq", "grid"]  # what the mixed search may choose per weight
 # per-block: integers with a scale per block of group_size inputs (method grid)
 Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel", "per-block"]
 
@@ -102,11 +102,14 @@ class SearchBudget(StrictModel):
 class SearchSpace(StrictModel):
     """A fixed search space: one candidate per weight tensor, method x bits x group
     (``compress.candidates``): each of ``methods`` at each of ``bits``, palettes per tensor and
-    per group of each of ``group_sizes`` output rows, gptq per row (4 and 8 bits only)."""
+    per group of each of ``group_sizes`` output rows, gptq per row (4 and 8 bits only), grid
+    (one candidate: each weight's own block grid of ``grid_block`` inputs, where it has one)."""
 
     bits: list[int] = Field(default_factory=lambda: [16, 8, 6, 4])
     methods: list[SearchMethod] = Field(default_factory=lambda: list[SearchMethod](["lut"]))
     group_sizes: list[Annotated[int, Field(ge=1, strict=True)]] = []
+    # grid only: the block of consecutive inputs a weight's own grid is found on (GGUF: 32)
+    grid_block: int = Field(default=32, ge=1, strict=True)
     budget: SearchBudget
 
     @model_validator(mode="after")
@@ -117,9 +120,11 @@ class SearchSpace(StrictModel):
             allowed = ", ".join(map(str, SEARCH_BITS))
             problems.append((("bits",), f"expected at least two distinct widths from {allowed}"))
         if len(set(self.methods)) != len(self.methods) or not self.methods:
-            problems.append((("methods",), "expected distinct methods from lut, skm, gptq"))
+            problems.append((("methods",), "expected distinct methods from lut, skm, gptq, grid"))
         if "gptq" in self.methods and not {4, 8} & set(self.bits):
             problems.append((("methods",), "gptq is 4 or 8 bits: add 4 or 8 to bits"))
+        if "grid" not in self.methods and self.grid_block != 32:
+            problems.append((("grid_block",), "only when grid is in methods"))
         if len(set(self.group_sizes)) != len(self.group_sizes):
             problems.append((("group_sizes",), "expected distinct group sizes"))
         raise_rules("SearchSpace", problems)

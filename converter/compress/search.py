@@ -112,7 +112,7 @@ def smallest_meeting(points: list[Point]) -> Point:
     """The smallest measured plan that meets the budget, path and uniform plans alike (a
     uniform plan is not always on the greedy path; all-fp16, step 0, always meets it)."""
     meeting = [p for p in points if p.meets_budget]
-    return min(meeting, key=lambda p: (p.weight_bytes, p.uniform_bits is not None))  # path first
+    return min(meeting, key=lambda p: (p.weight_bytes, p.uniform is not None))  # path first
 
 
 def _layer_of(name: str) -> int:
@@ -143,6 +143,7 @@ def search_plan(
     )
 
     start = time.perf_counter()
+    by_name = {s.name: s for s in sites}
     options = candidates(space)
     lowered = [c for c in options if c is not None]
     # fp16-rounded weights, as the fp16 program holds them (fp32 arithmetic)
@@ -153,10 +154,13 @@ def search_plan(
         for name, value in fp16.items():
             params[name].copy_(torch.from_numpy(value.astype(np.float32)))
     quantized: dict[tuple[str, str], np.ndarray] = {}
+    scheme_of: dict[tuple[str, str], Scheme] = {}  # a grid candidate's scheme is per weight
     for c in lowered:
         fitting = [s for s in sites if fits(s, c)]
         values = candidate_values(c, fitting, fp16, module, calibration, embed_table, pad_id)
-        quantized.update({(n, label(c)): v for n, v in values.items()})
+        for n, (scheme, v) in values.items():
+            quantized[(n, label(c))] = v
+            scheme_of[(n, label(c))] = scheme
     quantize_seconds = time.perf_counter() - start
 
     calib = Scorer(work, calibration, embed_table, pad_id)
@@ -171,11 +175,14 @@ def search_plan(
         calib.set(site.name, fp16[site.name])
     log(f"sensitivity: {len(sites)} weights x {len(lowered)} candidates measured")
 
+    size_of = {(s.name, "fp16"): stored_bytes(s, None) for s in sites}
+    size_of |= {(n, tag): stored_bytes(by_name[n], c) for (n, tag), c in scheme_of.items()}
+
     def ladder(site: WeightSite) -> list[str]:
         """The site's candidates from largest to smallest, dominated ones left out (a
         candidate no smaller and no less sensitive than another never helps)."""
         mine = [c for c in options if label(c) in sensitivity[site.name]]
-        mine.sort(key=lambda c: (-stored_bytes(site, c), sensitivity[site.name][label(c)]))
+        mine.sort(key=lambda c: (-size_of[(site.name, label(c))], sensitivity[site.name][label(c)]))
         kept: list[str] = []
         for c in reversed(mine):  # smallest first: keep what beats every smaller one
             sens = sensitivity[site.name][label(c)]
@@ -183,7 +190,6 @@ def search_plan(
                 kept.append(label(c))
         return kept[::-1]
 
-    size_of = {(s.name, label(c)): stored_bytes(s, c) for s in sites for c in options if fits(s, c)}
     ladders = {s.name: ladder(s) for s in sites}
     choice = {n: steps[0] for n, steps in ladders.items()}
     path = [dict(choice)]
@@ -256,7 +262,8 @@ def search_plan(
             scorer.set(name, quantized[(name, tag)])
         kl, top1 = scorer.compare()
         ok = kl <= budget.max_mean_kl and top1 >= budget.min_top1_agreement
-        point = Point(None, size(plans[tag]), predicted(plans[tag]), kl, top1, ok, c.bits, tag)
+        width = c.bits or None  # grid: each weight's own
+        point = Point(None, size(plans[tag]), predicted(plans[tag]), kl, top1, ok, width, tag)
         uniform[tag] = point
         log(
             f"  uniform {tag:>9}: {point.weight_bytes / 2**20:7.2f} MiB  KL {kl:.4f}  "
@@ -268,8 +275,7 @@ def search_plan(
     else:
         assert pick.step is not None  # a path point
         chosen = path[pick.step]
-    schemes = {label(c): c for c in lowered}
-    plan = {n: schemes[c] for n, c in chosen.items() if c != "fp16"}
+    plan = {n: scheme_of[(n, c)] for n, c in chosen.items() if c != "fp16"}
     explored = sorted([*points.values(), *uniform.values()], key=lambda p: p.weight_bytes)
     frontier, best_kl = [], float("inf")
     # Pareto frontier (bytes vs KL): a plan stays if every smaller plan has a higher KL
@@ -287,7 +293,8 @@ def search_plan(
             "group_sizes": list(space.group_sizes),
             "candidates": [label(c) for c in options],
             "unit": "one candidate (method x bits x group) per weight tensor; lut: k-means "
-            "palettes (coremltools), skm: sensitive k-means, gptq: GPTQ integers per row",
+            "palettes (coremltools), skm: sensitive k-means, gptq: GPTQ integers per row, "
+            "grid: the weight's own block grid (exact)",
             "weights": len(sites),
         },
         "budget": {

@@ -51,31 +51,38 @@ class Mixed(CompressionMethod):
         if space is not None and "gptq" in space.methods and 4 in space.bits:
             fix = "set target: macOS15 (or iOS18) or drop gptq or 4"
             used.append((("search", "methods"), Feature.BLOCKWISE_INT4, fix))
+        elif space is not None and "grid" in space.methods:
+            fix = "set target: macOS15 (or iOS18) or drop grid"
+            used.append((("search", "methods"), Feature.BLOCKWISE_INT4, fix))
         return used
 
     def prepare(
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
     ) -> tuple[Any, Any]:
-        """The model with the calibrated methods' chosen weights written (skm values, gptq
-        integers); ``lut`` weights are palettized by ``apply_plan`` as usual."""
+        """The model with the chosen weights that are written before ``apply_plan`` (skm
+        values, gptq integers, grid integers); ``lut`` weights are palettized by
+        ``apply_plan`` as usual."""
         from converter.compress import methods
 
         model, seconds = mlmodel, 0.0
-        for name in ("skm", "gptq"):
+        for name in ("skm", "gptq", "grid"):
             part = {n: s for n, s in plan.items() if s.method == name}
             if part:
-                model, state = methods.get(name).prepare(ctx, variant, model, part)
-                seconds += state["seconds"]
+                start = time.perf_counter()
+                model, _ = methods.get(name).prepare(ctx, variant, model, part)
+                seconds += time.perf_counter() - start
         return model, {"seconds": seconds}
 
     def select(self, ctx: BuildContext, variant: VariantFields) -> Selection:
         """The searched plan; weights the search leaves at 16 bits are kept fp16."""
+        from converter.compress.candidates import candidates
+
         assert variant.search is not None  # check()
         start = time.perf_counter()
         chosen, kept = split_sites(ctx.sites, ctx.keep_fp16, ctx.min_weight_elements)
-        widths = [b for b in variant.search.bits if b != 16]
-        label = f"{variant.suffix}: search ({len(chosen)} weights x {len(widths)} widths)"
-        with ctx.progress.step(label, total=len(chosen) * len(widths)) as advance:
+        lowered = [c for c in candidates(variant.search) if c is not None]
+        label = f"{variant.suffix}: search ({len(chosen)} weights x {len(lowered)} candidates)"
+        with ctx.progress.step(label, total=len(chosen) * len(lowered)) as advance:
             plan, found = ctx.subject.search(variant, chosen, advance)
         for site in chosen:
             if site.name not in plan:
