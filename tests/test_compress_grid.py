@@ -143,6 +143,14 @@ def test_the_variant_keeps_the_checkpoint_and_passes_its_gates(
     for d in acceptance["depths"]:
         assert min(d["acceptance_per_position"]) >= 0.75 and d["cycles"] > 0
     assert "Acceptance as a draft" in (out / "tiny-grid" / "parity.txt").read_text()
+    # per-block integers are expanded to fp16 at load (rule S-BLOCK, a prediction): the NE
+    # would read every grid weight's dense bytes per call, far more than the file stores
+    main = parity["ne_weight_stream"]["tiny-grid"]["functions"]["main"]
+    block = main["by_rule"]["S-BLOCK"]
+    records = _manifest(out)["compression"]["weights"]
+    dense = sum(r["fp16_bytes"] for r in records if r["method"] == "grid")
+    assert block["weights"] == 14 and block["streamed"] == dense > 2 * block["stored"]
+    assert main["weight_bytes_read_per_call"] > main["weight_bytes_stored"]
 
 
 def test_the_mixed_search_takes_each_weight_s_own_grid_where_it_has_one(

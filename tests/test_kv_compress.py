@@ -108,6 +108,16 @@ def test_the_combined_package_stores_the_compressed_weights_once(
     fp16 = json.loads((out / "tkv" / "manifest.json").read_text())["kv_cache"]["sizes"]
     assert sizes["multifunction_weight_bytes"] < fp16["multifunction_weight_bytes"]
     assert manifest["compression"]["derived_from"]["artifact"] == "tkv"
+    # the report says what the NE would read per call, per function (a prediction): the
+    # compressed bytes for per-channel int8 and palettes, which stay compressed
+    stream = json.loads((directory / "parity.json").read_text())["ne_weight_stream"]
+    section = stream[package.name]
+    assert section["evidence"] == "predicted"
+    assert set(section["functions"]) == {"decode", "extend", "prefill"}
+    rule = "S-INT8" if suffix == "int8" else "S-LUT"
+    for f in section["functions"].values():
+        assert f["by_rule"][rule]["streamed"] == f["by_rule"][rule]["stored"] > 0
+    assert "decode: read per call" in (directory / "parity.txt").read_text()
 
 
 def test_the_same_plan_gives_identical_weight_bytes_in_every_function(

@@ -77,6 +77,26 @@ class VariantResult:
         }
 
 
+def ne_stream(programs: dict[str, Any]) -> dict[str, Any]:
+    """Per package (name -> MIL program), the weight bytes its functions store against the
+    bytes the NE would read per call (``plan.streamed``'s rules: a prediction)."""
+    from converter.plan.ops import op_table
+    from converter.plan.streamed import streamed_section
+
+    return {name: streamed_section(op_table(program)) for name, program in programs.items()}
+
+
+def ne_stream_text(stream: dict[str, Any]) -> str:
+    """``ne_stream`` as parity.txt lines."""
+    from converter.plan.streamed import streamed_lines
+
+    lines = []
+    for name, section in stream.items():
+        lines.append(f"{name}: " + streamed_lines(section)[0])
+        lines += streamed_lines(section)[1:]
+    return "\n".join(lines)
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -183,6 +203,7 @@ def _emit_one(
             fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
             errors = weight_errors(method.effective(decoded, state), fp16)
             ops = _live_ops(program)
+            stream = ne_stream({vname: program})
             inspected = method.inspect(function, state, selection)
             extra = selection.doc | (inspected.doc if inspected is not None else {})
 
@@ -198,10 +219,12 @@ def _emit_one(
             "variant": vname,
             "size": size.to_json(),
             "weight_errors": errors_json(errors),
+            "ne_weight_stream": stream,
             **extra,
         }
         act_text = inspected.text if inspected is not None else ""
-        sections = [parity_txt, size.to_text(), errors_text(errors), act_text]
+        sections = [parity_txt, size.to_text(), ne_stream_text(stream), errors_text(errors)]
+        sections.append(act_text)
         text = "\n\n".join(s for s in sections if s)
         write_reports(stage.path, doc, text)
         manifest = _manifest(

@@ -42,7 +42,13 @@ from typing import Any
 
 from converter.compress import methods
 from converter.compress.config import Compression, Variant
-from converter.compress.emit import VariantResult, _manifest, _peak_rss_mib
+from converter.compress.emit import (
+    VariantResult,
+    _manifest,
+    _peak_rss_mib,
+    ne_stream,
+    ne_stream_text,
+)
 from converter.compress.methods.base import BuildContext, Scheme
 from converter.compress.plan import apply_plan
 from converter.compress.records import WeightRecord, weight_records
@@ -303,6 +309,7 @@ class _KvVariant:
                 size = size_report(records, fp16_packages, packages)
                 fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
                 errors = weight_errors(decoded, fp16)
+                stream = ne_stream({p.name: load_package(p) for p in packages})
             with steps.step(
                 f"{variant.suffix}: parity (torch, MIL window)", total=subject.parity_steps
             ) as advance:
@@ -321,7 +328,9 @@ class _KvVariant:
                 detail=f"{len(stored[WINDOW])} weights x {len(stored)} programs compared",
             )
             parity.gates += [g for g in kv.gates if g.name in STRUCTURAL] + [identical]
-            doc, text = parity_reports(subject, parity, kv, sizes, size, errors, selection.doc)
+            doc, text = parity_reports(
+                subject, parity, kv, sizes, size, errors, stream, selection.doc
+            )
             write_reports(stage.path, doc | {"variant": vname}, text)
             write_json_atomic(stage.path / "kv_parity.json", kv_json(kv, sizes, odd))
             manifest = _manifest(
@@ -416,9 +425,10 @@ def parity_reports(
     sizes: list[dict[str, Any]],
     size: Any,
     errors: Any,
+    stream: dict[str, Any],
     extra: dict[str, Any],
 ) -> tuple[dict[str, Any], str]:
-    """The variant's parity.json content and parity.txt."""
+    """The variant's parity.json content and parity.txt (``stream``: ``emit.ne_stream``)."""
     doc, text = subject.report(parity)
     reported = [g for g in kv.gates if g.name not in STRUCTURAL]
     lines = [
@@ -436,7 +446,9 @@ def parity_reports(
         "size": size.to_json(),
         "weight_errors": errors_json(errors),
         "kv_cache": {"reported": [g.to_json() for g in reported], "sizes": _one(sizes)},
+        "ne_weight_stream": stream,
         **extra,
     }
-    sections = [text, "\n".join(lines), size.to_text(), errors_text(errors)]
+    streamed = ne_stream_text(stream)
+    sections = [text, "\n".join(lines), size.to_text(), streamed, errors_text(errors)]
     return doc, "\n\n".join(s for s in sections if s)
