@@ -115,66 +115,85 @@ def candidates(
 ) -> tuple[list[Candidate], dict[str, str]]:
     """The folds possible for each of ``consumers`` (projections whose input is quantized),
     in ``KINDS`` order, and why each other consumer gets none."""
-    by_name = {s.name: s for s in sites}
-    convs = {op.inputs["weight"].name: op for op in function.operations if op.op_type == "conv"}
-    consts = _consts(function)
+    graph = _Graph(
+        {s.name: s for s in sites},
+        {op.inputs["weight"].name: op for op in function.operations if op.op_type == "conv"},
+        _consts(function),
+        module,
+    )
     found: list[Candidate] = []
     skipped: dict[str, str] = {}
     for site in consumers:
-        conv = convs.get(site.const)
+        conv = graph.convs.get(site.const)
+        leaf = site.name.rsplit(".", 2)[-2]
+        make = {"down": _mlp_down, "o": _attention_o, "qkv": _norm, "gate_up": _norm}.get(leaf)
         if conv is None:
             skipped[site.name] = "no conv reads it"
-            continue
-        x = conv.inputs["x"].name
-        prefix, _, leaf = site.name.rpartition(".")[0].rpartition(".")
-        width = site.shape[1]
-        identity = np.arange(width)
-        if leaf == "down":
-            producer = by_name.get(f"{prefix}.gate_up.weight")
-            up_conv = convs.get(producer.const) if producer else None
-            if producer is None or up_conv is None or producer.shape[0] != 2 * width:
-                skipped[site.name] = "no fused gate/up projection of twice its width"
-                continue
-            divided = [(producer.name, producer.const, 0, width)]
-            if (b := _bias(up_conv)) is not None:
-                divided.append((f"{prefix}.gate_up.bias", b, 0, width))
-            found.append(
-                Candidate("mlp-down", site, conv.inputs["x"].name, tuple(divided), identity)
-            )
-        elif leaf == "o":
-            producer = by_name.get(f"{prefix}.qkv.weight")
-            qkv_conv = convs.get(producer.const) if producer else None
-            spec = getattr(module.get_submodule(prefix), "spec", None)
-            if producer is None or qkv_conv is None or spec is None:
-                skipped[site.name] = "no fused qkv projection beside it"
-                continue
-            d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
-            if width != heads * d or producer.shape[0] != (heads + 2 * kv) * d:
-                skipped[site.name] = f"{width} inputs do not match {heads} heads of {d}"
-                continue
-            start = (heads + kv) * d  # the value rows follow the query and key rows
-            divided = [(producer.name, producer.const, 0, start)]
-            if (b := _bias(qkv_conv)) is not None:
-                divided.append((f"{prefix}.qkv.bias", b, 0, start))
-            head, channel = np.divmod(identity, d)
-            groups = (head // spec.group_size) * d + channel
-            found.append(
-                Candidate("attention-o", site, conv.inputs["x"].name, tuple(divided), groups)
-            )
-        elif leaf in ("qkv", "gate_up"):
-            block = prefix.rpartition(".")[0]
-            norm_name = f"{block}.{'attention_norm' if leaf == 'qkv' else 'mlp_norm'}"
-            why = _norm_problem(conv, consts, module, norm_name)
-            if why is not None:
-                skipped[site.name] = why
-                continue
-            gamma = conv.inputs["x"].op.inputs["y"].name
-            divided = [(f"{norm_name}.gamma", gamma, 1, 0)]
-            found.append(Candidate("norm", site, x, tuple(divided), identity))
-        else:
+        elif make is None:
             skipped[site.name] = "no producer anec knows how to divide"
+        else:
+            made = make(graph, site, conv)
+            if isinstance(made, str):
+                skipped[site.name] = made
+            else:
+                found.append(made)
     found.sort(key=lambda c: KINDS.index(c.kind))
     return found, skipped
+
+
+@dataclass(frozen=True)
+class _Graph:
+    sites: dict[str, WeightSite]  # by torch name
+    convs: dict[str, Any]  # conv op by its weight const's name
+    consts: dict[str, Any]
+    module: Any
+
+
+def _mlp_down(g: _Graph, site: WeightSite, conv: Any) -> Candidate | str:
+    prefix = site.name.rsplit(".", 2)[0]
+    width = site.shape[1]
+    producer = g.sites.get(f"{prefix}.gate_up.weight")
+    up_conv = g.convs.get(producer.const) if producer else None
+    if producer is None or up_conv is None or producer.shape[0] != 2 * width:
+        return "no fused gate/up projection of twice its width"
+    divided = [(producer.name, producer.const, 0, width)]  # the up half: act(gate) * up
+    if (b := _bias(up_conv)) is not None:
+        divided.append((f"{prefix}.gate_up.bias", b, 0, width))
+    return Candidate("mlp-down", site, conv.inputs["x"].name, tuple(divided), np.arange(width))
+
+
+def _attention_o(g: _Graph, site: WeightSite, conv: Any) -> Candidate | str:
+    prefix = site.name.rsplit(".", 2)[0]
+    width = site.shape[1]
+    producer = g.sites.get(f"{prefix}.qkv.weight")
+    qkv_conv = g.convs.get(producer.const) if producer else None
+    try:
+        spec = g.module.get_submodule(prefix).spec
+    except AttributeError:
+        spec = None
+    if producer is None or qkv_conv is None or spec is None:
+        return "no fused qkv projection beside it"
+    d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    if width != heads * d or producer.shape[0] != (heads + 2 * kv) * d:
+        return f"{width} inputs do not match {heads} heads of {d}"
+    start = (heads + kv) * d  # the value rows follow the query and key rows
+    divided = [(producer.name, producer.const, 0, start)]
+    if (b := _bias(qkv_conv)) is not None:
+        divided.append((f"{prefix}.qkv.bias", b, 0, start))
+    head, channel = np.divmod(np.arange(width), d)
+    groups = (head // spec.group_size) * d + channel  # query head h reads kv head h // group
+    return Candidate("attention-o", site, conv.inputs["x"].name, tuple(divided), groups)
+
+
+def _norm(g: _Graph, site: WeightSite, conv: Any) -> Candidate | str:
+    block, leaf = site.name.rsplit(".", 3)[0], site.name.rsplit(".", 2)[-2]
+    norm_name = f"{block}.{'attention_norm' if leaf == 'qkv' else 'mlp_norm'}"
+    why = _norm_problem(conv, g.consts, g.module, norm_name)
+    if why is not None:
+        return why
+    gamma = conv.inputs["x"].op.inputs["y"].name
+    divided = ((f"{norm_name}.gamma", gamma, 1, 0),)
+    return Candidate("norm", site, conv.inputs["x"].name, divided, np.arange(site.shape[1]))
 
 
 def _norm_problem(conv: Any, consts: dict[str, Any], module: Any, norm_name: str) -> str | None:
