@@ -15,11 +15,13 @@ that module: top-1 agreement and mean KL(fp16 || variant). What the variant stor
   fp16 profile: the figures differ slightly, which the table header says);
 * folds: ``compress.smooth`` on the program, the same powers of two the pipeline folds.
 
-It prints (1) int8 weights alone; (2) W8A8 with no folds, the MLP down folds only, and every
-fold at each ``--alpha``; (3) at the best alpha, the inputs of one projection kind quantized,
-the rest fp16; (4) every input quantized alone (its sensitivity), then W8A8 with the k most
-sensitive inputs kept fp16, for k until top-1 reaches 0.97 or 32. A torch measurement, not
-the converted program; the pipeline's figures for the same variants are in bench/README.md.
+It prints (1) int8 weights alone; (2) with no folds, the MLP down folds only, and every fold
+at each ``--alpha``: the folded int8 weights alone (what the folds cost the weights) and W8A8;
+(3) the same at the best alpha with one fold kind only; with ``--each-input``, (4) the inputs
+of one projection kind quantized, the rest fp16, and (5) every input quantized alone, then
+W8A8 with the k most costly inputs kept fp16, for k until top-1 reaches 0.97 or 32. A torch
+measurement, not the converted program; the pipeline's figures for the same variants are in
+bench/README.md.
 """
 
 from __future__ import annotations
@@ -156,6 +158,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path, help="fp16 artifact directory of the w8a8 recipe")
     parser.add_argument("--alpha", type=float, action="append", help="default 0.5, 0.75, 0.9")
+    parser.add_argument(
+        "--each-input", action="store_true", help="also each input's cost (120 runs, ~20 min)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)  # many small ops: one thread is faster (bench/README.md)
@@ -172,43 +177,53 @@ def main() -> None:
     rows["int8_weights"] = setup.score([], [])
     show("120 weights int8", *rows["int8_weights"])
 
-    print("(2) W8A8, every projection input int8 (per tensor, torch-calibrated)")
-    rows["w8a8"] = {}
+    print("(2) folds: int8 weights with the folds (inputs fp16) / W8A8, every input int8")
+    rows["folds"] = {}
     best: tuple[float, float | None] = (-1.0, None)
     for label, alpha, kinds in (
         ("no folds", None, ()),
         ("MLP down folds only, alpha 0.5", 0.5, ("mlp-down",)),
         *((f"every fold, alpha {a}", a, ()) for a in (args.alpha or [0.5, 0.75, 0.9])),
     ):
-        top1, kl = setup.score(setup.folds(alpha, kinds), every)
-        rows["w8a8"][label] = (top1, kl)
-        show(label, top1, kl)
-        if kinds == () and alpha is not None and top1 > best[0]:
-            best = (top1, alpha)
+        folds = setup.folds(alpha, kinds)
+        weights, w8a8 = setup.score(folds, []), setup.score(folds, every)
+        rows["folds"][label] = {"int8_weights": weights, "w8a8": w8a8}
+        show(f"{label}: weights", *weights)
+        show(f"{label}: W8A8", *w8a8)
+        if kinds == () and alpha is not None and w8a8[0] > best[0]:
+            best = (w8a8[0], alpha)
     alpha = best[1]
-    folds = setup.folds(alpha)
 
-    print(f"(3) every fold at alpha {alpha}; only one projection kind's inputs int8")
-    rows["by_kind"] = {}
-    for kind in KINDS:
-        chosen = [n for n in every if f".{kind}." in n]
-        rows["by_kind"][kind] = setup.score(folds, chosen)
-        show(f"{kind} inputs int8 ({len(chosen)})", *rows["by_kind"][kind])
+    print(f"(3) at alpha {alpha}, one fold kind only: weights / W8A8, every input int8")
+    rows["fold_kind"] = {}
+    for kind in ("mlp-down", "attention-o", "norm"):
+        folds = setup.folds(alpha, (kind,))
+        weights, w8a8 = setup.score(folds, []), setup.score(folds, every)
+        rows["fold_kind"][kind] = {"int8_weights": weights, "w8a8": w8a8}
+        show(f"{kind} folds: weights", *weights)
+        show(f"{kind} folds: W8A8", *w8a8)
 
-    print(f"(4) every fold at alpha {alpha}; each input int8 alone (its cost), then the")
-    print("    most costly kept fp16")
-    alone = {n: setup.score(folds, [n]) for n in every}
-    order = sorted(every, key=lambda n: (alone[n][0], -alone[n][1]))
-    rows["alone"] = {n: alone[n] for n in order}
-    for n in order[:10]:
-        show(f"{n} alone", *alone[n])
-    rows["keep"] = {}
-    for k in (0, 1, 2, 4, 8, 16, 32):
-        top1, kl = setup.score(folds, order[k:])
-        rows["keep"][k] = (top1, kl)
-        show(f"{k} most costly inputs kept fp16, {len(every) - k} int8", top1, kl)
-        if top1 >= 0.97:
-            break
+    if args.each_input:
+        folds = setup.folds(alpha)
+        print(f"(4) every fold at alpha {alpha}; one projection kind's inputs int8")
+        rows["by_kind"] = {}
+        for kind in KINDS:
+            chosen = [n for n in every if f".{kind}." in n]
+            rows["by_kind"][kind] = setup.score(folds, chosen)
+            show(f"{kind} inputs int8 ({len(chosen)})", *rows["by_kind"][kind])
+        print("(5) each input int8 alone (its cost), then the most costly kept fp16")
+        alone = {n: setup.score(folds, [n]) for n in every}
+        order = sorted(every, key=lambda n: (alone[n][0], -alone[n][1]))
+        rows["alone"] = {n: alone[n] for n in order}
+        for n in order[:10]:
+            show(f"{n} alone", *alone[n])
+        rows["keep"] = {}
+        for k in (0, 1, 2, 4, 8, 16, 32):
+            top1, kl = setup.score(folds, order[k:])
+            rows["keep"][k] = (top1, kl)
+            show(f"{k} most costly inputs kept fp16, {len(every) - k} int8", top1, kl)
+            if top1 >= 0.97:
+                break
     rows["seconds"] = round(time.perf_counter() - start, 1)
     print(f"{rows['seconds']} s")
     if args.json:
