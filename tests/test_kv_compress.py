@@ -189,6 +189,24 @@ def test_methods_that_add_ops_stay_refused_for_a_cached_decoder(
     assert f"{method} variants of a cached decoder are not implemented" in text
 
 
+@pytest.mark.parametrize("searched", ["gptq", "skm", "grid"])
+def test_a_cached_decoder_s_mixed_search_is_palettes_only(tmp_path: Path, searched: str) -> None:
+    """skm / gptq / grid values are written into the window program before the plan is
+    applied, and the cached functions receive only the plan: such a search is refused."""
+    file = tmp_path / "r.yaml"
+    file.write_text(
+        RULES + "  calibration: [[5, 6, 7, 8]]\n  variants:\n    - {suffix: a, method: mixed, "
+        f"search: {{methods: [lut, {searched}], bits: [16, 8, 4], "
+        "budget: {min_top1_agreement: 0.5, max_mean_kl: 0.5}}, "
+        "gates: {min_top1_agreement: 0.5, max_mean_kl: 0.5}}\n"
+    )
+    with pytest.raises(RecipeError) as info:
+        load_recipe(file)
+    assert "compression.variants[0].search.methods: a cached decoder's mixed search" in str(
+        info.value
+    )
+
+
 def test_int8_and_lut_variants_of_a_cached_decoder_validate(tmp_path: Path) -> None:
     file = tmp_path / "r.yaml"
     file.write_text(

@@ -8,7 +8,7 @@ slots (`graph_passes.cached_decoder`): ``state`` keeps the cache as a Core ML st
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -56,10 +56,10 @@ class CacheSpec(StrictModel):
 
 
 def cache_problems(
-    cache: CacheSpec, target: str, batch: int, methods: list[str], precision: str
+    cache: CacheSpec, target: str, batch: int, variants: list[Any], precision: str
 ) -> list[tuple[Loc, str]]:
-    """Rules between the cache section and the rest of a decoder recipe (``methods``: each
-    compression variant's method, in order)."""
+    """Rules between the cache section and the rest of a decoder recipe (``variants``: the
+    compression variants, in order)."""
     if cache.style == "none":
         if cache.package_budget_mb is not None:
             return [
@@ -80,14 +80,23 @@ def cache_problems(
         problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
     if precision != "float16":
         problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
-    for i, method in enumerate(methods):
-        if method not in KV_METHODS:
+    for i, variant in enumerate(variants):
+        if variant.method not in KV_METHODS:
             problems.append(
                 (
                     ("compression", "variants", i, "method"),
-                    f"{method} variants of a cached decoder are not implemented (they change "
-                    "the program beyond its weights, and those ops are not carried into the "
-                    f"cached functions); use one of {', '.join(KV_METHODS)}",
+                    f"{variant.method} variants of a cached decoder are not implemented (they "
+                    "change the program beyond its weights, and those ops are not carried into "
+                    f"the cached functions); use one of {', '.join(KV_METHODS)}",
+                )
+            )
+        elif variant.search is not None and set(variant.search.methods) - {"lut"}:
+            # skm / gptq / grid values are written into the window program before palettes
+            # are applied; the cached functions receive only the plan (compress.stateful)
+            problems.append(
+                (
+                    ("compression", "variants", i, "search", "methods"),
+                    "a cached decoder's mixed search chooses palettes only; use [lut]",
                 )
             )
     return problems

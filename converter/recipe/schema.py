@@ -191,7 +191,7 @@ class DecoderRecipe(RecipeBase):
     def _cache_checks(self) -> DecoderRecipe:
         problems = cache_problems(
             self.cache, self.target, self.shapes.batch,
-            [v.method for v in self.compression.variants] if self.compression else [],
+            list(self.compression.variants) if self.compression else [],
             self.precision,
         )  # fmt: skip
         raise_rules("Recipe", problems)
