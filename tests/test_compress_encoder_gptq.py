@@ -249,3 +249,19 @@ def test_encoder_calibration_shared_with_held_out_is_refused(tmp_path: Path) -> 
     both = Compression.model_validate({"held_out": corpus, "calibration": corpus, "variants": gptq})
     assert not set(part_sentences("held_out")) & set(part_sentences("calibration"))
     assert both.calibration == both.held_out  # same request, different parts of the corpus
+
+
+def test_a_block_that_does_not_divide_a_weights_inputs_is_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    from converter.compress.methods.base import Scheme
+    from converter.compress.methods.gptq import METHOD
+    from converter.errors import InputError
+
+    site = WeightSite("layers.0.mlp.down.weight", "w_to_fp16", (64, 48, 1, 1), "float16")
+    ctx: Any = SimpleNamespace(sites=[site])
+    variant: Any = SimpleNamespace(suffix="b32", granularity="per-block", group_size=32)
+    plan = {site.name: Scheme("gptq", 4, "per-block", 32)}
+    with pytest.raises(InputError, match=r"b32: group_size 32 does not divide the inputs of "
+                       r"layers\.0\.mlp\.down\.weight"):  # fmt: skip
+        METHOD.prepare(ctx, variant, None, plan)

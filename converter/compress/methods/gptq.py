@@ -39,6 +39,7 @@ from converter.compress.methods.base import (
     VariantFields,
 )
 from converter.compress.sites import WeightSite
+from converter.errors import InputError
 from converter.targets import Feature
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class Gptq(CompressionMethod):
     calibration text."""
 
     name = "gptq"
-    summary = "GPTQ (coremltools) int4 / int8 per output channel on the calibration text"
+    summary = "GPTQ (coremltools) int4 / int8 per output channel or block on the calibration text"
     # every task whose subject has calibration stages (``compress.decoder``, ``.encoder``)
     tasks = frozenset(
         {"text-generation", "feature-extraction", "sentence-similarity", "text-classification"}
@@ -108,6 +109,13 @@ class Gptq(CompressionMethod):
         sites = [s for s in ctx.sites if s.name in plan]
         bits = {s.name: plan[s.name].bits for s in sites}
         block = variant.group_size if variant.granularity == "per-block" else None
+        uneven = [s.name for s in sites if block is not None and s.elements // s.shape[0] % block]
+        if uneven:
+            raise InputError(
+                f"variant {variant.suffix}: group_size {block} does not divide the inputs of "
+                f"{', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}; choose a divisor "
+                "or keep them fp16 (keep_fp16)"
+            )
         start = time.perf_counter()
         with ctx.progress.step(f"{variant.suffix}: GPTQ ({len(sites)} weights)"):
             stages = ctx.subject.calibration_stages()
