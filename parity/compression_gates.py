@@ -37,7 +37,7 @@ import torch
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
-from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
+from parity.fixtures import Batch, Fixture, make_batches
 from parity.gate import Gate, GateResult, all_passed, first_few, gate
 from parity.gates import module_inputs, rel_error, run_module
 from parity.head_outputs import run_capturing_logits
@@ -80,14 +80,10 @@ def prepare_held_out(
 ) -> HeldOut:
     """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here), run the
     original model on each, and cut MIL windows (``mil_positions`` "all": each whole text)."""
-    from converter.compress.corpus import resolve
+    from converter.compress.corpus import slice_fixtures
 
-    texts, where = resolve(texts, "held_out", tokenizer, length, decoder=True)
-    calibration, _ = resolve(calibration or [], "calibration", tokenizer, length, decoder=True)
-    prompts = [t for t in texts if isinstance(t, str)]
-    ids = [t for t in texts if not isinstance(t, str)]
-    fixtures = build_fixtures(prompts, ids, tokenizer, length, vocab_size, padded_variants=False)
-    fixtures = [Fixture(f"held_out[{i}]", f.token_ids, f.slice) for i, f in enumerate(fixtures)]
+    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, length, vocab_size, True)
+    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, length, vocab_size, True)
     references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
     windows, source = [], {}
     for f in fixtures:
@@ -101,10 +97,6 @@ def prepare_held_out(
             name = f"{f.name}@{p}"
             windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
             source[name] = (f.name, p)
-    calib = [t for t in calibration or [] if isinstance(t, str)]
-    calib_ids = [t for t in calibration or [] if not isinstance(t, str)]
-    cal = build_fixtures(calib, calib_ids, tokenizer, length, vocab_size, padded_variants=False)
-    cal = [Fixture(f"calibration[{i}]", f.token_ids, f.slice) for i, f in enumerate(cal)]
     every = mil_positions == "all"
     return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
 

@@ -41,7 +41,7 @@ from parity.encoder_gates import (
     real_part,
     run_encoder_reference,
 )
-from parity.fixtures import Batch, Fixture, build_fixtures
+from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Worst, all_passed, gate
 from parity.gates import rel_error
 from parity.report import gate_line
@@ -56,31 +56,36 @@ _OUTPUT_NAMES = {
 
 @dataclass
 class EncoderHeldOut:
-    """The held-out sentences, their (B, L) batches and the original model's outputs."""
+    """The held-out sentences, their (B, L) batches and the original model's outputs; and the
+    calibration sentences (read by calibrated methods only, never scored)."""
 
     fixtures: list[Fixture]
     batches: list[Batch]
     references: dict[str, EncoderReference]
     source: str = "the recipe's own texts"
+    calibration: list[Fixture] = field(default_factory=list)
+    pad_id: int = 0
 
 
 def prepare_encoder_held_out(
-    texts: Any, tokenizer: Any, model: torch.nn.Module, module: BC1LEncoder, pad_id: int
+    texts: Any,
+    tokenizer: Any,
+    model: torch.nn.Module,
+    module: BC1LEncoder,
+    pad_id: int,
+    calibration: Any = None,
 ) -> EncoderHeldOut:
     """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here) and run
-    the original model on each, alone and unpadded."""
-    from converter.compress.corpus import resolve
+    the original model on each, alone and unpadded; tokenize the calibration sentences (a
+    list, or the corpus's other part: disjoint from the held-out one by construction)."""
+    from converter.compress.corpus import slice_fixtures
 
-    io = module.io
-    texts, where = resolve(texts, "held_out", tokenizer, io.length, decoder=False)
-    prompts = [t for t in texts if isinstance(t, str)]
-    ids = [t for t in texts if not isinstance(t, str)]
-    vocab = module.spec.embedding.vocab_size
-    built = build_fixtures(prompts, ids, tokenizer, io.length, vocab, padded_variants=False)
-    fixtures = [Fixture(f"held_out[{i}]", f.token_ids, f.slice) for i, f in enumerate(built)]
+    io, vocab = module.io, module.spec.embedding.vocab_size
+    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False)
+    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
     references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
     batches = make_encoder_batches(fixtures, io.batch, io.length, pad_id)
-    return EncoderHeldOut(fixtures, batches, references, where)
+    return EncoderHeldOut(fixtures, batches, references, where, cal, pad_id)
 
 
 def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Outputs:

@@ -159,7 +159,7 @@ def test_a_search_over_grids_needs_macos15_and_grid_block_needs_grid(tmp_path: P
 
 
 def test_calibration_without_a_variant_that_reads_it_is_refused(tmp_path: Path) -> None:
-    """Calibration text feeds mixed and w8a8 variants only; with lut / int8 variants alone it
+    """Calibration text feeds the calibrated methods only; with lut / int8 variants alone it
     would validate and then be ignored."""
     path = tmp_path / "r.yaml"
     lut = "    - suffix: l\n      method: lut\n      bits: 4\n" + GATES
@@ -167,8 +167,8 @@ def test_calibration_without_a_variant_that_reads_it_is_refused(tmp_path: Path) 
     with pytest.raises(RecipeError) as e:
         load_recipe(path)
     assert str(e.value) == (
-        f"{path}:9: compression.calibration: used by mixed and w8a8 variants only (layer "
-        "sensitivity, activation ranges) and no variant here is one; remove it"
+        f"{path}:9: compression.calibration: used by w8a8, mixed, gptq and skm variants only "
+        "and no variant here is one; remove it"
     )
 
 

@@ -1,26 +1,36 @@
-"""Calibration-data passes over a decoder for the data-dependent methods (``gptq``, ``skm``).
+"""Calibration-data passes over a model for the data-dependent methods (``gptq``, ``skm``).
 
 Both read only the recipe's calibration text (``compression.calibration``), never the
 held-out slice, and run the BC1L module in fp32 with its weights rounded to fp16 first (the
 values the fp16 program holds), so what they compute starts from the program's weights.
 Padded slots are left out: only each text's real positions reach a Hessian or a loss.
+
+`Stages` is what a layer-by-layer method (GPTQ) walks, for a decoder (`decoder_stages`: the
+calibration texts as one left-padded batch) or an encoder (`encoder_stages`: the calibration
+sentences in the program's own right-padded, folded (B, L) batches); ``skm`` reads the
+decoder's next-token loss (`next_token_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.encoder import BC1LEncoder
 from parity.fixtures import Fixture, make_batches
 from parity.gates import module_inputs
+
+M = TypeVar("M", bound=nn.Module)
+Columns = Callable[[torch.Tensor], torch.Tensor]  # an activation -> its real columns (1, C, 1, N)
 
 
 @dataclass
@@ -51,7 +61,7 @@ def calibration(
     return Calibration(x, key_mask, batch.input_ids, starts)
 
 
-def fp16_copy(module: BC1LDecoder) -> BC1LDecoder:
+def fp16_copy(module: M) -> M:
     """A deep copy of ``module`` in fp32 with every parameter rounded through fp16."""
     work = copy.deepcopy(module).float().eval()
     with torch.no_grad():
@@ -78,15 +88,22 @@ def real_columns(t: torch.Tensor, starts: list[int]) -> torch.Tensor:
     return torch.cat([t[r : r + 1, :, :, s:] for r, s in enumerate(starts)], dim=3)
 
 
+def captured_inputs(
+    convs: dict[str, nn.Conv2d], starts: list[int], sink: Any
+) -> contextlib.AbstractContextManager[None]:
+    """`captured` for a decoder batch left-padded from ``starts``."""
+    return captured(convs, lambda t: real_columns(t, starts), sink)
+
+
 @contextlib.contextmanager
-def captured_inputs(convs: dict[str, nn.Conv2d], starts: list[int], sink: Any) -> Iterator[None]:
-    """While active, ``sink(name, inputs, outputs)`` gets each conv's real-position input and
-    output on every forward call (inputs (1, C, 1, N))."""
+def captured(convs: dict[str, nn.Conv2d], columns: Columns, sink: Any) -> Iterator[None]:
+    """While active, ``sink(name, inputs, outputs)`` gets each conv's input and output on every
+    forward call, real columns only (``columns``: each (1, C, 1, N))."""
     handles = []
     for name, conv in convs.items():
 
         def hook(_: Any, args: Any, out: Any, name: str = name) -> None:
-            sink(name, real_columns(args[0].detach(), starts), real_columns(out.detach(), starts))
+            sink(name, columns(args[0].detach()), columns(out.detach()))
 
         handles.append(conv.register_forward_hook(hook))
     try:
@@ -111,3 +128,86 @@ def next_token_loss(module: BC1LDecoder, cal: Calibration) -> torch.Tensor:
         losses.append(nn.functional.cross_entropy(pred, cal.ids[r, s + 1 :], reduction="sum"))
     count = sum(cal.ids.shape[1] - s - 1 for s in cal.starts)
     return torch.stack(losses).sum() / max(count, 1)
+
+
+@dataclass
+class Stages:
+    """A working copy of a model (`fp16_copy`) as stages run in order over its calibration
+    batches, for methods that round layer by layer: stage ``i < layers`` is transformer layer
+    ``i``, stage ``layers`` what follows them (a decoder's final norm and LM head, an
+    encoder's final norm and task tail). ``run(i, h, b)`` is stage ``i`` on batch ``b``'s
+    input ``h``; ``columns[b]`` picks batch ``b``'s real columns of an activation."""
+
+    module: nn.Module
+    inputs: list[torch.Tensor]  # the first layer's input, one per calibration batch
+    layers: int
+    run: Callable[[int, torch.Tensor, int], torch.Tensor]
+    columns: list[Columns]
+
+    def stage_of(self, name: str) -> int:
+        """The stage holding parameter ``name`` (``layers.<i>.``: layer i; else the last)."""
+        parts = name.split(".")
+        if parts[0] == "layers" and parts[1].isdigit():
+            return int(parts[1])
+        return self.layers
+
+
+def decoder_stages(
+    module: BC1LDecoder, fixtures: list[Fixture], embed_table: torch.Tensor, pad_id: int
+) -> Stages:
+    """A decoder's stages on its calibration texts, one left-padded batch of them all."""
+    work = fp16_copy(module)
+    cal = calibration(work, fixtures, embed_table, pad_id)
+    layers = work.decoder_layers()
+    masks = work.masks(cal.key_mask)
+
+    def run(i: int, h: torch.Tensor, _: int) -> Any:
+        if i == len(layers):
+            return work.head(h)
+        layer = layers[i]
+        return layer(h, masks[layer.window if layer.window in masks else None])
+
+    with torch.no_grad():
+        first = work.embed_bc1l(cal.x)
+    return Stages(work, [first], len(layers), run, [lambda t: real_columns(t, cal.starts)])
+
+
+def encoder_stages(module: BC1LEncoder, fixtures: list[Fixture], pad_id: int) -> Stages:
+    """An encoder's stages on its calibration sentences, in the program's own (B, L) batches
+    (right-padded, folded to (1, C, 1, B*L)), with the fp16 program's epsilon floors."""
+    from graph_passes.layer_norm import FP16_EPS_FLOOR
+    from parity.encoder_gates import make_encoder_batches
+    from parity.encoder_gates import module_inputs as encoder_inputs
+
+    if not fixtures:
+        raise ValueError("compression.calibration: no calibration text for a calibrated method")
+    work = fp16_copy(module)
+    work.set_eps_floor(FP16_EPS_FLOOR)
+    io, layers = work.io, work.encoder_layers()
+    firsts, masks, columns = [], [], list[Columns]()
+    for batch in make_encoder_batches(fixtures, io.batch, io.length, pad_id):
+        *x, key_mask = encoder_inputs(work, batch, torch.float32)
+        with torch.no_grad():
+            firsts.append(work.embed(x[0], x[1] if len(x) > 1 else None))
+        masks.append((work.masks(key_mask), key_mask))
+        real = batch.attention_mask.bool()
+        real[len(batch.fixtures) :] = False  # rows filling the last batch repeat a sentence
+        columns.append(functools.partial(folded_columns, real=real))
+
+    def run(i: int, h: torch.Tensor, b: int) -> Any:
+        by_window, key_mask = masks[b]
+        if i == len(layers):
+            return work.tail(work.finish(h), key_mask)
+        return layers[i](h, by_window[layers[i].window])
+
+    return Stages(work, firsts, len(layers), run, columns)
+
+
+def folded_columns(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The real columns of an encoder activation: a folded (1, C, 1, B*L) one's real slots, or
+    a pooled (1, C, 1, B) one's real sentences (``real``: (B, L), True at real tokens)."""
+    if t.shape[-1] == real.numel():
+        return t[..., real.reshape(-1)]
+    if t.shape[-1] == real.shape[0]:
+        return t[..., real.any(dim=1)]
+    raise ValueError(f"an activation of {t.shape[-1]} columns in a batch of {tuple(real.shape)}")

@@ -267,12 +267,12 @@ class Compression(StrictModel):
                 (("calibration",), f"required by variant(s) {', '.join(needs_calibration)}")
             )
         elif self.calibration and not needs_calibration:
-            # Read by mixed and w8a8 variants only: elsewhere it would be silently unused.
+            # Read by the calibrated methods only: elsewhere it would be silently unused.
+            readers = f"{', '.join(CALIBRATED_METHODS[:-1])} and {CALIBRATED_METHODS[-1]}"
             problems.append(
                 (
                     ("calibration",),
-                    "used by mixed and w8a8 variants only (layer sensitivity, activation "
-                    "ranges) and no variant here is one; remove it",
+                    f"used by {readers} variants only and no variant here is one; remove it",
                 )
             )
         raise_rules("Compression", problems)

@@ -138,3 +138,17 @@ def resolve(
         else list(encoder_texts(items, part, tokenizer, length))
     )
     return texts, source(items, part)
+
+
+def slice_fixtures(
+    items: Any, part: str, tokenizer: Any, length: int, vocab_size: int, decoder: bool
+) -> tuple[list[Any], str]:
+    """A held-out or calibration slice (`resolve`) as fixtures named ``<part>[i]`` (each
+    checked to fit ``length`` and the vocabulary), and the line saying what it is."""
+    from parity.fixtures import Fixture, build_fixtures
+
+    texts, where = resolve(items, part, tokenizer, length, decoder)
+    prompts = [t for t in texts if isinstance(t, str)]
+    ids = [t for t in texts if not isinstance(t, str)]
+    built = build_fixtures(prompts, ids, tokenizer, length, vocab_size, padded_variants=False)
+    return [Fixture(f"{part}[{i}]", f.token_ids, f.slice) for i, f in enumerate(built)], where

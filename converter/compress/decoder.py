@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from parity.compression_gates import (
     with_weights,
 )
 from parity.fixtures import make_batches
+
+if TYPE_CHECKING:
+    from converter.compress.calibrate import Stages
 
 # Windows the fp32 consistency check runs (the program against torch with the same weights).
 FP32_WINDOWS = 2
@@ -83,6 +86,13 @@ class DecoderSubject:
             Evaluator(program, "fp16"), self.module, self.held_out, self.embed_table,
             progress=advance,
         )  # fmt: skip
+
+    def calibration_stages(self) -> Stages:
+        """The decoder's stages on the calibration texts, one left-padded batch."""
+        from converter.compress.calibrate import decoder_stages
+
+        h = self.held_out
+        return decoder_stages(self.module, h.calibration, self.embed_table, h.pad_id)
 
     def calibration_feeds(self, evaluator: Any) -> list[dict[str, Any]]:
         """The program's inputs for the calibration text, in (B, L) batches."""

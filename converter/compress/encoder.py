@@ -8,8 +8,9 @@ and MIL level. `emit_encoder_variants` is what an encoder conversion with a ``co
 section calls once its fp16 artifact is published; `prepare_encoder_held_out` runs the
 original model on the held-out sentences and must be called while the model is loaded.
 
-Methods that need a decoder (``w8a8`` calibration feeds, the ``mixed`` search) are refused
-for encoder tasks by the recipe schema (each method's ``tasks``).
+``gptq`` calibrates on the recipe's calibration sentences (``calibration_stages``); methods
+that need a decoder (``w8a8`` calibration feeds, the ``mixed`` search, ``skm``'s next-token
+loss) are refused for encoder tasks by the recipe schema (each method's ``tasks``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from parity.encoder_compression_gates import (
     program_runner,
     torch_runner,
 )
+
+if TYPE_CHECKING:
+    from converter.compress.calibrate import Stages
 
 __all__ = ["EncoderSubject", "emit_encoder_variants", "prepare_encoder_held_out"]
 
@@ -148,6 +152,12 @@ class EncoderSubject:
         about = {"source": h.source, "sentences": len(h.fixtures)}
         line = f"held-out slice: {h.source}; {len(h.fixtures)} sentences"
         return parity_json(parity) | {"held_out": about}, line + "\n" + parity_text(parity)
+
+    def calibration_stages(self) -> Stages:
+        """The encoder's stages on the calibration sentences, in the program's batches."""
+        from converter.compress.calibrate import encoder_stages
+
+        return encoder_stages(self.module, self.held_out.calibration, self.held_out.pad_id)
 
     def calibration_feeds(self, evaluator: Any) -> list[dict[str, Any]]:
         """Not implemented for encoders (the recipe schema refuses w8a8 for them)."""

@@ -107,6 +107,11 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         "how many sentences a held-out corpus gives an encoder",
     ),
     TaskKey(
+        ("compression", "calibration", "sentences"),
+        ENCODER_TASKS,
+        "how many sentences a calibration corpus gives an encoder",
+    ),
+    TaskKey(
         ("compression", "variants", EACH, "gates", "min_cosine"),
         ENCODER_TASKS,
         "a variant's cosine gate on encoder outputs",

@@ -254,9 +254,10 @@ def references(run: EncoderRun, advance: Advance) -> None:
     if run.recipe.compression is not None:  # the held-out sentences, while the model is here
         from converter.compress.encoder import prepare_encoder_held_out
 
+        compression = run.recipe.compression
         run.held_out = prepare_encoder_held_out(
-            run.recipe.compression.held_out, ckpt.tokenizer, ckpt.model, rw.module,
-            pad_id(ckpt.tokenizer, ckpt.config),
+            compression.held_out, ckpt.tokenizer, ckpt.model, rw.module,
+            pad_id(ckpt.tokenizer, ckpt.config), compression.calibration,
         )  # fmt: skip
     del ckpt.model
 

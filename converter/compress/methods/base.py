@@ -124,7 +124,8 @@ class Subject(Protocol):
     or an encoder's task output (``compress.decoder``, ``compress.encoder``).
 
     The emitter asks it for the fp16 baselines once, then for each variant's parity; methods
-    ask it for calibration inputs (W8A8) or a searched plan (mixed)."""
+    ask it for calibration inputs (W8A8), calibration stages (GPTQ) or a searched plan
+    (mixed)."""
 
     @property
     def task(self) -> str: ...
@@ -169,6 +170,11 @@ class Subject(Protocol):
 
     def calibration_feeds(self, evaluator: Any) -> list[dict[str, Any]]:
         """The program's inputs for each calibration batch."""
+        ...
+
+    def calibration_stages(self) -> Any:
+        """The module on the calibration text as stages run in order (``calibrate.Stages``),
+        for methods that round layer by layer (GPTQ)."""
         ...
 
     def search(

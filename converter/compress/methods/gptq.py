@@ -9,7 +9,10 @@ Hessian ``H = 2/n X X^T`` of its conv's real input columns ``X``; the per-row gr
 error is spread over the columns not yet rounded through the inverse Hessian's Cholesky
 factor (damping 1 % of the mean diagonal, blocks of 128 columns). It leaves the dequantized
 weights in the layer. anec runs it layer by layer in order, each layer's Hessians measured with
-the layers before it already rounded (the paper's sequential form), the LM head last.
+the layers before it already rounded (the paper's sequential form), what follows the layers
+last (a decoder's LM head, an encoder classifier's dense projection): `calibrate.Stages`, from
+the subject - a decoder's calibration texts, or an encoder's calibration sentences in the
+program's own right-padded, folded batches (real slots only).
 
 Stored as such: the integers GPTQ chose and its scales (fp16) go into one constexpr op per
 weight (``constexpr_blockwise_shift_scale``, iOS 18 / macOS 15; int8 before that
@@ -22,7 +25,7 @@ at most 2**-11, far under the grid step).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,37 +39,54 @@ from converter.compress.methods.base import (
     VariantFields,
 )
 from converter.compress.sites import WeightSite
+from converter.errors import InputError
 from converter.targets import Feature
+
+if TYPE_CHECKING:
+    from converter.compress.calibrate import Stages
 
 
 class Gptq(CompressionMethod):
-    """GPTQ integers per output channel, calibrated on the recipe's calibration text."""
+    """GPTQ integers per output channel (or per block of inputs), calibrated on the recipe's
+    calibration text."""
 
     name = "gptq"
-    summary = "GPTQ (coremltools) int4 / int8 per output channel on the calibration text"
-    tasks = frozenset({"text-generation"})
+    summary = "GPTQ (coremltools) int4 / int8 per output channel or block on the calibration text"
+    # every task whose subject has calibration stages (``compress.decoder``, ``.encoder``)
+    tasks = frozenset(
+        {"text-generation", "feature-extraction", "sentence-similarity", "text-classification"}
+    )
     needs_calibration = True
 
     def check(self, variant: VariantFields) -> list[Problem]:
         problems: list[Problem] = []
         if variant.bits not in (4, 8):
             problems.append((("bits",), "a gptq variant needs bits 4 or 8"))
-        if variant.granularity != "per-channel":
-            problems.append((("granularity",), "gptq weights are per-channel (one scale a row)"))
+        if variant.granularity not in ("per-channel", "per-block"):
+            problems.append(
+                (
+                    ("granularity",),
+                    "gptq weights are per-channel (one scale a row) or per-block (a scale per "
+                    "group_size inputs of a row)",
+                )
+            )
         return problems
 
     def features(self, variant: VariantFields) -> list[FeatureUse]:
+        fix = "set target: macOS15 (or iOS18)"
+        if variant.granularity == "per-block":
+            return [(("granularity",), Feature.BLOCKWISE_INT4, fix)]
         if variant.bits == 4:
-            fix = "set target: macOS15 (or iOS18) or use bits: 8"
-            return [(("bits",), Feature.BLOCKWISE_INT4, fix)]
+            return [(("bits",), Feature.BLOCKWISE_INT4, fix + " or use bits: 8")]
         return []
 
     def scheme(self, variant: VariantFields) -> Scheme:
         assert variant.bits is not None  # check()
-        return Scheme("gptq", variant.bits, "per-channel", None, True)
+        return Scheme("gptq", variant.bits, variant.granularity, variant.group_size, True)
 
     def describe(self, scheme: Scheme) -> str:
-        return f"int{scheme.bits} GPTQ per-channel symmetric"
+        blocks = f" (blocks of {scheme.group_size} inputs)" if scheme.group_size else ""
+        return f"int{scheme.bits} GPTQ {scheme.granularity}{blocks} symmetric"
 
     def ct_config(self, scheme: Scheme) -> Any:
         return scheme  # written by prepare(): the integers are GPTQ's, not recomputed
@@ -74,8 +94,9 @@ class Gptq(CompressionMethod):
     def algorithm(self, scheme: Scheme, site: WeightSite) -> str:
         return (
             f"GPTQ int{scheme.bits} (coremltools layerwise_compression, damping 0.01, blocks "
-            "of 128 columns) on the calibration text, layer by layer; integers and fp16 row "
-            "scales stored as computed"
+            "of 128 columns) on the calibration text, layer by layer; integers and fp16 "
+            + ("block" if scheme.group_size else "row")
+            + " scales stored as computed"
         )
 
     def apply(self, mlmodel: Any, op_configs: dict[str, Any]) -> Any:
@@ -85,16 +106,20 @@ class Gptq(CompressionMethod):
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
     ) -> tuple[Any, Any]:
         """The model with each planned weight as GPTQ's integers and scales."""
-        # a DecoderSubject (tasks: text-generation): its module, calibration slice, table
-        subject: Any = ctx.subject
         sites = [s for s in ctx.sites if s.name in plan]
         bits = {s.name: plan[s.name].bits for s in sites}
+        block = variant.group_size if variant.granularity == "per-block" else None
+        uneven = [s.name for s in sites if block is not None and s.elements // s.shape[0] % block]
+        if uneven:
+            raise InputError(
+                f"variant {variant.suffix}: group_size {block} does not divide the inputs of "
+                f"{', '.join(uneven[:3])}{' ...' if len(uneven) > 3 else ''}; choose a divisor "
+                "or keep them fp16 (keep_fp16)"
+            )
         start = time.perf_counter()
         with ctx.progress.step(f"{variant.suffix}: GPTQ ({len(sites)} weights)"):
-            ints, scales = gptq_weights(
-                subject.module, sites, bits, subject.held_out.calibration,
-                subject.embed_table, subject.held_out.pad_id,
-            )  # fmt: skip
+            stages = ctx.subject.calibration_stages()
+            ints, scales = sequential_gptq(stages, sites, bits, block)
         consts = {s.name: s.const for s in sites}
         values = {consts[n]: row_integers(ints[n], scales[n], bits[n]) for n in ints}
         model = write_integers(mlmodel, values)
@@ -109,88 +134,97 @@ def gptq_weights(
     embed_table: Any,
     pad_id: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """`sequential_gptq` on a decoder: its calibration texts ``fixtures``, one batch."""
+    from converter.compress.calibrate import decoder_stages
+
+    return sequential_gptq(decoder_stages(module, fixtures, embed_table, pad_id), sites, bits)
+
+
+def sequential_gptq(
+    stages: Stages, sites: list[WeightSite], bits: dict[str, int], block: int | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """GPTQ's integers (int8 arrays, the sites' shapes, in [-2**(b-1), 2**(b-1) - 1]) and fp16
-    row scales of every site, sequentially: decoder layers in order, then the LM head, each
-    from the previous layer's output with its weights already rounded (one layer run to
-    collect the Hessians, one to move on)."""
+    scales of every site ((rows,), or (rows, inputs / block) with ``block``), sequentially:
+    layers in order, then what follows them (LM head, classifier tail), each from the previous
+    stage's output with its weights already rounded (each stage run once over every
+    calibration batch to collect the Hessians, once to move on). Rounds ``stages.module``'s
+    weights in place."""
     import torch
-    from coremltools.optimize.torch.layerwise_compression.algorithms import (
-        GPTQ,
-        ModuleGPTQConfig,
-    )
+    from coremltools.optimize.torch.layerwise_compression.algorithms import GPTQ
 
-    from converter.compress.calibrate import calibration, captured_inputs, fp16_copy, owners
+    from converter.compress.calibrate import captured, owners
 
-    work = fp16_copy(module)
-    cal = calibration(work, fixtures, embed_table, pad_id)
-    convs = owners(work, sites)
-    layers = work.decoder_layers()
+    convs = owners(stages.module, sites)
     groups: dict[int, list[str]] = {}
     for s in sites:
-        parts = s.name.split(".")
-        layer = int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else len(layers)
-        groups.setdefault(layer, []).append(s.name)
-    masks = work.masks(cal.key_mask)
+        groups.setdefault(stages.stage_of(s.name), []).append(s.name)
     ints: dict[str, np.ndarray] = {}
     scales: dict[str, np.ndarray] = {}
-
-    def step(i: int, h: Any) -> Any:
-        """Layer ``i`` on ``h`` (``len(layers)``: the final norm and LM head)."""
-        if i == len(layers):
-            return work.head(h)
-        layer = layers[i]
-        return layer(h, masks[layer.window if layer.window in masks else None])
-
+    h = list(stages.inputs)  # each batch's input of stage i, earlier stages already rounded
     with torch.no_grad():
-        h = work.embed_bc1l(cal.x)  # the input of layer i, earlier layers already rounded
-        for i in range(len(layers) + 1):
+        for i in range(max(groups, default=-1) + 1):
             names = groups.get(i, [])
-            algos = {
-                n: GPTQ(convs[n], ModuleGPTQConfig(weight_dtype=f"uint{bits[n]}")) for n in names
-            }
+            algos = {n: GPTQ(convs[n], _config(bits[n], block)) for n in names}
 
             def sink(name: str, x: Any, y: Any, algos: dict[str, Any] = algos) -> None:
                 algos[name].add_batch(x, y)
 
-            with captured_inputs({n: convs[n] for n in names}, cal.starts, sink):
-                step(i, h)
+            for b, x in enumerate(h if names else []):
+                with captured({n: convs[n] for n in names}, stages.columns[b], sink):
+                    stages.run(i, x, b)
             for n, algo in algos.items():
                 if algo._nsamples == 0:
                     raise ValueError(f"{n}: no calibration input reached it (not in a layer "
-                                     "or the LM head)")  # fmt: skip
+                                     "or the head)")  # fmt: skip
                 algo._compress_impl()  # the rounding alone: no compression metadata registered
-                q, row_scale = integers(convs[n].weight.data, algo._quantizer, bits[n])
-                ints[n], scales[n] = q, row_scale
-                # later layers see exactly what the program will hold
-                convs[n].weight.copy_(torch.from_numpy(decode(q, row_scale)))
+                q, scale = integers(convs[n].weight.data, algo, bits[n])
+                ints[n], scales[n] = q, scale
+                # later stages see exactly what the program will hold
+                convs[n].weight.copy_(torch.from_numpy(decode(q, scale)))
                 algo.cleanup()
-            if i < len(layers):
-                h = step(i, h)
+            if i < stages.layers:
+                h = [stages.run(i, x, b) for b, x in enumerate(h)]
     return ints, scales
 
 
-def integers(weight: Any, quantizer: Any, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """The signed integers and fp16 row scales of GPTQ's dequantized ``weight``."""
-    scale = quantizer.scale.reshape(-1).double().numpy()
-    zero = quantizer.zero_point.reshape(-1).double().numpy()
+def _config(bits: int, block: int | None) -> Any:
+    from coremltools.optimize.torch.layerwise_compression.algorithms import ModuleGPTQConfig
+
+    if block is None:
+        return ModuleGPTQConfig(weight_dtype=f"uint{bits}")
+    return ModuleGPTQConfig(weight_dtype=f"uint{bits}", granularity="per_block", block_size=block)
+
+
+def integers(weight: Any, algo: Any, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The signed integers and fp16 scales (rows,) - or (rows, blocks), one per block of
+    inputs - of GPTQ's dequantized ``weight``: the scales its quantizer stored as it went (per
+    block: found on each block's inputs after the earlier blocks' errors moved them)."""
+    import torch
+
+    scale = torch.cat(algo._scale, dim=1).double().numpy()
+    zero = torch.cat(algo._zero_point, dim=1).double().numpy()
     w = weight.reshape(weight.shape[0], -1).double().numpy()
-    q = np.rint(w / scale[:, None])
-    if not np.allclose(q * scale[:, None], w, rtol=0, atol=1e-6 * np.abs(w).max()):
+    per = w.shape[1] // scale.shape[1]
+    q = np.rint(w / np.repeat(scale, per, axis=1))
+    if not np.allclose(q * np.repeat(scale, per, axis=1), w, rtol=0, atol=1e-6 * np.abs(w).max()):
         raise ValueError("GPTQ left weights off its grid")
     lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     if q.min() < lo or q.max() > hi or not np.allclose(zero, 2 ** (bits - 1)):
         raise ValueError(f"GPTQ integers outside the symmetric int{bits} range")
+    scale = scale.reshape(-1) if scale.shape[1] == 1 else scale
     return q.astype(np.int8).reshape(weight.shape), scale.astype(np.float16)
 
 
 def decode(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """What the program computes from ``q`` and fp16 row scales ``scale``."""
+    """What the program computes from ``q`` and fp16 scales ``scale`` (rows[, blocks])."""
     return row_integers(q, scale, 8).decode()
 
 
 def row_integers(q: np.ndarray, scale: np.ndarray, bits: int) -> Integers:
-    """GPTQ's integers with one scale per output row, as the program stores them."""
-    return Integers(q, scale.reshape(-1, *([1] * (q.ndim - 1))), bits)
+    """GPTQ's integers with one scale per output row (``scale`` (rows,) or (rows, 1)) or per
+    block of inputs (``scale`` (rows, blocks)), as the program stores them."""
+    blocks = scale.reshape(q.shape[0], -1)
+    return Integers(q, blocks.reshape(*blocks.shape, *([1] * (q.ndim - 2))), bits)
 
 
 METHOD = Gptq()
