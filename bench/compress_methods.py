@@ -250,12 +250,19 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
         )
         row["compressed_ratio"] = round(size["compressed_ratio"], 4)
         row["variant_gates"] = {
-            f"{g['name']} [{g['implementation']}]": round(g["value"], 4) for g in v["gates"]
+            f"{g['name']} [{g['implementation']}]": float(f"{g['value']:.4g}") for g in v["gates"]
         }
     return row
 
 
 # ---- the table -------------------------------------------------------------------------------
+
+
+# emit's own steps for every variant (converter/compress/emit.py), named "<suffix>: <step>"
+EMIT_STEPS = ("compress", "records and size", "parity (torch, MIL)")
+# Methods whose own step (GPTQ, sensitive k-means) runs in their ``prepare``, inside emit's
+# compress step: counted once. The others' (find grids, search) run before it.
+INSIDE_COMPRESS = frozenset({"gptq", "skm"})
 
 
 def variant_steps(row: dict[str, Any]) -> dict[str, float]:
@@ -266,6 +273,25 @@ def variant_steps(row: dict[str, Any]) -> dict[str, float]:
     if "compression: fp16 baselines" in timings:
         own["compression: fp16 baselines"] = timings["compression: fp16 baselines"]
     return own
+
+
+def method_step(row: dict[str, Any]) -> tuple[str, float] | None:
+    """The method's own step (GPTQ, sensitive k-means, find grids, search), if it has one."""
+    for name, seconds in variant_steps(row).items():
+        step = name.removeprefix(f"{row['case']}: ")
+        if name != step and step not in EMIT_STEPS:
+            return step, seconds
+    return None
+
+
+def variant_s(row: dict[str, Any]) -> float:
+    """Every second the variant added to the run (baselines, method step, compress, records,
+    parity), a nested method step counted once."""
+    total = sum(variant_steps(row).values())
+    own = method_step(row)
+    if own is not None and row["method"] in INSIDE_COMPRESS:
+        total -= own[1]
+    return total
 
 
 def fp16_steps_s(row: dict[str, Any]) -> float:
@@ -283,32 +309,43 @@ def _cell(value: Any, spec: str) -> str:
 def print_table(rows: list[dict[str, Any]], cap_gib: float) -> None:
     """One line per case, then each case's variant steps and the 12 GiB check."""
     print(
-        f"\n{'case':<12} {'method':<9} {'exit':>4} {'fp16 steps s':>12} {'variant s':>9} "
-        f"{'compress s':>10} {'parity s':>8} {'wall s':>7} {'CPU s':>7} {'peak GiB':>8} "
-        f"{'stored':>7}  gates"
+        f"\n{'case':<12} {'method':<9} {'exit':>4} {'fp16 steps':>10} {'baselines':>9} "
+        f"{'method step':>11} {'compress':>8} {'parity':>7} {'variant':>7} {'wall':>7} "
+        f"{'CPU':>7} {'peak GiB':>8} {'stored':>6} {'compr.':>6}  gates"
     )
     for r in rows:
         seconds = r.get("variant_seconds", {})
-        variant_total = sum(variant_steps(r).values()) if "timings_s" in r else None
+        timed = "timings_s" in r and r["case"] != "fp16"
+        own = method_step(r) if timed else None
         gates = "-" if "variant_passed" not in r else ("pass" if r["variant_passed"] else "fail")
         if "error" in r:
             gates = "ERROR"
         print(
             f"{r['case']:<12} {r['method']:<9} {r['exit_code']:>4} "
-            f"{_cell(fp16_steps_s(r) if 'timings_s' in r else None, '12.1f')} "
-            f"{_cell(variant_total if r['case'] != 'fp16' else None, '9.1f')} "
-            f"{_cell(seconds.get('compress'), '10.1f')} {_cell(seconds.get('parity'), '8.1f')} "
+            f"{_cell(fp16_steps_s(r) if 'timings_s' in r else None, '10.1f')} "
+            f"{_cell(r.get('timings_s', {}).get('compression: fp16 baselines'), '9.1f')} "
+            f"{_cell(own[1] if own else None, '11.1f')} "
+            f"{_cell(seconds.get('compress'), '8.1f')} {_cell(seconds.get('parity'), '7.1f')} "
+            f"{_cell(variant_s(r) if timed else None, '7.1f')} "
             f"{r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['peak_rss_gib']:>8.2f} "
-            f"{_cell(r.get('stored_ratio'), '7.3f')}  {gates}"
+            f"{_cell(r.get('stored_ratio'), '6.3f')} {_cell(r.get('compressed_ratio'), '6.3f')}"
+            f"  {gates}"
         )
+    print(
+        "seconds, wall clock on a shared machine. fp16 steps: the fp16 artifact's steps; "
+        "baselines: the compression baselines; method step: "
+        + ", ".join(f"{m} inside compress" for m in sorted(INSIDE_COMPRESS))
+        + ", the others before it; variant: all the variant's steps (a nested step once); "
+        "wall / CPU: the whole process. stored: every weight byte the variant's package "
+        "stores over the fp16 package's (the LM head, embedding rows and norms stay fp16: "
+        "keep_fp16 default); compr.: the compressed weights alone. Gates on random weights "
+        "are not a quality figure."
+    )
     print("\nvariant steps as the pipeline records them (timings_s, s):")
     for r in rows:
         steps = variant_steps(r)
         if steps:
-            extra = {k: v for k, v in r.get("variant_seconds", {}).items()
-                     if k not in ("compress", "parity")}  # fmt: skip
-            text = ", ".join(f"{k} {v:.1f}" for k, v in steps.items())
-            print(f"  {r['case']}: {text}" + (f"; of which {extra}" if extra else ""))
+            print(f"  {r['case']}: " + ", ".join(f"{k} {v:.1f}" for k, v in steps.items()))
     for r in rows:
         if "error" in r:
             print(f"\n{r['case']}: exit {r['exit_code']}:\n{r['error']}")
@@ -318,15 +355,17 @@ def print_table(rows: list[dict[str, Any]], cap_gib: float) -> None:
         if "error" in r and r["error"].startswith("killed"):
             verdict = f"OVER (killed at the {cap_gib} GiB cap)"
         print(f"  {r['case']:<12} {r['peak_rss_gib']:>6.2f} GiB  {verdict}")
-    print(
-        "stored: every weight byte the variant's package stores over the fp16 package's "
-        "(LM head, embedding rows and norms stay fp16: keep_fp16 default). Gates on random "
-        "weights are not a quality figure. Times: wall clock on a shared machine."
-    )
 
 
 def cmd_methods(args: argparse.Namespace) -> None:
-    """Build (or reuse) the checkpoint, then run every chosen case one after another."""
+    """Build (or reuse) the checkpoint, then run every chosen case one after another (or,
+    with ``--report``, print the table of an earlier run's JSON)."""
+    if args.report:
+        doc = json.loads(Path(args.report).read_text())
+        info = doc["checkpoint"]
+        print(f"{args.report}: {info['layers']} layers, {info['parameters'] / 1e6:.0f}M parameters")
+        print_table(doc["cases"], args.cap_gib)
+        return
     cases = args.method or list(VARIANTS)
     root = Path(args.work or tempfile.mkdtemp(prefix="anec-methods-"))
     checkpoint = root / f"ckpt-{args.layers}"
@@ -364,7 +403,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--method", action="append", choices=list(VARIANTS), help="repeatable")
     p.add_argument("--work", help="directory for the checkpoint, recipes and outputs (kept)")
     p.add_argument("--cap-gib", type=float, default=16.0, help="kill a case above this RSS")
-    p.add_argument("--json")
+    p.add_argument("--json", help="write every figure here (after each case)")
+    p.add_argument("--report", help="print the table of an earlier run's --json file")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_build"]:
