@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,22 +195,67 @@ def _rss_gib(pid: int) -> float:
     return 0.0
 
 
+# The child is ``anec``'s own CLI (converter.cli's main, what ``python -m converter.cli``
+# runs) with one more handler on the pipeline's step log: each step's start and end reach
+# stderr with a timestamp, so the sampled memory can be laid over the steps (--json keeps the
+# progress display quiet, and a killed run writes no convert.log).
+STEP_MARK = "BENCH-STEP"
+CHILD = f"""\
+import logging, sys
+handler = logging.StreamHandler(sys.stderr)
+handler.setFormatter(logging.Formatter("{STEP_MARK} %(created).3f %(message)s"))
+logging.getLogger("converter.progress").addHandler(handler)
+from converter.cli import main
+sys.argv[0] = "anec"
+main()
+"""
+_STEP_RE = re.compile(rf"^{STEP_MARK} (\d+\.\d+) step (.+): (started|done|stopped)\b")
+
+
+def step_peaks(
+    lines: list[str], samples: list[tuple[float, float]]
+) -> tuple[dict[str, float], str | None]:
+    """Each step's highest sampled RSS (GiB) from the child's step lines and ``samples``
+    (epoch seconds, GiB), and the step still running when the child ended (killed), if any."""
+    starts: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    for line in lines:
+        m = _STEP_RE.match(line)
+        if m is None:
+            continue
+        when, name, what = float(m[1]), m[2], m[3]
+        if what == "started":
+            starts[name] = when
+            continue
+        begin = starts.pop(name, when)
+        inside = [rss for t, rss in samples if begin <= t <= when]
+        peaks[name] = round(max(inside, default=0.0), 2)
+    running = None
+    for name, begin in starts.items():  # started, never ended: the child was killed in it
+        peaks[name] = round(max((rss for t, rss in samples if t >= begin), default=0.0), 2)
+        running = name
+    return peaks, running
+
+
 def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, Any]:
     """``anec convert RECIPE --json`` in a fresh process; its figures. The child is killed
-    if its resident memory passes ``cap_gib`` (the machine is shared)."""
-    cmd = [sys.executable, "-m", "converter.cli", "convert", str(recipe)]
+    if its resident memory passes ``cap_gib`` (the machine is shared); its RSS is sampled
+    every second to give each step's peak."""
+    cmd = [sys.executable, "-c", CHILD, "convert", str(recipe)]
     cmd += ["--out", str(out), "--force", "--json"]
     env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
     load_before = os.getloadavg()
     start = time.perf_counter()
     capped = False
+    samples: list[tuple[float, float]] = []
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            if not capped and _rss_gib(proc.pid) > cap_gib:
+            samples.append((time.time(), _rss_gib(proc.pid)))
+            if not capped and samples[-1][1] > cap_gib:
                 capped = True
                 os.kill(proc.pid, signal.SIGKILL)
             time.sleep(1.0)
@@ -218,6 +264,7 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
         stdout.seek(0)
         stderr.seek(0)
         text, errors = stdout.read().decode(), stderr.read().decode()
+    peaks, running = step_peaks(errors.splitlines(), samples)
     row: dict[str, Any] = {
         "case": case,
         "method": (VARIANTS[case] or {"method": "fp16"})["method"],
@@ -227,9 +274,13 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
         "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),  # Linux: KiB
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
+        "step_peak_rss_gib": peaks,  # sampled once a second: a lower bound
     }
     if capped:
-        row["error"] = f"killed: resident memory passed the {cap_gib} GiB cap"
+        row["error"] = f"killed: resident memory passed the {cap_gib} GiB cap during {running!r}"
+    elif proc.returncode == -signal.SIGKILL:
+        row["error"] = f"killed by SIGKILL from outside (not this bench's cap) during {running!r}"
+    errors = "\n".join(line for line in errors.splitlines() if not line.startswith(STEP_MARK))
     summaries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if not summaries or "timings_s" not in summaries[0]:
         tail = "\n".join(errors.strip().splitlines()[-30:])
@@ -346,6 +397,12 @@ def print_table(rows: list[dict[str, Any]], cap_gib: float) -> None:
         steps = variant_steps(r)
         if steps:
             print(f"  {r['case']}: " + ", ".join(f"{k} {v:.1f}" for k, v in steps.items()))
+    print("\nhighest sampled RSS per step (GiB, sampled once a second: lower bounds):")
+    for r in rows:
+        peaks = r.get("step_peak_rss_gib", {})
+        if r["case"] != "fp16":  # the fp16 artifact's steps are the fp16 row's
+            peaks = {k: v for k, v in peaks.items() if k.startswith((f"{r['case']}:", "compr"))}
+        print(f"  {r['case']}: " + ", ".join(f"{k} {v:.2f}" for k, v in peaks.items()))
     for r in rows:
         if "error" in r:
             print(f"\n{r['case']}: exit {r['exit_code']}:\n{r['error']}")

@@ -70,3 +70,17 @@ def test_step_times_split_into_the_fp16_artifact_and_the_variant() -> None:
         "compression: fp16 baselines": 3.0,
     }
     assert bench.fp16_steps_s(row) == 12.0
+
+
+def test_each_step_gets_the_highest_memory_sampled_while_it_ran() -> None:
+    bench = _bench()
+    lines = [
+        "BENCH-STEP 10.000 step load checkpoint: started",
+        "some library line",
+        "BENCH-STEP 12.500 step load checkpoint: done after 2.50 s (peak RSS so far 1 GiB)",
+        "BENCH-STEP 12.600 step int8: compress: started",
+    ]
+    samples = [(9.0, 0.1), (11.0, 1.5), (12.0, 2.0), (13.0, 5.0), (14.0, 13.2)]
+    peaks, running = bench.step_peaks(lines, samples)
+    assert peaks == {"load checkpoint": 2.0, "int8: compress": 13.2}
+    assert running == "int8: compress"
