@@ -209,16 +209,20 @@ from converter.cli import main
 sys.argv[0] = "anec"
 main()
 """
-_STEP_RE = re.compile(rf"^{STEP_MARK} (\d+\.\d+) step (.+): (started|done|stopped)\b")
+_STEP_RE = re.compile(
+    rf"^{STEP_MARK} (\d+\.\d+) step (.+): (started|done|stopped)(?: after (\d+\.\d+) s)?"
+)
 
 
 def step_peaks(
     lines: list[str], samples: list[tuple[float, float]]
-) -> tuple[dict[str, float], str | None]:
-    """Each step's highest sampled RSS (GiB) from the child's step lines and ``samples``
-    (epoch seconds, GiB), and the step still running when the child ended (killed), if any."""
+) -> tuple[dict[str, float], dict[str, float], str | None]:
+    """From the child's step lines and ``samples`` (epoch seconds, GiB): each step's highest
+    sampled RSS (GiB), each ended step's seconds (as the pipeline logs them: a killed run
+    has no --json summary), and the step still running when the child ended, if any."""
     starts: dict[str, float] = {}
     peaks: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     for line in lines:
         m = _STEP_RE.match(line)
         if m is None:
@@ -230,11 +234,13 @@ def step_peaks(
         begin = starts.pop(name, when)
         inside = [rss for t, rss in samples if begin <= t <= when]
         peaks[name] = round(max(inside, default=0.0), 2)
+        if m[4] is not None:
+            seconds[name] = float(m[4])
     running = None
     for name, begin in starts.items():  # started, never ended: the child was killed in it
         peaks[name] = round(max((rss for t, rss in samples if t >= begin), default=0.0), 2)
         running = name
-    return peaks, running
+    return peaks, seconds, running
 
 
 def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, Any]:
@@ -264,7 +270,7 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
         stdout.seek(0)
         stderr.seek(0)
         text, errors = stdout.read().decode(), stderr.read().decode()
-    peaks, running = step_peaks(errors.splitlines(), samples)
+    peaks, logged, running = step_peaks(errors.splitlines(), samples)
     row: dict[str, Any] = {
         "case": case,
         "method": (VARIANTS[case] or {"method": "fp16"})["method"],
@@ -276,10 +282,13 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "step_peak_rss_gib": peaks,  # sampled once a second: a lower bound
     }
+    if running is not None:  # killed: the steps it finished, from its step log
+        row["timings_s"] = logged
+        row["killed_during"] = running
     if capped:
-        row["error"] = f"killed: resident memory passed the {cap_gib} GiB cap during {running!r}"
+        row["error"] = f"killed at the {cap_gib} GiB cap (during {running!r})"
     elif proc.returncode == -signal.SIGKILL:
-        row["error"] = f"killed by SIGKILL from outside (not this bench's cap) during {running!r}"
+        row["error"] = f"killed by SIGKILL from outside, not this bench's cap (during {running!r})"
     errors = "\n".join(line for line in errors.splitlines() if not line.startswith(STEP_MARK))
     summaries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if not summaries or "timings_s" not in summaries[0]:
@@ -365,18 +374,19 @@ def print_table(rows: list[dict[str, Any]], cap_gib: float) -> None:
         f"{'CPU':>7} {'peak GiB':>8} {'stored':>6} {'compr.':>6}  gates"
     )
     for r in rows:
-        seconds = r.get("variant_seconds", {})
-        timed = "timings_s" in r and r["case"] != "fp16"
+        case, timings = r["case"], r.get("timings_s", {})
+        timed = "timings_s" in r and case != "fp16"
         own = method_step(r) if timed else None
         gates = "-" if "variant_passed" not in r else ("pass" if r["variant_passed"] else "fail")
         if "error" in r:
-            gates = "ERROR"
+            gates = f"killed in {r['killed_during']}" if "killed_during" in r else "ERROR"
         print(
             f"{r['case']:<12} {r['method']:<9} {r['exit_code']:>4} "
             f"{_cell(fp16_steps_s(r) if 'timings_s' in r else None, '10.1f')} "
             f"{_cell(r.get('timings_s', {}).get('compression: fp16 baselines'), '9.1f')} "
             f"{_cell(own[1] if own else None, '11.1f')} "
-            f"{_cell(seconds.get('compress'), '8.1f')} {_cell(seconds.get('parity'), '7.1f')} "
+            f"{_cell(timings.get(f'{case}: compress'), '8.1f')} "
+            f"{_cell(timings.get(f'{case}: parity (torch, MIL)'), '7.1f')} "
             f"{_cell(variant_s(r) if timed else None, '7.1f')} "
             f"{r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['peak_rss_gib']:>8.2f} "
             f"{_cell(r.get('stored_ratio'), '6.3f')} {_cell(r.get('compressed_ratio'), '6.3f')}"
@@ -409,8 +419,8 @@ def print_table(rows: list[dict[str, Any]], cap_gib: float) -> None:
     print(f"\npeak RSS limit {LIMIT_GIB:.0f} GiB (issue 12), printed, not asserted:")
     for r in rows:
         verdict = "under" if r["peak_rss_gib"] < LIMIT_GIB else "OVER"
-        if "error" in r and r["error"].startswith("killed"):
-            verdict = f"OVER (killed at the {cap_gib} GiB cap)"
+        if "killed_during" in r:
+            verdict = f"OVER: killed in {r['killed_during']} ({r['error'].split(' (')[0]})"
         print(f"  {r['case']:<12} {r['peak_rss_gib']:>6.2f} GiB  {verdict}")
 
 

@@ -81,6 +81,7 @@ def test_each_step_gets_the_highest_memory_sampled_while_it_ran() -> None:
         "BENCH-STEP 12.600 step int8: compress: started",
     ]
     samples = [(9.0, 0.1), (11.0, 1.5), (12.0, 2.0), (13.0, 5.0), (14.0, 13.2)]
-    peaks, running = bench.step_peaks(lines, samples)
+    peaks, seconds, running = bench.step_peaks(lines, samples)
     assert peaks == {"load checkpoint": 2.0, "int8: compress": 13.2}
+    assert seconds == {"load checkpoint": 2.5}
     assert running == "int8: compress"
