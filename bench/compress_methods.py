@@ -366,7 +366,7 @@ def _cell(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else f"{'-':>{width}}"
 
 
-def print_table(rows: list[dict[str, Any]], cap_gib: float) -> None:
+def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per case, then each case's variant steps and the 12 GiB check."""
     print(
         f"\n{'case':<12} {'method':<9} {'exit':>4} {'fp16 steps':>10} {'baselines':>9} "
@@ -431,7 +431,7 @@ def cmd_methods(args: argparse.Namespace) -> None:
         doc = json.loads(Path(args.report).read_text())
         info = doc["checkpoint"]
         print(f"{args.report}: {info['layers']} layers, {info['parameters'] / 1e6:.0f}M parameters")
-        print_table(doc["cases"], args.cap_gib)
+        print_table(doc["cases"])
         return
     cases = args.method or list(VARIANTS)
     root = Path(args.work or tempfile.mkdtemp(prefix="anec-methods-"))
@@ -459,7 +459,7 @@ def cmd_methods(args: argparse.Namespace) -> None:
         if args.json:  # written after every case: a long run keeps what it measured
             doc = {"checkpoint": info, "work": str(root), "cases": rows}
             Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-    print_table(rows, args.cap_gib)
+    print_table(rows)
     print(f"cpus: {os.cpu_count()}; work directory {root}")
 
 
