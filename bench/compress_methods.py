@@ -12,14 +12,17 @@ embedding table, norms and biases stay as initialised). It is saved as an hf-dir
 without a tokenizer, so the recipe's held-out and calibration slices are token-id lists (a
 ``pydoc_data`` corpus needs the checkpoint's tokenizer): fixed pseudo-random ids, disjoint.
 
-For each case a recipe holding the fp16 artifact plus ONE variant is converted by
-``python -m converter.cli convert RECIPE --json`` in a fresh process; ``fp16`` is the same
-recipe without a compression section, so a method's marginal cost is visible. Per case:
-the step times the pipeline records (``timings_s`` of the --json summary, the same as
-convert.log), the variant's own seconds (method selection, compress, parity), the process
-wall and CPU time, the child's peak RSS (``os.wait4``: that child's own ``ru_maxrss``), the
-variant's stored-weight ratio and whether its gates passed. Quality on random weights means
-nothing: gates are reported, not judged. Times are wall clock on a shared machine.
+For each case a recipe holding the fp16 artifact plus ONE variant is converted by anec's CLI
+(``converter.cli``'s ``main``, as ``python -m converter.cli convert RECIPE --json`` runs it,
+with one more handler copying the pipeline's step lines to stderr) in a fresh process;
+``fp16`` is the same recipe without a compression section, so a method's marginal cost is
+visible. Per case: the step times the pipeline records (``timings_s`` of the --json summary,
+the same as convert.log; from the step lines when the child was killed), the process wall and
+CPU time, the child's peak RSS (``os.wait4``: that child's own ``ru_maxrss``), its RSS sampled
+once a second and laid over the steps (each step's peak; the step a killed run was in), the
+variant's stored-weight ratio and whether its gates passed. A child above ``--cap-gib`` is
+killed (the machine is shared). Quality on random weights means nothing: gates are reported,
+not judged. Times are wall clock on a shared machine.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_NAME = "qwen2.5-0.5b"
-GIB = 2**30
 LIMIT_GIB = 12.0  # issue 12: peak under 12 GiB on Qwen2.5-0.5B-shaped weights
 # Logits spread (as tests/test_kv_real_width.py does) so fp16 flips few argmaxes.
 PEAK = 8.0
