@@ -6,6 +6,7 @@ checkpoint (MiniLM). Full-size runs live here, not in CI.
     python bench/compress.py minilm                      # MiniLM variants: size and cosine
     python bench/compress.py smollm2 [--recipe FILE]     # the compressed SmolLM2 recipe, end to end
     python bench/compress.py frontier OUT [OUT ...]      # every variant of earlier runs
+    python bench/compress.py methods [--layers N]        # each method on Qwen2.5-0.5B shapes
 
 ``weights`` builds an fp16 ML Program holding the projection weights of the named model shape
 (random normal weights, std 0.02, in the BC1L 1x1-conv form; the LM head stays fp16 as in the
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import compress_methods
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -427,9 +430,11 @@ def main() -> None:
     f = sub.add_parser("frontier", help="every variant under OUT dirs: bytes against quality")
     f.add_argument("out", nargs="+", help="output directories of anec convert runs")
     f.add_argument("--json")
+    compress_methods.add_parser(sub)  # bench/compress_methods.py
     args = parser.parse_args()
     commands = {"weights": cmd_weights, "minilm": cmd_minilm, "smollm2": cmd_smollm2}
     commands["frontier"] = cmd_frontier
+    commands["methods"] = compress_methods.cmd_methods
     commands[args.command](args)
 
 
