@@ -103,13 +103,17 @@ def prepare_held_out(
 
 def with_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
     """A copy of ``module`` whose named parameters hold ``weights`` (fp32 copies)."""
-    copy_ = copy.deepcopy(module).eval()
-    params = dict(copy_.named_parameters())
+    return _set_weights(copy.deepcopy(module).eval(), weights)
+
+
+def _set_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
+    """``module`` itself with its named parameters holding ``weights``."""
+    params = dict(module.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():
             tensor = torch.from_numpy(np.asarray(value, np.float32))
             params[name].copy_(tensor.reshape(params[name].shape))
-    return copy_
+    return module
 
 
 def torch_logits(
@@ -361,7 +365,8 @@ def mil_fp32_check(
                 if not same:
                     mismatched.append(name)
     mismatched += [name for name in decoded if name not in weights]  # not decoded at all
-    baseline = with_weights(_fp16_constants(module), weights).double()
+    # one copy of the model, not two: a full-size decoder is GBs per copy (fp64 here)
+    baseline = _set_weights(_fp16_constants(module), weights).double()
     chosen = held_out.windows[:windows]
     got = mil_logits(evaluator, baseline, held_out, embed_table, chosen)
     worst = 0.0

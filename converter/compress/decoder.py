@@ -8,6 +8,7 @@ embedding table and the held-out slice with the original model's logits.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,7 +137,13 @@ class DecoderSubject:
             compare_torch(torch16, held_out.references),
             compare_torch(torch16, self.torch_fp16),
         )
+        acceptance = self._acceptance(with_variant, wrap, advance)
+        # Free the torch copy before the MIL levels: at Qwen2.5-0.5B size each copy of the
+        # model is GBs, and the evaluators below hold two more (bench compress.py methods).
+        del with_variant
+        gc.collect()
         mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, table, progress=advance)
+        gc.collect()  # the fp16 evaluator's constants, before the fp32 one decodes its own
         mil_level = level_result(
             "mil-fp16",
             "the emitted variant program in anec's MIL evaluator, fp16 storage profile; "
@@ -169,7 +176,6 @@ class DecoderSubject:
             levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
             self.mil_fp32_threshold, mismatches, quantizers,
         )  # fmt: skip
-        acceptance = self._acceptance(with_variant, wrap, advance)
         return VariantParity(levels, gates, fp32_error, notes, acceptance)
 
     def _acceptance(
