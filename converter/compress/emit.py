@@ -92,8 +92,8 @@ def ne_stream_text(stream: dict[str, Any]) -> str:
 
     lines = []
     for name, section in stream.items():
-        lines.append(f"{name}: " + streamed_lines(section)[0])
-        lines += streamed_lines(section)[1:]
+        head, *rest = streamed_lines(section)
+        lines += [f"{name}: {head}", *rest]
     return "\n".join(lines)
 
 
