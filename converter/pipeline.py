@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from converter.memory import release_memory
 from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import ArtifactStage, clean_leftovers, stage_artifact
@@ -85,6 +86,8 @@ def convert(
         write_log_into(stage.path, f"every gate passed; publishing {out_dir / recipe.name}")
         final = stage.commit()
 
+    run.release_programs()
+    release_memory()
     variants = task.compress(run, final, out_dir, force, progress)
     ops = sum(sum(p.ops.values()) for p in run.programs)
     return ConvertResult(

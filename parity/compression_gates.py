@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from converter.memory import release_memory
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
@@ -45,6 +45,8 @@ from parity.head_outputs import run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.reference import ReferenceRun, run_reference
 from parity.report import gate_line
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
 Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
@@ -102,9 +104,25 @@ def prepare_held_out(
     return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
 
 
-def with_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
-    """A copy of ``module`` whose named parameters hold ``weights`` (fp32 copies)."""
-    return _set_weights(copy.deepcopy(module).eval(), weights)
+def with_weights(
+    module: BC1LDecoder, weights: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
+) -> BC1LDecoder:
+    """A copy of ``module`` in ``dtype`` whose named parameters hold ``weights``."""
+    return _set_weights(cast_copy(module, dtype), weights)
+
+
+def cast_copy(module: M, dtype: torch.dtype) -> M:
+    """A deep copy of ``module`` (in eval mode) with its floating-point parameters and buffers
+    in ``dtype``, made without a full copy in the original dtype first (at Qwen2.5-0.5B size an
+    fp32 copy is 2 GB)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point() and id(tensor) not in memo:
+            cast = tensor.detach().to(dtype, copy=True)
+            if isinstance(tensor, torch.nn.Parameter):
+                cast = torch.nn.Parameter(cast, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = cast
+    return copy.deepcopy(module, memo).eval()
 
 
 def _set_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
@@ -112,7 +130,7 @@ def _set_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDec
     params = dict(module.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():
-            tensor = torch.from_numpy(np.asarray(value, np.float32))
+            tensor = torch.from_numpy(np.asarray(value))
             params[name].copy_(tensor.reshape(params[name].shape))
     return module
 
@@ -126,7 +144,7 @@ def torch_logits(
 ) -> Logits:
     """Logits at every real position of each held-out text, the module run in ``dtype``
     (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
-    run = module if dtype == torch.float32 else copy.deepcopy(module).to(dtype).eval()
+    run = module if next(module.parameters()).dtype == dtype else cast_copy(module, dtype)
     length = module.io.length
     out: Logits = {}
     (batch,) = make_batches(held_out.texts, len(held_out.texts), length, held_out.pad_id)
@@ -366,21 +384,25 @@ def mil_fp32_check(
                 if not same:
                     mismatched.append(name)
     mismatched += [name for name in decoded if name not in weights]  # not decoded at all
-    # One copy of the model, made fp64 only once the evaluator's decoded constants are freed:
-    # at Qwen2.5-0.5B size the copy is 4 GB in fp64 and the constants 2 GB (bench/README.md).
-    baseline = _set_weights(_fp16_constants(module), weights)
     chosen = held_out.windows[:windows]
-    got = mil_logits(evaluator, baseline, held_out, embed_table, chosen)  # feeds: fp32 inputs
-    del evaluator, constants, weights
-    gc.collect()
-    baseline = baseline.double()
+    got = mil_logits(evaluator, module, held_out, embed_table, chosen)  # feeds: fp32 inputs
+    # One more copy of the model, made only once the evaluator's constants are freed, and
+    # fp64 one piece at a time: at Qwen2.5-0.5B size a whole fp64 copy is 4 GB, the
+    # evaluator's constants 2 GB (bench/README.md).
+    del evaluator, constants
+    release_memory()
+    baseline = _set_weights(_fp16_constants(module), weights)
+    del weights
     worst = 0.0
     length = module.io.length
     for batch in make_batches(chosen, 1, length, held_out.pad_id):
         x, mask = module_inputs(baseline, batch, embed_table, torch.float32)
         # the program's inputs are fp16: feed torch the same rounded values; fp64 so torch's
         # own fp32 rounding does not count against the program
-        with wrap(baseline) if wrap is not None else contextlib.nullcontext():
+        with (
+            in_float64(baseline),
+            wrap(baseline) if wrap is not None else contextlib.nullcontext(),
+        ):
             _, logits = run_module(baseline, x.half().double(), mask.half().double())
         have = got[batch.fixtures[0].name]
         want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
@@ -396,6 +418,40 @@ def _fp16_constants(module: BC1LDecoder) -> BC1LDecoder:
             if tensor.is_floating_point():
                 tensor.copy_(tensor.half().float())
     return out
+
+
+@contextlib.contextmanager
+def in_float64(module: torch.nn.Module) -> Iterator[None]:
+    """Run ``module`` in fp64 holding one fp64 piece at a time: each called submodule (the
+    children, list entries unpacked) is made fp64 just before its forward and fp32 again just
+    after (exact: fp32 values are fp64 values), the root's own buffers for the whole block."""
+
+    def pieces(parent: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        for child in parent.children():
+            if isinstance(child, torch.nn.ModuleList | torch.nn.ModuleDict):
+                yield from pieces(child)
+            else:
+                yield child
+
+    def to64(piece: torch.nn.Module, args: Any) -> None:
+        piece.double()
+
+    def to32(piece: torch.nn.Module, args: Any, out: Any) -> None:
+        piece.float()
+
+    own = {name: b for name, b in module.named_buffers(recurse=False) if b.is_floating_point()}
+    handles = []
+    for piece in pieces(module):
+        handles += [piece.register_forward_pre_hook(to64), piece.register_forward_hook(to32)]
+    for name, buffer in own.items():
+        setattr(module, name, buffer.double())
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, buffer in own.items():
+            setattr(module, name, buffer)
 
 
 def summary_json(s: Summary) -> dict[str, Any]:

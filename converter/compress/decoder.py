@@ -8,7 +8,6 @@ embedding table and the held-out slice with the original model's logits.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import torch
 
 from converter.compress.methods.base import Inspected, Scheme, VariantFields
 from converter.compress.sites import WeightSite
+from converter.memory import release_memory
 from graph_passes.decoder import BC1LDecoder
 from parity.compression_gates import (
     HeldOut,
@@ -128,8 +128,10 @@ class DecoderSubject:
         self._positions(program)
         module, held_out, table = self.module, self.held_out, self.embed_table
         wrap = inspected.wrap if inspected is not None else None
-        with_variant = with_weights(module, decoded)
-        torch16 = torch_logits(with_variant, held_out, table, torch.float16, wrap)
+        torch16 = torch_logits(
+            with_weights(module, decoded, torch.float16), held_out, table, torch.float16, wrap
+        )
+        release_memory()
         torch_level = level_result(
             "torch-fp16",
             "the BC1L module with the variant's decoded weights, cast to fp16, torch on the "
@@ -137,13 +139,11 @@ class DecoderSubject:
             compare_torch(torch16, held_out.references),
             compare_torch(torch16, self.torch_fp16),
         )
-        acceptance = self._acceptance(with_variant, wrap, advance)
-        # Free the torch copy before the MIL levels: at Qwen2.5-0.5B size each copy of the
-        # model is GBs, and the evaluators below hold two more (bench compress.py methods).
-        del with_variant
-        gc.collect()
+        acceptance = self._acceptance(decoded, wrap, advance)
+        # Each level frees its copy of the model before the next makes one: at Qwen2.5-0.5B
+        # size each is GBs (bench compress.py methods).
         mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, table, progress=advance)
-        gc.collect()  # the fp16 evaluator's constants, before the fp32 one decodes its own
+        release_memory()
         mil_level = level_result(
             "mil-fp16",
             "the emitted variant program in anec's MIL evaluator, fp16 storage profile; "
@@ -159,6 +159,7 @@ class DecoderSubject:
         fp32_error, mismatches = mil_fp32_check(
             program, module, decoded, held_out, table, FP32_WINDOWS, wrap
         )
+        release_memory()
         for _ in range(FP32_WINDOWS):
             advance()
         g = variant.gates
@@ -179,7 +180,7 @@ class DecoderSubject:
         return VariantParity(levels, gates, fp32_error, notes, acceptance)
 
     def _acceptance(
-        self, variant: BC1LDecoder, wrap: Any, advance: Callable[[], None]
+        self, decoded: dict[str, np.ndarray], wrap: Any, advance: Callable[[], None]
     ) -> dict[str, Any] | None:
         """The variant's acceptance as a draft for the fp16 model, when the recipe asks."""
         spec = self.acceptance
@@ -204,7 +205,8 @@ class DecoderSubject:
             )
         prompts = [list(ids[: spec.prompt_tokens]) for ids in long_enough[: spec.prompts]]
         setup = AcceptanceSetup(list(spec.depths), prompts, spec.new_tokens)
-        draft, target = fp16_copy(variant), fp16_copy(self.module)
+        draft = fp16_copy(with_weights(self.module, decoded))
+        target = fp16_copy(self.module)
         with wrap(draft) if wrap is not None else contextlib.nullcontext():
             rows = draft_acceptance(draft, target, self.embed_table, setup, advance)
         return acceptance_json(rows, setup)

@@ -35,6 +35,7 @@ from converter.coreml import save_package
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import FileEntry, Manifest, PackageEntry
+from converter.memory import release_memory
 from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic
 from converter.runlog import write_log_into
@@ -154,6 +155,7 @@ def emit(
         sites = weight_sites(program.functions["main"], dict(subject.module.named_parameters()))
         subject.baselines(program, advance)
         del program
+    release_memory()
     results = []
     for variant in compression.variants:
         keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
@@ -190,6 +192,7 @@ def _emit_one(
             path = stage.path / f"{vname}.mlpackage"
             save_package(compressed, path)  # canonical bytes: a reproducible hash
             del compressed
+            release_memory()
             for host in subject.host_files:
                 if (fp16_dir / host).is_file():
                     shutil.copyfile(fp16_dir / host, stage.path / host)
@@ -214,6 +217,7 @@ def _emit_one(
             parity = subject.parity(variant, program, decoded, advance, inspected)
             seconds["parity"] = time.perf_counter() - start
         del program, decoded
+        release_memory()
         parity_doc, parity_txt = subject.report(parity)
         doc = parity_doc | {
             "variant": vname,
