@@ -19,7 +19,10 @@ It prints (1) int8 weights alone; (2) with no folds, the MLP down folds only, an
 at each ``--alpha``: the folded int8 weights alone (what the folds cost the weights) and W8A8;
 (3) the same at the best alpha with one fold kind only; with ``--each-input``, (4) the inputs
 of one projection kind quantized, the rest fp16, and (5) every input quantized alone, then
-W8A8 with the k most costly inputs kept fp16, for k until top-1 reaches 0.97 or 32. A torch
+W8A8 with the k most costly inputs kept fp16, for k until top-1 reaches 0.97 or 32; with
+``--split``, (6) each projection's widest input channels taken out of the int8 path into an
+fp16 side conv (LLM.int8()-style), with static per-tensor input scales and with per-token
+scales (which Core ML's static ``quantize`` op cannot express: a bound, not a method). A torch
 measurement, not the converted program; the pipeline's figures for the same variants are in
 bench/README.md.
 """
@@ -131,27 +134,97 @@ class Setup:
 
     def _scales(self, convs: list[str]) -> dict[str, float]:
         """max |x| / 127 of each conv's input over the calibration batches (torch fp32)."""
-        modules = dict(self.module.named_modules())
-        peak = dict.fromkeys(convs, 0.0)
-        handles = []
-        for name in convs:
-
-            def hook(_: Any, args: tuple[torch.Tensor, ...], n: str = name) -> None:
-                peak[n] = max(peak[n], float(args[0].abs().max()))
-
-            handles.append(modules[name].register_forward_pre_hook(hook))
-        with torch.no_grad():
-            for x, mask in self.calibration:
-                self.module(x, mask)
-        for h in handles:
-            h.remove()
-        return {n: max(p, 1e-8) / 127 for n, p in peak.items()}
+        peaks = self.channel_peaks()
+        return {n: max(float(peaks[n].max()), 1e-8) / 127 for n in convs}
 
     def score(self, folds: list[Any], quantized: list[str]) -> tuple[float, float]:
         """(top-1, mean KL) of the variant against the fp16 module on the held-out slice."""
         with self.variant(folds, quantized):
             kl, top1 = self.scorer.compare()
         return top1, kl
+
+    def channel_peaks(self) -> dict[str, torch.Tensor]:
+        """Each projection input's max |x| per channel over the calibration batches."""
+        modules = dict(self.module.named_modules())
+        peaks: dict[str, torch.Tensor] = {}
+        handles = []
+        for conv in self.convs.values():
+
+            def hook(_: Any, args: tuple[torch.Tensor, ...], n: str = conv) -> None:
+                m = args[0].detach().abs().amax(dim=(0, 2, 3))
+                peaks[n] = torch.maximum(peaks[n], m) if n in peaks else m
+
+            handles.append(modules[conv].register_forward_pre_hook(hook))
+        with torch.no_grad():
+            for x, mask in self.calibration:
+                self.module(x, mask)
+        for h in handles:
+            h.remove()
+        return peaks
+
+    def score_split(self, folds: list[Any], rule: Any, per_token: bool) -> tuple[float, float, int]:
+        """W8A8 with each projection's ``rule(peaks)`` input channels taken out of the int8
+        path (LLM.int8()-style): their weight columns zeroed before the int8 rows (so the row
+        scales ignore them), their exact product added by an fp16 side conv on the original
+        inputs; the int8 input scale is the other channels' max (static, per tensor) or, with
+        ``per_token``, each position's max over them (dynamic: a static ``quantize`` op
+        cannot express it). Returns (top-1, mean KL, channels kept fp16 in all)."""
+        import torch.nn.functional as F
+
+        from converter.compress.activations import fake_quantize
+        from converter.compress.smooth import scale_tensors
+
+        modules = dict(self.module.named_modules())
+        params = dict(self.module.named_parameters())
+        scale_tensors(self.module, folds, set())
+        handles, kept = [], 0
+        try:
+            base = {s.name: params[s.name].detach().clone() for s in self.projections}
+            peaks = self.channel_peaks()
+            for weight, conv in self.convs.items():
+                cols = rule(peaks[conv])
+                kept += len(cols)
+                w = base[weight]
+                int8_part = w.clone()
+                int8_part[:, cols] = 0
+                with torch.no_grad():
+                    params[weight].copy_(int8_rows(int8_part))
+                side = w[:, cols].clone()
+                rest = torch.ones_like(peaks[conv], dtype=torch.bool)
+                rest[cols] = False
+                static = max(float(peaks[conv][rest].max()) if rest.any() else 0.0, 1e-8) / 127
+                seen: dict[str, torch.Tensor] = {}
+
+                def keep_input(_: Any, args: Any, seen: Any = seen) -> None:
+                    seen["x"] = args[0]
+
+                def quantize(_: Any, args: Any, s: float = static, rest: Any = rest) -> Any:
+                    x = args[0]
+                    if not per_token:
+                        return (fake_quantize(x, s),)
+                    scale = x[:, rest].abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+                    return (torch.clamp(torch.round(x / scale), -128, 127) * scale,)
+
+                def add_side(_: Any, a: Any, out: Any, seen: Any = seen, cols=cols, side=side):
+                    if not cols:
+                        return out
+                    return out + F.conv2d(seen["x"][:, cols], side.to(out.dtype))
+
+                module = modules[conv]
+                handles += [
+                    module.register_forward_pre_hook(keep_input),
+                    module.register_forward_pre_hook(quantize),
+                    module.register_forward_hook(add_side),
+                ]
+            kl, top1 = self.scorer.compare()
+        finally:
+            for h in handles:
+                h.remove()
+            with torch.no_grad():
+                for name, value in self.fp16.items():
+                    params[name].copy_(value)
+            scale_tensors(self.module, folds, {s.name for s in self.projections}, inverse=True)
+        return top1, kl, kept
 
 
 def main() -> None:
@@ -160,6 +233,9 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, action="append", help="default 0.5, 0.75, 0.9")
     parser.add_argument(
         "--each-input", action="store_true", help="also each input's cost (120 runs, ~20 min)"
+    )
+    parser.add_argument(
+        "--split", action="store_true", help="also input channels kept fp16, per-token scales"
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -224,6 +300,25 @@ def main() -> None:
             show(f"{k} most costly inputs kept fp16, {len(every) - k} int8", top1, kl)
             if top1 >= 0.97:
                 break
+    if args.split:
+        print("(6) input channels taken out of int8 (fp16 side conv), static / per-token scales")
+        rows["split"] = {}
+        rules = {
+            "no channel": lambda peak: [],
+            "4 widest channels": lambda peak: sorted(torch.argsort(-peak)[:4].tolist()),
+            "16 widest channels": lambda peak: sorted(torch.argsort(-peak)[:16].tolist()),
+            "channels above 4x median": lambda peak: (
+                torch.nonzero(peak > 4 * peak.median()).flatten().tolist()
+            ),
+        }
+        for fold_label, fold_alpha in (("no folds", None), ("every fold, alpha 0.5", 0.5)):
+            folds = setup.folds(fold_alpha)
+            for scales in ("static", "per-token"):
+                for rule_label, rule in rules.items():
+                    label = f"{fold_label}; {scales}; {rule_label}"
+                    top1, kl, kept = setup.score_split(folds, rule, scales == "per-token")
+                    rows["split"][label] = {"top1": top1, "kl": kl, "kept_channels": kept}
+                    show(f"{label} ({kept} kept)", top1, kl)
     rows["seconds"] = round(time.perf_counter() - start, 1)
     print(f"{rows['seconds']} s")
     if args.json:
