@@ -273,3 +273,34 @@ def test_skm_tables_store_the_values_exactly() -> None:
     from coremltools.converters.mil.mil import types
 
     assert types.builtin_to_string(op.indices.dtype) == "uint4"
+
+
+def test_skm_sensitivity_equals_coremltools_own(tiny: Any) -> None:
+    """`fisher_sensitivity` (gradients of the compressed weights only, no copies of the
+    model) gives coremltools' ``SKMPalettizer.compute_sensitivity`` values for them."""
+    import torch
+    from coremltools.optimize.torch.palettization import SKMPalettizer, SKMPalettizerConfig
+
+    from converter.compress.calibrate import calibration, fp16_copy, next_token_loss
+    from converter.compress.methods.base import quiet_progress
+    from converter.compress.methods.skm import fisher_sensitivity
+
+    t, _, pad_id = tiny
+    names = ["layers.0.attention.qkv.weight", "layers.1.mlp.down.weight"]
+    work = fp16_copy(t.module)
+    items = [calibration(work, [f], t.embed_table, pad_id) for f in t.fixtures[:3]]
+    ours = fisher_sensitivity(work, names, items, next_token_loss)
+    assert all(not p.requires_grad and p.grad is None for p in work.parameters())
+
+    theirs_model = fp16_copy(t.module)
+    for name, p in theirs_model.named_parameters():
+        p.requires_grad_(name in names)
+    with quiet_progress():
+        theirs = SKMPalettizer(theirs_model, SKMPalettizerConfig()).compute_sensitivity(
+            items, next_token_loss
+        )
+    assert sorted(theirs) == sorted(names)
+    for name in names:
+        assert ours[name].shape == theirs[name].shape
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=0)
+        assert float(ours[name].max()) == 1.0

@@ -5,9 +5,12 @@ What ``SKMPalettizer`` does (read in coremltools 9.0, ``palettization/sensitive_
 for each calibration item it runs ``loss_fn(model, item)`` and backpropagates with a hook that
 squares every parameter's gradient, so the accumulated gradients are the diagonal empirical
 Fisher information ``sum_items (dL/dw)**2``; normalised to a maximum of 1 and clipped from
-below (1e-4: zero sensitivities let k-means diverge), it weights each value in a 1-D weighted
+below (zero sensitivities let k-means diverge), it weights each value in a 1-D weighted
 k-means of 2**bits centroids per table. anec's loss is the next-token cross-entropy of each
-calibration text (one text an item, so the squares are per text, not of a batch sum).
+calibration text (one text an item, so the squares are per text, not of a batch sum). anec
+computes those sensitivities itself, for the compressed weights only (`fisher_sensitivity`,
+equal to ``compute_sensitivity``'s), and hands them to ``SKMPalettizer.compress`` as its
+documented ``sensitivity_path``: the k-means is coremltools'.
 
 Stored as such: the clustered weights (fp32 centroids rounded to fp16, the values the program
 holds) replace the fp16 constants, then ``palettize_weights`` (mode ``custom``, `exact_table`)
@@ -124,6 +127,10 @@ def skm_weights(
     pad_id: int,
 ) -> dict[str, np.ndarray]:
     """Every site's SKM-clustered weight, fp16, the site's shape."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
     from coremltools.optimize.torch.palettization import (
         ModuleSKMPalettizerConfig,
         SKMPalettizer,
@@ -133,9 +140,8 @@ def skm_weights(
     from converter.compress.calibrate import calibration, fp16_copy, next_token_loss, owners
 
     work = fp16_copy(module)
-    for p in work.parameters():
-        p.requires_grad_(True)
     items = [calibration(work, [f], embed_table, pad_id) for f in fixtures]
+    sensitivity = fisher_sensitivity(work, [s.name for s in sites], items, next_token_loss)
     convs = owners(work, sites)
     configs = {}
     for s in sites:
@@ -148,14 +154,58 @@ def skm_weights(
             channel_axis=0,
         )
     config = SKMPalettizerConfig(module_name_configs=configs, calibration_nsamples=len(items))
-    with quiet_progress():
-        SKMPalettizer(work, config).compress(
-            dataloader=items, loss_fn=next_token_loss, inplace=True
-        )
+    with tempfile.TemporaryDirectory(prefix="anec-skm-") as tmp, quiet_progress():
+        path = Path(tmp) / "sensitivity.pt"
+        torch.save(sensitivity, path)  # SKMPalettizer takes precomputed values as a file
+        del sensitivity
+        SKMPalettizer(work, config).compress(sensitivity_path=str(path), inplace=True)
     out = {}
     for s in sites:
         w = convs[s.name].weight.detach().half().numpy()
         out[s.name] = w
+    return out
+
+
+def fisher_sensitivity(
+    work: Any, names: list[str], items: list[Any], loss_fn: Any
+) -> dict[str, Any]:
+    """coremltools' ``SKMPalettizer.compute_sensitivity`` for the named weights only, and
+    without its copies of the model: per item, the loss's gradient with respect to those
+    weights (``torch.autograd.grad``: no ``.grad`` kept on any parameter), squared and summed
+    over the items, then its normalisation (times 100, divided by the maximum, zeros raised to
+    the smallest non-zero value, floored at ``_SENSITIVITY_CLIP_THR``). Same values (test).
+    Leaves every parameter of ``work`` with ``requires_grad`` off.
+
+    Why not theirs: it keeps a gradient for every parameter, saves and reloads the whole
+    state dict and the raw sensitivities, and ``compress`` deep-copies the model once more; at
+    Qwen2.5-0.5B size that passed 13 GiB (bench/README.md, compress.py methods)."""
+    import torch
+    from coremltools.optimize.torch.palettization import SKMPalettizer
+
+    params = [work.get_parameter(n) for n in names]
+    totals = [torch.zeros_like(p) for p in params]
+    for p in work.parameters():
+        p.requires_grad_(False)
+    with torch.enable_grad():
+        for p in params:
+            p.requires_grad_(True)
+        for item in items:
+            grads = torch.autograd.grad(loss_fn(work, item), params)
+            for total, grad in zip(totals, grads, strict=True):
+                total.add_(torch.square(grad))
+            del grads
+        for p in params:
+            p.requires_grad_(False)
+    floor = SKMPalettizer._SENSITIVITY_CLIP_THR
+    out = {}
+    for name, total in zip(names, totals, strict=True):
+        val = 100 * total
+        if len(val.nonzero()) == 0:
+            val[val == 0] = 1.0
+        val = val / torch.max(val)
+        val[val == 0] = torch.min(val[val != 0])
+        val[val < floor] = floor
+        out[name] = val
     return out
 
 
