@@ -24,12 +24,11 @@ Per position: top-1 agreement, KL, |dp| (``parity.metrics``) and the logit PSNR 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,10 +42,9 @@ from parity.gate import Gate, GateResult, all_passed, first_few, gate
 from parity.gates import module_inputs, rel_error, run_module
 from parity.head_outputs import run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
+from parity.model_copies import cast_copy, fp16_constants, in_float64, set_weights
 from parity.reference import ReferenceRun, run_reference
 from parity.report import gate_line
-
-M = TypeVar("M", bound=torch.nn.Module)
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
 Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
@@ -102,37 +100,6 @@ def prepare_held_out(
             source[name] = (f.name, p)
     every = mil_positions == "all"
     return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
-
-
-def with_weights(
-    module: BC1LDecoder, weights: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
-) -> BC1LDecoder:
-    """A copy of ``module`` in ``dtype`` whose named parameters hold ``weights``."""
-    return _set_weights(cast_copy(module, dtype), weights)
-
-
-def cast_copy(module: M, dtype: torch.dtype) -> M:
-    """A deep copy of ``module`` (in eval mode) with its floating-point parameters and buffers
-    in ``dtype``, made without a full copy in the original dtype first (at Qwen2.5-0.5B size an
-    fp32 copy is 2 GB)."""
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_floating_point() and id(tensor) not in memo:
-            cast = tensor.detach().to(dtype, copy=True)
-            if isinstance(tensor, torch.nn.Parameter):
-                cast = torch.nn.Parameter(cast, requires_grad=tensor.requires_grad)
-            memo[id(tensor)] = cast
-    return copy.deepcopy(module, memo).eval()
-
-
-def _set_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
-    """``module`` itself with its named parameters holding ``weights``."""
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, value in weights.items():
-            tensor = torch.from_numpy(np.asarray(value))
-            params[name].copy_(tensor.reshape(params[name].shape))
-    return module
 
 
 def torch_logits(
@@ -391,7 +358,7 @@ def mil_fp32_check(
     # evaluator's constants 2 GB (bench/README.md).
     del evaluator, constants
     release_memory()
-    baseline = _set_weights(_fp16_constants(module), weights)
+    baseline = set_weights(fp16_constants(module), weights)
     del weights
     worst = 0.0
     length = module.io.length
@@ -408,50 +375,6 @@ def mil_fp32_check(
         want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
         worst = max(worst, rel_error(have, want))
     return worst, mismatched
-
-
-def _fp16_constants(module: BC1LDecoder) -> BC1LDecoder:
-    """A copy whose parameters and buffers hold the values an fp16 program stores."""
-    out = copy.deepcopy(module).eval()
-    with torch.no_grad():
-        for tensor in [*out.parameters(), *out.buffers()]:
-            if tensor.is_floating_point():
-                tensor.copy_(tensor.half().float())
-    return out
-
-
-@contextlib.contextmanager
-def in_float64(module: torch.nn.Module) -> Iterator[None]:
-    """Run ``module`` in fp64 holding one fp64 piece at a time: each called submodule (the
-    children, list entries unpacked) is made fp64 just before its forward and fp32 again just
-    after (exact: fp32 values are fp64 values), the root's own buffers for the whole block."""
-
-    def pieces(parent: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        for child in parent.children():
-            if isinstance(child, torch.nn.ModuleList | torch.nn.ModuleDict):
-                yield from pieces(child)
-            else:
-                yield child
-
-    def to64(piece: torch.nn.Module, args: Any) -> None:
-        piece.double()
-
-    def to32(piece: torch.nn.Module, args: Any, out: Any) -> None:
-        piece.float()
-
-    own = {name: b for name, b in module.named_buffers(recurse=False) if b.is_floating_point()}
-    handles = []
-    for piece in pieces(module):
-        handles += [piece.register_forward_pre_hook(to64), piece.register_forward_hook(to32)]
-    for name, buffer in own.items():
-        setattr(module, name, buffer.double())
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for name, buffer in own.items():
-            setattr(module, name, buffer)
 
 
 def summary_json(s: Summary) -> dict[str, Any]:

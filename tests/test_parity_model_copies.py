@@ -8,8 +8,8 @@ import copy
 import torch
 from tiny_models import build_tiny
 
-from parity.compression_gates import cast_copy, in_float64, with_weights
 from parity.gates import module_inputs, run_module
+from parity.model_copies import cast_copy, in_float64, with_weights
 
 
 def test_cast_copy_matches_a_cast_of_a_deep_copy_and_shares_nothing() -> None:

@@ -34,9 +34,9 @@ from parity.compression_gates import (
     parity_text,
     program_feed,
     torch_logits,
-    with_weights,
 )
 from parity.fixtures import make_batches
+from parity.model_copies import with_weights
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
