@@ -21,7 +21,6 @@ already hold the program; this level isolates what compression changed.)
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from parity.encoder_gates import (
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Worst, all_passed, gate
 from parity.gates import rel_error
+from parity.model_copies import with_weights
 from parity.report import gate_line
 
 Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
@@ -126,17 +126,6 @@ def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
         return None, torch.from_numpy(np.asarray(out, np.float32))
 
     return run
-
-
-def with_weights(module: BC1LEncoder, weights: dict[str, np.ndarray]) -> BC1LEncoder:
-    """A copy of ``module`` whose named parameters hold ``weights`` (fp32 copies)."""
-    out = copy.deepcopy(module).eval()
-    params = dict(out.named_parameters())
-    with torch.no_grad():
-        for name, value in weights.items():
-            tensor = torch.from_numpy(np.asarray(value, np.float32))
-            params[name].copy_(tensor.reshape(params[name].shape))
-    return out
 
 
 # ---- comparisons ------------------------------------------------------------------------------

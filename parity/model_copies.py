@@ -1,8 +1,8 @@
-"""Copies of a BC1L module that a variant's parity levels run: in another dtype without a
-full-precision copy first, with a variant's decoded weights, with the values an fp16 program
-stores, and fp64 one piece at a time. At Qwen2.5-0.5B size each whole copy is GBs
-(bench/README.md, ``compress.py methods``), so none is made that a level does not need.
-"""
+"""Copies of a BC1L module (decoder or encoder) that a variant's parity levels run: in
+another dtype without a full-precision copy first, with a variant's decoded weights, with the
+values an fp16 program stores, and fp64 one piece at a time. At Qwen2.5-0.5B size each whole
+copy is GBs (bench/README.md, ``compress.py methods``), so none is made that a level does not
+need."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ M = TypeVar("M", bound=torch.nn.Module)
 
 
 def with_weights(
-    module: BC1LDecoder, weights: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
-) -> BC1LDecoder:
+    module: M, weights: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
+) -> M:
     """A copy of ``module`` in ``dtype`` whose named parameters hold ``weights``."""
     return set_weights(cast_copy(module, dtype), weights)
 
@@ -40,7 +40,7 @@ def cast_copy(module: M, dtype: torch.dtype) -> M:
     return copy.deepcopy(module, memo).eval()
 
 
-def set_weights(module: BC1LDecoder, weights: dict[str, np.ndarray]) -> BC1LDecoder:
+def set_weights(module: M, weights: dict[str, np.ndarray]) -> M:
     """``module`` itself with its named parameters holding ``weights``."""
     params = dict(module.named_parameters())
     with torch.no_grad():
