@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from converter import cli
+from converter.cli import recipes as recipes_cli
 from converter.errors import GateFailure, InputError
 from converter.recipe import shipped_recipes
 
@@ -124,7 +125,7 @@ def test_list_reports_a_broken_shipped_recipe(
     runner: CliRunner, write_file: WriteFile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bad = write_file("bad.yaml", BAD)
-    monkeypatch.setattr(cli, "shipped_recipes", lambda: [bad])
+    monkeypatch.setattr(recipes_cli, "shipped_recipes", lambda: [bad])
     result = runner.invoke(cli.main, ["recipes", "list"])
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and "bad.yaml:4" in result.stderr

@@ -34,7 +34,7 @@ def vocab_hash(vocab: dict[str, int], ids: int) -> str:
 def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
     """The target model (fp32), whether it is the draft's own checkpoint, and its name."""
     from converter.checkpoint import load_checkpoint
-    from converter.cli_generate import artifact_source
+    from converter.cli.generate import artifact_source
     from converter.recipe.sources import ResolvedSource
 
     manifest = draft.manifest

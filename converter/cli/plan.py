@@ -1,6 +1,6 @@
 """The plan commands: ``anec plan-inspect``, ``anec bench-device``, ``anec plan-baseline``.
 
-Registered on the ``anec`` group by ``converter/cli.py`` through ``plan_commands()``.
+Registered on the ``anec`` group by ``converter/cli/__init__.py`` through ``plan_commands()``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,5 @@
+"""``python -m converter.cli``: the same as the ``anec`` console script."""
+
+from converter.cli import main
+
+main()
