@@ -20,7 +20,7 @@ from converter.compress.activations import (
     calibrate,
     insert_activation_quantization,
 )
-from converter.compress.plan import Scheme, apply_plan
+from converter.compress.schemes import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 from converter.coreml import to_mlprogram, trace
 from converter.markers import mark_layer_outputs
