@@ -10,7 +10,7 @@ checkpoint (MiniLM). Full-size runs live here, not in CI.
 
 ``weights`` builds an fp16 ML Program holding the projection weights of the named model shape
 (random normal weights, std 0.02, in the BC1L 1x1-conv form; the LM head stays fp16 as in the
-recipes) and compresses every weight with one scheme through ``converter.compress.plan``, in a
+recipes) and compresses every weight with one scheme through ``converter.compress.schemes``, in a
 fresh subprocess per case so its peak RSS (``ru_maxrss``) is its own. Times are wall clock on a
 shared machine: read them as approximate. Storage ratios are not latency ratios.
 """
@@ -98,7 +98,7 @@ def shape_program(shape: str, directory: Path) -> tuple[Any, list[Any]]:
 
 def weights_case(shape: str, method: str) -> dict[str, Any]:
     """Build the shape's program and compress all of it with ``method`` (in this process)."""
-    from converter.compress.plan import Scheme, apply_plan
+    from converter.compress.schemes import Scheme, apply_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

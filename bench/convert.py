@@ -180,7 +180,7 @@ def run_bc1l(name: str) -> dict[str, Any]:
     import torch
 
     from converter.coreml import TensorIO, to_mlprogram, trace
-    from graph_passes.adapters import adapt
+    from graph_passes.archs import adapt
     from graph_passes.decoder import BC1LDecoder, DecoderIO
 
     real = name.startswith("smollm2")

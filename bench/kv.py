@@ -128,7 +128,7 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
     from converter.tasks.decoder_contract import tensor_contract
     from converter.tasks.kv_contract import function_calls
     from converter.tasks.text_generation_kv import emit_functions
-    from graph_passes.adapters import adapt
+    from graph_passes.archs import adapt
     from graph_passes.cached_decoder import cached_functions
     from graph_passes.decoder import BC1LDecoder, DecoderIO
 

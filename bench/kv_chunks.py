@@ -38,7 +38,7 @@ def stored_bytes(config_file: Path) -> tuple[Any, Any]:
     import transformers
 
     from converter.tasks.kv_chunks import weight_bytes
-    from graph_passes.adapters import adapt
+    from graph_passes.archs import adapt
 
     config = transformers.AutoConfig.for_model(**json.loads(config_file.read_text()))
     with torch.device("meta"):

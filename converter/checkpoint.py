@@ -156,7 +156,7 @@ def _from_pretrained(
 
 
 def _check_supported(config: Any, where: Path) -> None:
-    from graph_passes.adapters import ADAPTERS, ENCODER_ADAPTERS
+    from graph_passes.archs import ADAPTERS, ENCODER_ADAPTERS
 
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS and model_type not in ENCODER_ADAPTERS:

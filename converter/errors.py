@@ -1,30 +1,14 @@
 """Errors that the CLI turns into exit codes.
 
-Exit codes: 0 converted and every gate passed, 1 a gate failed, 2 bad input.
+Exit codes: 0 converted and every gate passed, 1 a gate failed, 2 bad input. The error types
+are defined in `graph_passes.errors` (every layer may raise them) and re-exported here.
 """
 
 from __future__ import annotations
 
+from graph_passes.errors import AnecError, GateFailure, InputError
 
-class AnecError(Exception):
-    """Base class for errors anec reports without a traceback."""
-
-    exit_code = 2
-
-
-class InputError(AnecError):
-    """Bad input: a recipe, checkpoint, path or option that cannot be used as given.
-
-    The message names the file, field or tensor and what was expected.
-    """
-
-    exit_code = 2
-
-
-class GateFailure(AnecError):
-    """A parity gate failed: the converted model does not compute the checkpoint's function."""
-
-    exit_code = 1
+__all__ = ["AnecError", "GateFailure", "InputError", "report_error"]
 
 
 def report_error(error: AnecError) -> None:

@@ -95,7 +95,7 @@ def _check_architecture(source: ResolvedSource, tables: list[WeightTable], task:
     transformers would otherwise fail on an unknown ``model_type`` with advice to upgrade it,
     or load a known but unsupported one in full before anec refuses it.
     """
-    from graph_passes.adapters import ADAPTERS, ENCODER_ADAPTERS
+    from graph_passes.archs import ADAPTERS, ENCODER_ADAPTERS
 
     adapters = ADAPTERS if task == "text-generation" else ENCODER_ADAPTERS
     supported = f"supported for task {task}: " + ", ".join(sorted(adapters))

@@ -72,7 +72,7 @@ def make_head(
     """A perturbed reference head for ``encoder`` (every parameter moved by ``scale`` randn,
     norm weights by 0.2 randn around 1; the scorer's and action head's last layers scaled by
     ``peak`` / ``action_peak``) and its tensors as the head file holds them."""
-    from graph_passes.adapters import adapt_encoder
+    from graph_passes.archs import adapt_encoder
     from graph_passes.archs.decision_head import read_head_spec
 
     canonical = adapt_encoder(encoder.config, encoder.state_dict())
@@ -123,7 +123,7 @@ class TinyDecision:
 
 def tiny_decision(seed: int = 0, peak: float = 30.0, **overrides: Any) -> TinyDecision:
     """Tiny ModernBERT (D=64, 4 layers, window 4) and the example head (head_config)."""
-    from graph_passes.adapters import adapt_encoder
+    from graph_passes.archs import adapt_encoder
 
     encoder = hf_model(tiny_config("modernbert"), classify=False, seed=seed)
     data = head_config(64, **overrides)
@@ -169,7 +169,7 @@ def decision_case(model: TinyDecision, batch: int = 3, length: int = 24,
                   ) -> DecisionCase:  # fmt: skip
     """Fixtures with exactly K markers, right-padded batches, prescaled stack, references."""
     from converter.tasks.decision import set_scales
-    from graph_passes.adapters import adapt_encoder
+    from graph_passes.archs import adapt_encoder
 
     canonical = adapt_encoder(model.encoder.config, model.encoder.state_dict())
     io = EncoderIO(batch, length, "token-ids", "last-hidden-state")

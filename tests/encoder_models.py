@@ -23,7 +23,7 @@ from transformers import (
     ModernBertModel,
 )
 
-from graph_passes.adapters import adapt_encoder
+from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
 from graph_passes.spec import EncoderModel

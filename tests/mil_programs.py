@@ -20,7 +20,7 @@ from converter.compress.activations import (
     calibrate,
     insert_activation_quantization,
 )
-from converter.compress.plan import Scheme, apply_plan
+from converter.compress.schemes import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 from converter.coreml import to_mlprogram, trace
 from converter.markers import mark_layer_outputs
@@ -146,7 +146,7 @@ def decision(out: Path, piece: str) -> Built:
 
     from converter.tasks.decision_contract import island_contract as decision_island
     from converter.tasks.decision_contract import tail_contract as decision_tail
-    from graph_passes.adapters import adapt_encoder
+    from graph_passes.archs import adapt_encoder
     from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail
     from graph_passes.encoder import EncoderIO
 

@@ -11,7 +11,7 @@ import torch
 from tiny_models import one_torch_thread, tiny_config, tiny_hf_model
 
 from converter.errors import InputError
-from graph_passes.adapters import ADAPTERS, adapt
+from graph_passes.archs import ADAPTERS, adapt
 from graph_passes.spec import CanonicalModel
 
 PROJECTIONS = {

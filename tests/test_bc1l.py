@@ -14,7 +14,7 @@ import torch
 from tiny_models import LENGTH, VOCAB, Tiny, build_tiny, one_torch_thread, tiny_hf_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from graph_passes.adapters import adapt
+from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, chunk_sizes
 from graph_passes.masks import MASKED, causal_mask, key_mask_from_padding
 from graph_passes.norms import RMSNorm

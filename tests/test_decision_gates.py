@@ -237,6 +237,6 @@ def test_mil_marker_rows_gate_catches_an_emitted_tail_reading_the_wrong_slot(
 
 
 def _encoder(case: DecisionCase):  # type: ignore[no-untyped-def]
-    from graph_passes.adapters import adapt_encoder
+    from graph_passes.archs import adapt_encoder
 
     return adapt_encoder(case.model.encoder.config, case.model.encoder.state_dict())

@@ -10,8 +10,7 @@ from decision_models import MARKER, head_config, save_checkpoint, tiny_decision,
 
 from converter.errors import InputError
 from converter.tasks.decision_load import load_head
-from graph_passes.adapters import adapt_encoder
-from graph_passes.archs import architectures
+from graph_passes.archs import adapt_encoder, architectures
 from graph_passes.archs.decision_head import HeadSource, adapt_head, read_head_spec
 from graph_passes.decision import DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import CandidateError, candidate_positions

@@ -21,7 +21,7 @@ from encoder_models import (
 )
 from tiny_models import one_torch_thread
 
-from graph_passes.adapters import ENCODER_ADAPTERS, adapt_encoder
+from graph_passes.archs import ENCODER_ADAPTERS, adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, fold, real_weights, unfold
 from graph_passes.layer_norm import FP16_EPS_FLOOR, LayerNorm
 from graph_passes.masks import MASKED, folded_band_mask, key_mask_from_padding

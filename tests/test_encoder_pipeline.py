@@ -200,7 +200,7 @@ def test_partitioned_run_matches_the_single_program(
     the single package on the same batches."""
     from transformers import AutoModelForSequenceClassification
 
-    from graph_passes.adapters import adapt_encoder
+    from graph_passes.archs import adapt_encoder
 
     model = AutoModelForSequenceClassification.from_pretrained(checkpoints["modernbert"])
     canonical = adapt_encoder(model.config, model.state_dict())

@@ -136,7 +136,7 @@ def test_the_same_plan_gives_identical_weight_bytes_in_every_function(
     stored = {WINDOW: {r["weight"]: r["payload_sha256"] for r in records}}
     names = [r["weight"] for r in records]
     from converter.compress.config import Variant
-    from converter.compress.plan import variant_scheme
+    from converter.compress.schemes import variant_scheme
 
     variant = Variant.model_validate(manifest["compression"]["variant"])
     plan = {n: variant_scheme(variant) for n in planned}

@@ -114,6 +114,25 @@ def test_no_import_cycle_between_modules() -> None:
     assert not gone, f"no longer a cycle, remove from KNOWN_CYCLES: {gone}"
 
 
+def test_graph_passes_imports_nothing_from_converter_or_parity() -> None:
+    """graph_passes is the lowest layer: the error types it raises live in it
+    (`graph_passes.errors`), and converter re-exports them as the same classes."""
+    from converter import errors
+    from graph_passes import errors as shared
+
+    upward = {
+        name: sorted(t for t in targets if t.split(".")[0] in ("converter", "parity"))
+        for name, targets in import_graph().items()
+        if name.split(".")[0] == "graph_passes"
+    }
+    assert not {n: t for n, t in upward.items() if t}, "graph_passes imports upward"
+    assert (errors.AnecError, errors.InputError, errors.GateFailure) == (
+        shared.AnecError,
+        shared.InputError,
+        shared.GateFailure,
+    )
+
+
 def test_the_walk_finds_lazy_relative_and_from_package_imports(tmp_path: Path) -> None:
     """The checker itself: a cycle through a function-level, a relative and a
     ``from package import module`` import is found; a parent-package import is not a cycle."""

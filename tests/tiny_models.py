@@ -20,7 +20,7 @@ from click.testing import CliRunner, Result
 from torch import nn
 
 from converter.tasks import text_generation
-from graph_passes.adapters import adapt
+from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
 from graph_passes.logits_layout import HeadOutput
 from graph_passes.prescale import NormScale

@@ -26,8 +26,8 @@ import torch
 from converter.compress import methods
 from converter.compress.config import Compression, Variant
 from converter.compress.methods.base import BuildContext, Subject
-from converter.compress.plan import apply_plan
 from converter.compress.records import WeightRecord, weight_records, with_extra_bytes
+from converter.compress.schemes import apply_plan
 from converter.compress.sites import weight_sites
 from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors

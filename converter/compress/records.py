@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from converter.compress import methods
-from converter.compress.plan import Scheme
+from converter.compress.schemes import Scheme
 from converter.compress.sites import WeightSite
 
 _COMPRESSED_SUFFIXES = ("_palettized", "_quantized")

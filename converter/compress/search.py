@@ -36,7 +36,7 @@ import torch
 
 from converter.compress.candidates import palette  # noqa: F401  (tests import it from here)
 from converter.compress.config import SearchSpace
-from converter.compress.plan import Scheme
+from converter.compress.schemes import Scheme
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
 from parity.fixtures import Fixture, make_batches

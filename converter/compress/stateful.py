@@ -50,8 +50,8 @@ from converter.compress.emit import (
     ne_stream_text,
 )
 from converter.compress.methods.base import BuildContext, Scheme
-from converter.compress.plan import apply_plan
 from converter.compress.records import WeightRecord, weight_records
+from converter.compress.schemes import apply_plan
 from converter.compress.sites import WeightSite, weight_sites
 from converter.compress.size import size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors

@@ -35,7 +35,7 @@ from converter.tasks.decision_contract import decision_manifest, island_contract
 from converter.tasks.decision_load import head_files, load_head
 from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
-from graph_passes.adapters import adapt_encoder
+from graph_passes.archs import adapt_encoder
 from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
 from graph_passes.decision_spec import CandidateError, DecisionHead
 from graph_passes.encoder import EncoderIO

@@ -35,7 +35,7 @@ from converter.tasks.encoder_contract import (
     tail_contract,
     write_host_files,
 )
-from graph_passes.adapters import adapt_encoder
+from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
 from graph_passes.masks import key_mask_from_padding

@@ -24,7 +24,7 @@ from converter.recipe import DecoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
 from converter.tasks.base import TaskRun, emit_program, load, need, plan
 from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
-from graph_passes.adapters import adapt
+from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
 from graph_passes.spec import CanonicalModel, TransformerSpec

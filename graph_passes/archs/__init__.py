@@ -15,8 +15,8 @@ from typing import cast
 
 import torch
 
-from converter.errors import InputError
 from graph_passes.archs.registry import Architecture
+from graph_passes.errors import InputError
 from graph_passes.spec import CanonicalModel, EncoderModel
 
 

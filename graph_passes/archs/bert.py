@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from converter.errors import InputError
+from graph_passes.errors import InputError
 from graph_passes.archs.config import config_value
 from graph_passes.archs.encoders import label_names, model_prefix, require_exact_gelu
 from graph_passes.archs.registry import Architecture

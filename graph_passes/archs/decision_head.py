@@ -20,7 +20,6 @@ from typing import Any, cast
 
 import torch
 
-from converter.errors import InputError
 from graph_passes.archs.registry import Architecture
 from graph_passes.archs.table import Row, map_weights
 from graph_passes.archs.weights import WeightReader
@@ -32,6 +31,7 @@ from graph_passes.decision_spec import (
     DecisionHeadSpec,
     MlpHeadSpec,
 )
+from graph_passes.errors import InputError
 from graph_passes.spec import EncoderSpec, LayerSpec
 
 MODEL_TYPE = "anec-decision-head"

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from converter.errors import InputError
 from graph_passes.archs.config import config_value
 from graph_passes.archs.table import Flag, Row, Skip, map_weights
 from graph_passes.archs.weights import WeightReader
+from graph_passes.errors import InputError
 from graph_passes.spec import CanonicalModel, LayerSpec, NormSpec, TransformerSpec
 
 L = "model.layers.{i}."

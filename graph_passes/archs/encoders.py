@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from converter.errors import InputError
 from graph_passes.archs.config import config_value
+from graph_passes.errors import InputError
 
 # transformers' ACT2FN names of the exact (erf) GELU; tanh forms ("gelu_new",
 # "gelu_pytorch_tanh", ...) are other functions and are refused, never substituted.

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 
 import torch
 
-from converter.errors import InputError
 from graph_passes.archs.config import config_value, layer_types, refuse_set, rope_parameters
 from graph_passes.archs.decoders import QK_NORM_ROWS, map_decoder, read_shape
 from graph_passes.archs.registry import Architecture
 from graph_passes.archs.table import Row
+from graph_passes.errors import InputError
 from graph_passes.spec import AttentionSpec, CanonicalModel, LayerSpec, MlpSpec, NormSpec
 
 L = "model.layers.{i}."

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from converter.errors import InputError
+from graph_passes.errors import InputError
 
 
 class WeightReader:

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from converter.compress.plan import Scheme, apply_plan
 from converter.compress.records import weight_records
+from converter.compress.schemes import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 
 NAMES = ("a.weight", "b.weight")

@@ -1,4 +1,5 @@
-"""Per-weight compression schemes and applying them to an ML Program with coremltools.
+"""Per-weight compression schemes and applying them to an ML Program with coremltools (the
+weight-scheme plan of a compressed variant; ``converter.plan`` is compute-unit placement).
 
 A plan maps every compressed weight (by torch name) to one ``Scheme``; weights not in the plan
 stay fp16. Plans are applied through ``coremltools.optimize.coreml`` with one op-name config per
