@@ -8,12 +8,12 @@ from collections.abc import Mapping
 
 import torch
 
-from graph_passes.errors import InputError
 from graph_passes.archs.config import config_value
 from graph_passes.archs.encoders import label_names, model_prefix, require_exact_gelu
 from graph_passes.archs.registry import Architecture
 from graph_passes.archs.table import Row, Skip, map_weights
 from graph_passes.archs.weights import WeightReader
+from graph_passes.errors import InputError
 from graph_passes.spec import (
     AttentionSpec,
     ClassifierSpec,
