@@ -19,6 +19,7 @@ attention scores unchanged because RoPE depends only on position differences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -33,6 +34,12 @@ from graph_passes.norms import RMSNorm
 from graph_passes.spec import CanonicalModel
 
 InputKind = Literal["token-ids", "embeddings"]
+MaskConstant = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _as_stored(constant: torch.Tensor) -> torch.Tensor:
+    """A mask constant as the module holds it."""
+    return constant
 
 
 @dataclass(frozen=True)
@@ -151,27 +158,36 @@ class BC1LDecoder(nn.Module):
             x = self.embed(x)
         return x.transpose(1, 2).unsqueeze(2)
 
-    def attention_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """One combined mask (B, L, 1, L) for all global layers and heads, keys on axis 1 like
-        the scores: the causal mask plus the key mask (B, L)."""
-        return self.causal + key_mask.reshape(-1, self.io.length, 1, 1)
+    def masks(
+        self, key_mask: torch.Tensor, constant: MaskConstant = _as_stored
+    ) -> dict[int | None, torch.Tensor]:
+        """The combined mask of each window size (None: global), key mask included.
 
-    def masks(self, key_mask: torch.Tensor) -> dict[int | None, torch.Tensor]:
-        """The combined mask of each window size (None: global), key mask included."""
+        ``constant`` maps each stored mask constant before the key mask is added: a check
+        computing the program's function in another precision passes the program's rounding
+        of the constants (fp16) and its own dtype here, and so builds no mask of its own."""
         keys = key_mask.reshape(-1, self.io.length, 1, 1)
-        out: dict[int | None, torch.Tensor] = {None: self.causal + keys}
+        out: dict[int | None, torch.Tensor] = {None: constant(self.causal) + keys}
         for window in self.windows:
-            out[window] = getattr(self, f"causal_{window}") + keys
+            out[window] = constant(getattr(self, f"causal_{window}")) + keys
         return out
+
+    def layer_masks(
+        self, key_mask: torch.Tensor, constant: MaskConstant = _as_stored
+    ) -> list[torch.Tensor]:
+        """The mask each layer attends with, in layer order (`masks`: a local layer gets its
+        window's mask, a global layer or a window of at least L the causal one); layers of
+        one window share one tensor."""
+        masks = self.masks(key_mask, constant)
+        return [masks.get(layer.window, masks[None]) for layer in self.decoder_layers()]
 
     def run_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> list[torch.Tensor]:
         """The residual stream after each layer, each (B, D, 1, L), times
         ``spec.stream_scale`` (divide by it to compare with the checkpoint's)."""
         h = self.embed_bc1l(x)
-        masks = self.masks(key_mask)
         states = []
-        for layer in self.decoder_layers():
-            h = layer(h, masks[layer.window if layer.window in masks else None])
+        for layer, mask in zip(self.decoder_layers(), self.layer_masks(key_mask), strict=True):
+            h = layer(h, mask)
             states.append(h)
         return states
 

@@ -104,6 +104,14 @@ def _program_piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
     return piece.double()
 
 
+def _program_constant(precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A module constant as the program stores it (fp16-rounded when it stores fp16), in
+    float64."""
+    if precision == "float16":
+        return lambda t: t.half().double()
+    return lambda t: t.double()
+
+
 def fp64_baseline(
     module: BC1LDecoder, precision: str, inputs: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
@@ -122,14 +130,14 @@ def fp64_baseline(
         for x, key_mask in inputs:
             x = embed(x) if embed is not None else x.double()
             hs.append(x.transpose(1, 2).unsqueeze(2))  # as BC1LDecoder.embed_bc1l
-            causal = module.causal.half().double() if precision == "float16" else module.causal
-            masks.append(causal.double() + key_mask.double().reshape(-1, module.io.length, 1, 1))
+            # Each layer's own mask (a local layer's window), as the program stores it.
+            masks.append(module.layer_masks(key_mask.double(), _program_constant(precision)))
         del embed
         states: list[list[torch.Tensor]] = [[] for _ in inputs]
-        for layer in module.decoder_layers():
+        for i, layer in enumerate(module.decoder_layers()):
             piece = _program_piece(layer, precision)
             for b in range(len(inputs)):
-                hs[b] = piece(hs[b], masks[b])
+                hs[b] = piece(hs[b], masks[b][i])
                 states[b].append(hs[b])
         # The head as BC1LDecoder.forward computes it: final norm, then each chunk's conv.
         norm = _program_piece(module.final_norm, precision)

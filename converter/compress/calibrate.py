@@ -159,13 +159,12 @@ def decoder_stages(
     work = fp16_copy(module)
     cal = calibration(work, fixtures, embed_table, pad_id)
     layers = work.decoder_layers()
-    masks = work.masks(cal.key_mask)
+    masks = work.layer_masks(cal.key_mask)
 
     def run(i: int, h: torch.Tensor, _: int) -> Any:
         if i == len(layers):
             return work.head(h)
-        layer = layers[i]
-        return layer(h, masks[layer.window if layer.window in masks else None])
+        return layers[i](h, masks[i])
 
     with torch.no_grad():
         first = work.embed_bc1l(cal.x)

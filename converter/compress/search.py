@@ -61,12 +61,12 @@ class Scorer:
         self.params = dict(self.module.named_parameters())
         x, key_mask = module_inputs(self.module, self.batch, self.embed_table, torch.float32)
         with torch.no_grad():
-            self.mask = self.module.attention_mask(key_mask)
+            self.masks = self.module.layer_masks(key_mask)  # a local layer's own window
             # The input of every layer with the weights as they are now: a weight of layer i
             # changes nothing before it, so a one-weight measurement starts at layer i.
             self.layer_inputs = [self.module.embed_bc1l(x)]
-            for layer in self.module.decoder_layers()[:-1]:
-                self.layer_inputs.append(layer(self.layer_inputs[-1], self.mask))
+            for layer, mask in zip(self.module.decoder_layers()[:-1], self.masks, strict=False):
+                self.layer_inputs.append(layer(self.layer_inputs[-1], mask))
         self.base = self.log_probs()
 
     def log_probs(self, first_layer: int = 0) -> torch.Tensor:
@@ -74,8 +74,9 @@ class Scorer:
         ``first_layer`` are taken from the cached inputs (their weights must be unchanged)."""
         with torch.no_grad():
             h = self.layer_inputs[first_layer]
-            for layer in self.module.decoder_layers()[first_layer:]:
-                h = layer(h, self.mask)
+            layers = self.module.decoder_layers()[first_layer:]
+            for layer, mask in zip(layers, self.masks[first_layer:], strict=True):
+                h = layer(h, mask)
             rows = [h[r : r + 1, :, :, start:] for r, start in self.real]
             logits = [torch.cat(self.module.head(row), dim=1)[0, :, 0].T for row in rows]
         return torch.cat(logits).log_softmax(-1)
