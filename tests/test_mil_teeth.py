@@ -15,7 +15,6 @@ from converter.coreml import trace
 from converter.markers import MarkerError, find_markers, mark_layer_outputs
 from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
-from parity.conversion import ConversionReport, check_conversion
 from parity.gates import check_decoder
 from parity.mil import load_package
 
@@ -129,20 +128,6 @@ def qwen2() -> Tiny:
     return tiny
 
 
-def _check(tiny: Tiny, package: Path, profiles: tuple[str, ...]) -> ConversionReport:
-    """The conversion-level gates of ``package`` against the tiny model it came from."""
-    return check_conversion(
-        package,
-        tiny.module,
-        tiny.batches,
-        tiny.references,
-        tiny.embed_table,
-        tiny.thresholds,
-        "float16",
-        profiles=profiles,
-    )
-
-
 @pytest.mark.parametrize("planted", [None, *PASSES])
 def test_a_conversion_bug_below_torch_is_caught_by_the_mil_gate(
     planted: str | None, qwen2: Tiny, tmp_path: Path
@@ -150,7 +135,7 @@ def test_a_conversion_bug_below_torch_is_caught_by_the_mil_gate(
     tiny = qwen2
 
     package = convert_with(tiny.module, planted, tmp_path)
-    report = _check(tiny, package, ("fp32", "fp16"))
+    report = tiny.check_program(package, ("fp32", "fp16"))
     gates = {(g.name, g.implementation): g for g in report.gates}
     per_layer = gates[("mil_fp32_layer_rel_error", "mil-fp32")]
     if planted is None:
@@ -168,7 +153,7 @@ def test_a_missing_layer_marker_is_a_failed_gate_naming_it(tmp_path: Path) -> No
     package = convert_with(tiny.module, None, tmp_path, mark=False)
     with pytest.raises(MarkerError, match="layer_0_out"):
         find_markers(load_package(package).functions["main"], len(tiny.module.layers))
-    report = _check(tiny, package, ("fp32",))
+    report = tiny.check_program(package, ("fp32",))
     gate = next(g for g in report.gates if g.name == "layer_markers_present")
     assert not gate.passed and "layer_0_out" in gate.detail
     assert not report.passed

@@ -20,7 +20,6 @@ from converter.markers import mark_layer_outputs
 from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from graph_passes.decoder import BC1LDecoder
-from parity.conversion import ConversionReport, check_conversion
 
 LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"]
 LENGTH = 32  # fixtures of 5 to 16 tokens plus their 32-token full-window variants
@@ -50,20 +49,6 @@ def emit(module: BC1LDecoder, out: Path) -> Path:
     return package
 
 
-def check(tiny: Tiny, package: Path) -> ConversionReport:
-    """Every conversion-level gate of ``package`` against the (windowed) tiny module."""
-    return check_conversion(
-        package,
-        tiny.module,
-        tiny.batches,
-        tiny.references,
-        tiny.embed_table,
-        tiny.thresholds,
-        "float16",
-        profiles=("fp32", "fp16"),
-    )
-
-
 def test_the_window_binds_inside_the_sequence(gemma: Tiny) -> None:
     layers = gemma.module.decoder_layers()
     assert [layer.window for layer in layers] == [4, 4, 4, None]
@@ -72,7 +57,7 @@ def test_the_window_binds_inside_the_sequence(gemma: Tiny) -> None:
 
 
 def test_a_windowed_program_passes_every_conversion_gate(gemma: Tiny, tmp_path: Path) -> None:
-    report = check(gemma, emit(gemma.module, tmp_path))
+    report = gemma.check_program(emit(gemma.module, tmp_path))
     assert report.passed, [g for g in report.gates if not g.passed]
     fp32 = next(run for run in report.runs if run.implementation == "mil-fp32")
     # fp32 rounding only, as on a model without a window (was 1.2 from layer 0 on).
@@ -82,7 +67,7 @@ def test_a_windowed_program_passes_every_conversion_gate(gemma: Tiny, tmp_path: 
 def test_a_program_that_drops_the_window_fails_the_fp32_check(gemma: Tiny, tmp_path: Path) -> None:
     mutant = copy.deepcopy(gemma.module)
     mutant.windows = []  # every layer now attends with the causal mask alone
-    report = check(gemma, emit(mutant, tmp_path))
+    report = gemma.check_program(emit(mutant, tmp_path))
     gates = {(g.name, g.implementation): g for g in report.gates}
     per_layer = gates[("mil_fp32_layer_rel_error", "mil-fp32")]
     assert not per_layer.passed

@@ -25,6 +25,7 @@ from graph_passes.decoder import BC1LDecoder, DecoderIO, InputKind
 from graph_passes.logits_layout import HeadOutput
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
+from parity.conversion import ConversionReport, check_conversion
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gates import Thresholds, module_inputs
 from parity.reference import ReferenceRun, run_reference
@@ -263,6 +264,21 @@ class Tiny:
     references: dict[str, ReferenceRun]
     embed_table: torch.Tensor
     thresholds: Thresholds = DEFAULT_THRESHOLDS
+
+    def check_program(
+        self, package: Path, profiles: tuple[str, ...] = ("fp32", "fp16")
+    ) -> ConversionReport:
+        """The conversion-level gates of an fp16 ``package`` against this tiny model."""
+        return check_conversion(
+            package,
+            self.module,
+            self.batches,
+            self.references,
+            self.embed_table,
+            self.thresholds,
+            "float16",
+            profiles=profiles,
+        )
 
     def rebuild(self, canonical: CanonicalModel | None = None, **io: Any) -> BC1LDecoder:
         """Another module from (a possibly altered) canonical model, same I/O unless given."""
