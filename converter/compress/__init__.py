@@ -8,7 +8,7 @@ with its own manifest (how every weight was compressed), size report and parity 
 Modules, one job each: ``config`` (the recipe section), ``methods/`` (one module per method:
 its field rules, target features, weight selection, program changes and manifest entries;
 ``methods/base`` the interface), ``sites`` (which program constants are weights, under which
-torch names), ``plan`` (applying per-weight schemes with coremltools), ``records`` (what the
+torch names), ``schemes`` (applying per-weight schemes with coremltools), ``records`` (what the
 compressed program holds, per weight, and the decoded weights), ``size`` (bytes and ratios),
 ``weight_error`` (decode error per weight), ``search`` (sensitivity and the mixed-bit search),
 ``activations`` (W8A8 ranges), ``decoder`` / ``encoder`` (what a decoder's or an encoder's
