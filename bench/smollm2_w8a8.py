@@ -68,8 +68,8 @@ class Setup:
         from converter.recipe import load_recipe
         from converter.recipe.schema import DecoderRecipe
         from converter.tasks.text_generation import held_out, rewrite_decoder
+        from parity.decoder_gates import module_inputs
         from parity.fixtures import make_batches
-        from parity.gates import module_inputs
         from parity.mil import Evaluator, load_package
 
         recipe = load_recipe(RECIPE)

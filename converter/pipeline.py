@@ -23,7 +23,7 @@ from converter.runlog import write_log_into
 from converter.steps import Stop, run_steps
 from converter.tasks import task_of
 from converter.tasks.base import Job, TaskRun
-from parity.gates import ParityReport
+from parity.result import ParityReport
 
 
 @dataclass

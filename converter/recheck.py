@@ -28,10 +28,10 @@ from converter.tasks.base import Job, Program
 from converter.tasks.text_generation import DecoderRun
 from parity.conversion import DEFAULT_PROFILES
 from parity.gate import GateResult, gate
-from parity.gates import ParityReport
 from parity.html_report import report_to_html
 from parity.mil.profiles import PROFILES
 from parity.report import gate_line
+from parity.result import ParityReport
 
 GateKey = tuple[str, str]  # (gate name, implementation), as parity.json lists them
 

@@ -37,14 +37,15 @@ from converter.memory import release_memory
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
+from parity.decoder_gates import module_inputs, run_module
 from parity.fixtures import Batch, Fixture, make_batches
 from parity.gate import Gate, GateResult, all_passed, first_few, gate
-from parity.gates import module_inputs, rel_error, run_module
 from parity.head_outputs import run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.model_copies import cast_copy, fp16_constants, in_float64, set_weights
 from parity.reference import ReferenceRun, run_reference
 from parity.report import gate_line
+from parity.result import rel_error
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
 Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]

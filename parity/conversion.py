@@ -31,14 +31,15 @@ from converter.markers import MarkerError, find_markers
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from parity import runtime
+from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
-from parity.gates import Thresholds, module_inputs
 from parity.head_outputs import ChoiceCheck, run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
 from parity.reference import ReferenceRun
+from parity.result import Thresholds
 
 DEFAULT_PROFILES = ("fp32", "fp16", "fp16-acc")
 # What mil-fp32 is compared with: the same function, computed more exactly than fp32.
@@ -232,7 +233,7 @@ def check_conversion(
 def _rel(candidate: Any, reference: Any) -> float:
     """``||c - r|| / ||r||`` in fp64 with numpy (inf if c is not finite).
 
-    ``parity.gates.rel_error`` in numpy: torch's small-tensor overhead made it a tenth of
+    ``parity.result.rel_error`` in numpy: torch's small-tensor overhead made it a tenth of
     this level's time on SmolLM2.
     """
     c = np.asarray(candidate, dtype=np.float64)

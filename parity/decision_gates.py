@@ -41,26 +41,20 @@ from parity.decision_reference import DecisionReferenceResult
 from parity.encoder_gates import level_of, make_encoder_batches, state_rows
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, Worst, first_few, gate
-from parity.gates import FP16_DIVERGENCE, LayerRow, ParityReport, rel_error
+from parity.result import (
+    FP16_DIVERGENCE,
+    LayerRow,
+    ParityReport,
+    Thresholds,
+    clean_json,
+    first_diverging,
+    rel_error,
+)
 
 Outputs = dict[str, torch.Tensor]
 DecisionRunner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 ADVERSARIAL = "adversarial-mask"
 NARROW = "narrow-margin"
-
-
-@dataclass(frozen=True)
-class DecisionThresholds:
-    """Gate thresholds, fixed in the recipe before anything is measured."""
-
-    fp32_layer_rel_error: float
-    fp32_output_rel_error: float
-    fp32_marker_rows_rel_error: float
-    candidate_argmax_agreement: float
-    action_argmax_agreement: float
-    max_abs_dprob_calibrated: float
-    max_abs_dprob_action: float
-    narrow_margin: float = 1.0  # scorer logits: top1 - top2 below this is the narrow slice
 
 
 @dataclass
@@ -228,12 +222,12 @@ def _per_slice(rows: list[DecisionRow], values: dict[str, float]) -> str:
 
 def _fp32_gates(
     rows: list[DecisionRow], layers: list[LayerRow], module: DecisionEncoder,
-    t: DecisionThresholds,
+    t: Thresholds,
 ) -> list[GateResult]:  # fmt: skip
     worst_layer = Worst(0.0)
     for layer in layers:
         worst_layer.see(layer.fp32_rel_error, module.layer_name(layer.layer))
-    first = next((r.layer for r in layers if not r.fp32_rel_error <= t.fp32_layer_rel_error), None)
+    first = first_diverging(layers, t, fp16=False)
     gates = [
         gate("torch-fp32", "fp32_layer_rel_error").check(
             worst_layer.value,
@@ -259,7 +253,7 @@ def _fp32_gates(
     )  # fmt: skip
     gates.append(
         gate("torch-fp32", "fp32_logits_rel_error").check(
-            output.value, t.fp32_output_rel_error, where=output.where,
+            output.value, t.fp32_logits_rel_error, where=output.where,
             detail="worst ||y'-y||/||y|| over scorer logits, raw, calibrated and action "
             f"probabilities; first diverging output: {', '.join(firsts) or 'none'}",
         )
@@ -268,7 +262,7 @@ def _fp32_gates(
 
 
 def _fp16_gates(name: str, rows: list[DecisionRow], finite: bool, deterministic: bool,
-                t: DecisionThresholds) -> list[GateResult]:  # fmt: skip
+                t: Thresholds) -> list[GateResult]:  # fmt: skip
     level: Level = level_of(name)
     n = len(rows)
     certified = sum(r.certified[name] for r in rows)
@@ -332,7 +326,7 @@ def check_decision(
     batches: list[Batch],
     slices: dict[str, list[str]],
     references: dict[str, DecisionReferenceResult],
-    thresholds: DecisionThresholds,
+    thresholds: Thresholds,
     extra: dict[str, DecisionRunner] | None = None,
     torch_levels: bool = True,
     fp16: tuple[DecisionEncoder, DecisionTail] | None = None,
@@ -357,7 +351,7 @@ def check_decision(
     runners: dict[str, DecisionRunner] = {}
     if torch_levels:
         _measure("torch-fp32", module_runner(module, tail, torch.float32), batches, references,
-                 rows, spec, length, layers, True, thresholds.fp32_output_rel_error)  # fmt: skip
+                 rows, spec, length, layers, True, thresholds.fp32_logits_rel_error)  # fmt: skip
         gates += _fp32_gates(row_list, layers, module, thresholds)
         if fp16 is not None:
             runners["torch-fp16"] = module_runner(fp16[0], fp16[1], torch.float16)
@@ -367,10 +361,7 @@ def check_decision(
         finite, deterministic = _measure(name, runner, batches, references, rows, spec, length,
                                          states_layers, False, FP16_DIVERGENCE)  # fmt: skip
         gates += _fp16_gates(name, row_list, finite, deterministic, thresholds)
-    first = next(
-        (r.layer for r in layers if not r.fp32_rel_error <= thresholds.fp32_layer_rel_error),
-        None,
-    )
+    first = first_diverging(layers, thresholds, fp16=False)
     report = ParityReport(gates, layers, [], first, {
         "reference": "transformers ModernBertModel + ModernBertEncoderLayer head layers + "
         "nn.Linear scorer / action head, fp32, each request alone, unpadded",
@@ -382,12 +373,4 @@ def check_decision(
 
 def rows_to_json(rows: list[DecisionRow]) -> list[dict[str, object]]:
     """Per-request figures, JSON-ready (inf spelt out)."""
-
-    def clean(value: object) -> object:
-        if isinstance(value, float) and not math.isfinite(value):
-            return str(value)
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        return value
-
-    return [{k: clean(v) for k, v in vars(row).items()} for row in rows]
+    return [{k: clean_json(v) for k, v in vars(row).items()} for row in rows]

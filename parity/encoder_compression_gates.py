@@ -42,9 +42,9 @@ from parity.encoder_gates import (
 )
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Worst, all_passed, gate
-from parity.gates import rel_error
 from parity.model_copies import with_weights
 from parity.report import gate_line
+from parity.result import rel_error
 
 Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
 _OUTPUT_NAMES = {

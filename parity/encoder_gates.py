@@ -28,7 +28,7 @@ from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, Worst, first_few, gate
-from parity.gates import FP16_DIVERGENCE, LayerRow, ParityReport, rel_error
+from parity.result import LayerRow, ParityReport, Thresholds, clean_json, first_diverging, rel_error
 
 # A runner maps a batch to (folded per-layer states or None, the task output for the batch).
 Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, torch.Tensor]]
@@ -36,18 +36,6 @@ Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, torch.Tensor]]
 # The name under which the MIL evaluator's run of the emitted program is gated, once the
 # evaluator exists (parity/mil/): pass {MIL_LEVEL: runner} as `extra` to `check_encoder`.
 MIL_LEVEL = "mil-fp16"
-
-
-@dataclass(frozen=True)
-class EncoderThresholds:
-    """Gate thresholds, fixed in the recipe before anything is measured."""
-
-    fp32_layer_rel_error: float
-    fp32_output_rel_error: float
-    fp32_min_cosine: float
-    fp16_min_cosine: float
-    fp16_argmax_agreement: float
-    fp16_max_abs_dprob: float
 
 
 @dataclass(frozen=True)
@@ -277,7 +265,7 @@ def _output_gates(
     m: _Measured,
     rows: list[EncoderFixtureRow],
     kind: EncoderOutput,
-    t: EncoderThresholds,
+    t: Thresholds,
     fp32: bool,
 ) -> list[GateResult]:
     level: Level = "torch-fp32" if fp32 else level_of(name)
@@ -309,7 +297,7 @@ def _output_gates(
         gates.append(
             gate(level, "fp32_logits_rel_error").check(
                 worst.value,
-                t.fp32_output_rel_error,
+                t.fp32_logits_rel_error,
                 implementation=name,
                 where=worst.where,
                 detail="||y'-y||/||y|| per fixture, real positions",
@@ -353,7 +341,7 @@ def check_encoder(
     module: BC1LEncoder,
     batches: list[Batch],
     references: dict[str, EncoderReference],
-    thresholds: EncoderThresholds,
+    thresholds: Thresholds,
     extra: dict[str, Runner] | None = None,
     descriptions: dict[str, str] | None = None,
     torch_levels: bool = True,
@@ -385,7 +373,7 @@ def check_encoder(
         gates=gates,
         layers=layers,
         fixtures=[],
-        first_diverging_layer=_first_diverging(layers, thresholds),
+        first_diverging_layer=first_diverging(layers, thresholds),
         implementations=implementations,
     )
     return report, row_list
@@ -395,7 +383,7 @@ def _torch_levels(
     module: BC1LEncoder,
     batches: list[Batch],
     references: dict[str, EncoderReference],
-    thresholds: EncoderThresholds,
+    thresholds: Thresholds,
     layers: list[LayerRow],
     rows: dict[str, EncoderFixtureRow],
 ) -> list[GateResult]:
@@ -439,28 +427,9 @@ def _torch_levels(
     return gates
 
 
-def _first_diverging(layers: list[LayerRow], thresholds: EncoderThresholds) -> int | None:
-    for row in layers:
-        if not row.fp32_rel_error <= thresholds.fp32_layer_rel_error:
-            return row.layer
-    for row in layers:
-        if not row.fp16_rel_error <= FP16_DIVERGENCE:
-            return row.layer
-    return None
-
-
 def fixture_rows_to_json(rows: list[EncoderFixtureRow]) -> list[dict[str, object]]:
     """Per-fixture figures as JSON-ready data (inf spelt out)."""
-
-    def clean(value: object) -> object:
-        # JSON has no inf/NaN; spell them out rather than emit invalid JSON.
-        if isinstance(value, float) and not math.isfinite(value):
-            return str(value)
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        return value
-
-    return [{k: clean(v) for k, v in vars(row).items()} for row in rows]
+    return [{k: clean_json(v) for k, v in vars(row).items()} for row in rows]
 
 
 def fixture_rows_to_text(rows: list[EncoderFixtureRow]) -> str:

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from parity.gate import GateResult
-from parity.gates import ParityReport
+from parity.result import ParityReport
 from parity.stream_report import stream_to_json, stream_to_text
 
 SCHEMA_VERSION = 1

@@ -25,7 +25,6 @@ from graph_passes.decision_spec import DecisionHead
 from graph_passes.encoder import EncoderIO
 from parity.decision_gates import (
     DecisionRow,
-    DecisionThresholds,
     check_decision,
     make_decision_batches,
 )
@@ -36,7 +35,7 @@ from parity.decision_reference import (
 )
 from parity.encoder_gates import fp16_module
 from parity.fixtures import Batch, build_fixtures
-from parity.gates import ParityReport
+from parity.result import ParityReport, Thresholds
 
 MARKER = 7
 K = 4
@@ -133,9 +132,9 @@ def tiny_decision(seed: int = 0, peak: float = 30.0, **overrides: Any) -> TinyDe
     return TinyDecision(encoder, reference, tensors, head, data)
 
 
-THRESHOLDS = DecisionThresholds(
+THRESHOLDS = Thresholds(
     fp32_layer_rel_error=1e-4,
-    fp32_output_rel_error=1e-4,
+    fp32_logits_rel_error=1e-4,
     fp32_marker_rows_rel_error=1e-4,
     candidate_argmax_agreement=1.0,
     action_argmax_agreement=1.0,

@@ -29,18 +29,18 @@ from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, 
 from graph_passes.spec import EncoderModel
 from parity.encoder_gates import (
     EncoderReference,
-    EncoderThresholds,
     make_encoder_batches,
     module_inputs,
     run_encoder_reference,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures
+from parity.result import Thresholds
 
 VOCAB = 300
 PAD_ID = 0
-THRESHOLDS = EncoderThresholds(
+THRESHOLDS = Thresholds(
     fp32_layer_rel_error=1e-4,
-    fp32_output_rel_error=1e-4,
+    fp32_logits_rel_error=1e-4,
     fp32_min_cosine=0.99999,
     fp16_min_cosine=0.9995,
     fp16_argmax_agreement=1.0,

@@ -38,7 +38,7 @@ from graph_passes.archs import (
 )
 from graph_passes.archs.table import Row, Skip, map_weights
 from graph_passes.archs.weights import WeightReader
-from parity.gates import module_inputs
+from parity.decoder_gates import module_inputs
 
 
 @pytest.fixture(autouse=True, scope="module")

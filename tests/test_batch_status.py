@@ -19,7 +19,7 @@ from converter.compress.emit import VariantResult
 from converter.pipeline import ConvertResult
 from converter.summary import failed_gate
 from parity.gate import gate
-from parity.gates import LayerRow, ParityReport
+from parity.result import LayerRow, ParityReport
 
 
 def _result(

@@ -21,8 +21,8 @@ from graph_passes.norms import RMSNorm
 from graph_passes.prescale import choose_prescale
 from graph_passes.rope import Rope
 from graph_passes.spec import CanonicalModel
+from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch, make_batches
-from parity.gates import module_inputs
 
 TOLERANCE = 1e-5
 

@@ -165,8 +165,8 @@ def test_the_fp32_level_sees_weights_and_decoders_that_differ(
         program_runner,
         with_constants,
     )
-    from parity.gates import rel_error
     from parity.mil import Evaluator, load_package
+    from parity.result import rel_error
 
     _, out = run
     program = load_package(out / "tb-int8" / "tb-int8.mlpackage")

@@ -23,7 +23,7 @@ from graph_passes.layer_norm import LayerNorm
 from graph_passes.rope import Rope
 from graph_passes.spec import EncoderModel
 from parity.encoder_gates import check_encoder, make_encoder_batches
-from parity.gates import ParityReport
+from parity.result import ParityReport
 
 PER_LAYER = "fp32_layer_rel_error"
 

@@ -18,7 +18,8 @@ from tiny_models import Tiny, build_tiny, one_torch_thread
 import graph_passes.attention as attention_module
 from graph_passes.rope import Rope
 from graph_passes.spec import CanonicalModel, LayerSpec, NormSpec, TransformerSpec
-from parity.gates import ParityReport, check_decoder
+from parity.decoder_gates import check_decoder
+from parity.result import ParityReport
 
 PER_LAYER = "fp32_layer_rel_error"
 ARGMAX = "fp16_argmax_agreement"

@@ -15,7 +15,7 @@ from converter.coreml import trace
 from converter.markers import MarkerError, find_markers, mark_layer_outputs
 from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
-from parity.gates import check_decoder
+from parity.decoder_gates import check_decoder
 from parity.mil import load_package
 
 

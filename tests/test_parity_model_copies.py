@@ -8,7 +8,7 @@ import copy
 import torch
 from tiny_models import build_tiny
 
-from parity.gates import module_inputs, run_module
+from parity.decoder_gates import module_inputs, run_module
 from parity.model_copies import cast_copy, in_float64, with_weights
 
 

@@ -12,8 +12,9 @@ import pytest
 
 from converter.recipe import load_recipe, locate_recipe
 from converter.tasks.text_generation import Rewrite, reference_runs, rewrite_decoder
-from parity.gates import Thresholds, check_decoder
+from parity.decoder_gates import check_decoder
 from parity.reference import ReferenceRun
+from parity.result import Thresholds
 
 pytestmark = pytest.mark.slow
 

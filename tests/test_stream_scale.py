@@ -51,8 +51,8 @@ from graph_passes.stream_scale import (
     recording_ranges,
 )
 from parity.conversion import check_conversion
+from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, build_fixtures, make_batches
-from parity.gates import check_decoder, module_inputs
 from parity.reference import run_reference
 from parity.report import report_to_json, report_to_text
 

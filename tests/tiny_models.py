@@ -26,9 +26,10 @@ from graph_passes.logits_layout import HeadOutput
 from graph_passes.prescale import NormScale
 from graph_passes.spec import CanonicalModel
 from parity.conversion import ConversionReport, check_conversion
+from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
-from parity.gates import Thresholds, module_inputs
 from parity.reference import ReferenceRun, run_reference
+from parity.result import Thresholds
 
 VOCAB = 300
 LENGTH = 16

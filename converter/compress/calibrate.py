@@ -26,8 +26,8 @@ from torch import nn
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.encoder import BC1LEncoder
+from parity.decoder_gates import module_inputs
 from parity.fixtures import Fixture, make_batches
-from parity.gates import module_inputs
 
 M = TypeVar("M", bound=nn.Module)
 Columns = Callable[[torch.Tensor], torch.Tensor]  # an activation -> its real columns (1, C, 1, N)

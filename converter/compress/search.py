@@ -39,8 +39,8 @@ from converter.compress.config import SearchSpace
 from converter.compress.schemes import Scheme
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
+from parity.decoder_gates import module_inputs
 from parity.fixtures import Fixture, make_batches
-from parity.gates import module_inputs
 
 
 @dataclass

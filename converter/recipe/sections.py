@@ -92,15 +92,8 @@ class Gates(StrictModel):
     fp16_min_cosine: float = Field(default=0.9995, gt=0, le=1, strict=True)
 
     def parity_thresholds(self) -> dict[str, float]:
-        """A decoder's parity gates alone (the keyword arguments of ``parity.gates.Thresholds``)."""
-        return self.model_dump(
-            exclude={
-                "plan_min_ne_flop_share",
-                "plan_max_ne_segments",
-                "fp32_min_cosine",
-                "fp16_min_cosine",
-            }
-        )
+        """The parity gates alone (keyword arguments of ``parity.result.Thresholds``)."""
+        return self.model_dump(exclude={"plan_min_ne_flop_share", "plan_max_ne_segments"})
 
 
 class Fixtures(StrictModel):

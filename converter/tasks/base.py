@@ -23,7 +23,7 @@ from converter.plan.artifact_gate import plan_artifact
 from converter.recipe import Recipe, ResolvedSource
 from converter.steps import Advance, Stop
 from converter.targets import TARGETS
-from parity.gates import ParityReport
+from parity.result import ParityReport
 
 T = TypeVar("T")
 

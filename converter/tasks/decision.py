@@ -47,7 +47,6 @@ from graph_passes.spec import EncoderModel
 from parity.decision_gates import (
     DecisionRow,
     DecisionRunner,
-    DecisionThresholds,
     batch_positions,
     check_decision,
     make_decision_batches,
@@ -62,6 +61,7 @@ from parity.gate import Worst, gate
 from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
+from parity.result import Thresholds
 from parity.threads import with_torch_threads
 
 PARTITIONED = "partitioned-fp16"
@@ -105,12 +105,11 @@ class DecisionRun(TaskRun):
         return recipe
 
 
-def thresholds(recipe: DecisionRecipe) -> DecisionThresholds:
+def thresholds(recipe: DecisionRecipe) -> Thresholds:
     """The recipe's decision gates (fixed in the recipe before measuring)."""
-    g, d = recipe.gates, recipe.decision
-    return DecisionThresholds(
-        fp32_layer_rel_error=g.fp32_layer_rel_error,
-        fp32_output_rel_error=g.fp32_logits_rel_error,
+    d = recipe.decision
+    return Thresholds(
+        **recipe.gates.parity_thresholds(),
         fp32_marker_rows_rel_error=d.fp32_marker_rows_rel_error,
         candidate_argmax_agreement=d.candidate_argmax_agreement,
         action_argmax_agreement=d.action_argmax_agreement,

@@ -52,7 +52,6 @@ from parity.encoder_gates import (
     MIL_LEVEL,
     EncoderFixtureRow,
     EncoderReference,
-    EncoderThresholds,
     Runner,
     check_encoder,
     fixture_rows_to_json,
@@ -68,6 +67,7 @@ from parity.gate import Worst, gate
 from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
+from parity.result import Thresholds
 from parity.threads import with_torch_threads
 
 OUTPUTS: dict[str, EncoderOutput] = {
@@ -198,17 +198,9 @@ def partitioned_runner(module: BC1LEncoder, host: HostEmbedding) -> Runner:
     return run
 
 
-def thresholds(recipe: Recipe) -> EncoderThresholds:
+def thresholds(recipe: Recipe) -> Thresholds:
     """The recipe's gates for an encoder (fixed in the recipe before measuring)."""
-    g = recipe.gates
-    return EncoderThresholds(
-        fp32_layer_rel_error=g.fp32_layer_rel_error,
-        fp32_output_rel_error=g.fp32_logits_rel_error,
-        fp32_min_cosine=g.fp32_min_cosine,
-        fp16_min_cosine=g.fp16_min_cosine,
-        fp16_argmax_agreement=g.fp16_argmax_agreement,
-        fp16_max_abs_dprob=g.fp16_max_abs_dprob,
-    )
+    return Thresholds(**recipe.gates.parity_thresholds())
 
 
 def program_module(module: BC1LEncoder, precision: str) -> BC1LEncoder:

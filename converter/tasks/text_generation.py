@@ -35,10 +35,11 @@ from graph_passes.stream_scale import (
     recording_ranges,
 )
 from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversion
+from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
-from parity.gates import Thresholds, check_decoder, module_inputs
 from parity.reference import ReferenceRun, run_reference
 from parity.report_files import merge, write_parity_reports
+from parity.result import Thresholds
 from parity.threads import with_torch_threads
 
 MIL_PROFILES = DEFAULT_PROFILES  # fp32 per layer, fp16 gated, fp16-acc reported

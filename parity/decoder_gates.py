@@ -15,88 +15,15 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
-from graph_passes.stream_scale import StreamScaling
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Worst, all_passed, first_few, gate
+from parity.gate import Worst, first_few, gate
 from parity.reference import ReferenceRun
-
-FP16_MAX = 65504.0
-# Diagnostic only (names the layer where an fp16 failure starts; gates are in the recipe):
-# fp16 storage alone gives relative errors around 1e-3, so 1e-2 marks a real divergence.
-FP16_DIVERGENCE = 1e-2
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Gate thresholds, fixed in the recipe before anything is measured."""
-
-    fp32_layer_rel_error: float
-    fp32_logits_rel_error: float
-    fp16_argmax_agreement: float
-    fp16_max_abs_dprob: float
-    mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program (parity.conversion)
-
-
-@dataclass
-class LayerRow:
-    """Per-layer figures, worst case over all fixtures (real positions)."""
-
-    layer: int
-    fp32_rel_error: float = 0.0
-    fp16_rel_error: float = 0.0
-    fp32_max_abs: float = 0.0  # the checkpoint's |h| (stream scale divided out), real positions
-    fp16_max_abs: float = 0.0  # as the fp16 module stores it, every position (padding included)
-
-    @property
-    def fp16_overflow_margin(self) -> float:
-        """How many times larger |h| could grow before fp16 overflows."""
-        return FP16_MAX / self.fp16_max_abs if self.fp16_max_abs else float("inf")
-
-
-@dataclass
-class FixtureRow:
-    """Per-fixture figures over its real positions."""
-
-    name: str
-    slice: str
-    tokens: int
-    fp32_logits_rel_error: float
-    fp16_argmax_agreement: float
-    fp16_max_abs_dprob: float
-    fp16_max_logit_error: float
-    certified_positions: int  # top1 - top2 > 2 * max logit error: argmax provably kept
-
-
-@dataclass
-class ParityReport:
-    """Everything the torch parity run measured, and the verdict."""
-
-    gates: list[GateResult]
-    layers: list[LayerRow]
-    fixtures: list[FixtureRow]
-    first_diverging_layer: int | None
-    implementations: dict[str, str] = field(default_factory=dict)
-    # Decoders: the measured ranges and the power-of-two scales chosen from them.
-    stream: StreamScaling | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all_passed(self.gates)
-
-
-def rel_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    """``||candidate - reference|| / ||reference||`` in fp64 (inf if not finite)."""
-    c, r = candidate.double(), reference.double()
-    if not torch.isfinite(c).all():
-        return float("inf")
-    return float((c - r).norm() / r.norm().clamp_min(1e-30))
+from parity.result import FixtureRow, LayerRow, ParityReport, Thresholds, first_diverging, rel_error
 
 
 def module_inputs(
@@ -219,7 +146,7 @@ def check_decoder(
         gates=gates,
         layers=layers,
         fixtures=rows,
-        first_diverging_layer=_first_diverging(layers, thresholds),
+        first_diverging_layer=first_diverging(layers, thresholds),
         implementations={
             "reference": "transformers, fp32, each fixture unpadded at positions 0..n-1",
             "torch-fp32": "anec BC1L module, torch fp32 on the CPU, left-padded window",
@@ -247,13 +174,3 @@ def _fixture_row(
         fp16_max_logit_error=float(delta.max()) if finite else float("inf"),
         certified_positions=int((margin > 2 * delta).sum()) if finite else 0,
     )
-
-
-def _first_diverging(layers: list[LayerRow], thresholds: Thresholds) -> int | None:
-    for row in layers:
-        if row.fp32_rel_error > thresholds.fp32_layer_rel_error:
-            return row.layer
-    for row in layers:
-        if not row.fp16_rel_error <= FP16_DIVERGENCE:
-            return row.layer
-    return None

@@ -1,0 +1,130 @@
+"""One threshold type and one result type for every model kind's parity run.
+
+`Thresholds` holds every parity gate's threshold under its gate's name (the recipe's
+``gates:`` and ``decision:`` keys), fixed before anything is measured; a model kind reads the
+ones its gates check (`Thresholds.of`). `ParityReport` is what a torch- or MIL-level run
+measured: its gates, the per-layer rows and, for decoders, the per-fixture rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from graph_passes.stream_scale import StreamScaling
+from parity.gate import GateResult, all_passed
+
+FP16_MAX = 65504.0
+# Diagnostic only (names the layer where an fp16 failure starts; gates are in the recipe):
+# fp16 storage alone gives relative errors around 1e-3, so 1e-2 marks a real divergence.
+FP16_DIVERGENCE = 1e-2
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Gate thresholds by gate name, fixed in the recipe before anything is measured (the
+    defaults are the recipe's)."""
+
+    fp32_layer_rel_error: float = 1.0e-4
+    fp32_logits_rel_error: float = 1.0e-4  # decoders: logits; encoders, decisions: outputs
+    fp16_argmax_agreement: float = 1.0
+    fp16_max_abs_dprob: float = 0.02
+    mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program
+    # encoders
+    fp32_min_cosine: float = 0.99999
+    fp16_min_cosine: float = 0.9995
+    # decision models
+    fp32_marker_rows_rel_error: float = 1.0e-4
+    candidate_argmax_agreement: float = 1.0
+    action_argmax_agreement: float = 1.0
+    max_abs_dprob_calibrated: float = 0.02
+    max_abs_dprob_action: float = 0.02
+    narrow_margin: float = 1.0  # scorer logits: top1 - top2 below this is the narrow slice
+
+    def of(self, name: str) -> float:
+        """The threshold of the gate ``name``."""
+        if name not in {f.name for f in fields(self)}:
+            raise KeyError(f"no threshold for gate {name!r}")
+        return float(getattr(self, name))
+
+
+@dataclass
+class LayerRow:
+    """Per-layer figures, worst case over all fixtures (real positions)."""
+
+    layer: int
+    fp32_rel_error: float = 0.0
+    fp16_rel_error: float = 0.0
+    fp32_max_abs: float = 0.0  # the checkpoint's |h| (stream scale divided out), real positions
+    fp16_max_abs: float = 0.0  # as the fp16 module stores it, every position (padding included)
+
+    @property
+    def fp16_overflow_margin(self) -> float:
+        """How many times larger |h| could grow before fp16 overflows."""
+        return FP16_MAX / self.fp16_max_abs if self.fp16_max_abs else float("inf")
+
+
+@dataclass
+class FixtureRow:
+    """Per-fixture figures over its real positions (decoders)."""
+
+    name: str
+    slice: str
+    tokens: int
+    fp32_logits_rel_error: float
+    fp16_argmax_agreement: float
+    fp16_max_abs_dprob: float
+    fp16_max_logit_error: float
+    certified_positions: int  # top1 - top2 > 2 * max logit error: argmax provably kept
+
+
+@dataclass
+class ParityReport:
+    """Everything a parity run measured, and the verdict."""
+
+    gates: list[GateResult]
+    layers: list[LayerRow]
+    fixtures: list[FixtureRow]
+    first_diverging_layer: int | None
+    implementations: dict[str, str] = field(default_factory=dict)
+    # Decoders: the measured ranges and the power-of-two scales chosen from them.
+    stream: StreamScaling | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True when every gate passed."""
+        return all_passed(self.gates)
+
+
+def rel_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||candidate - reference|| / ||reference||`` in fp64 (inf if not finite)."""
+    c, r = candidate.double(), reference.double()
+    if not torch.isfinite(c).all():
+        return float("inf")
+    return float((c - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def first_diverging(
+    layers: list[LayerRow], thresholds: Thresholds, fp16: bool = True
+) -> int | None:
+    """The first layer over the fp32 layer threshold (NaN counts), else (with ``fp16``) the
+    first whose fp16 error exceeds `FP16_DIVERGENCE`; None when every layer is within."""
+    for row in layers:
+        if not row.fp32_rel_error <= thresholds.fp32_layer_rel_error:
+            return row.layer
+    for row in layers if fp16 else []:
+        if not row.fp16_rel_error <= FP16_DIVERGENCE:
+            return row.layer
+    return None
+
+
+def clean_json(value: object) -> object:
+    """``value`` with every non-finite float spelt as a string (JSON has no inf / NaN),
+    through dicts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: clean_json(v) for k, v in value.items()}
+    return value
