@@ -13,9 +13,9 @@ from typing import Any
 from converter.publish import write_json_atomic, write_text_atomic
 from parity.conversion import ConversionReport
 from parity.conversion_report import conversion_to_json, conversion_to_text
-from parity.gates import ParityReport
 from parity.html_report import report_to_html
 from parity.report import report_to_json, report_to_text
+from parity.result import ParityReport
 
 TORCH_LEVELS = [
     {
@@ -42,26 +42,33 @@ def merge(report: ParityReport, conversion: ConversionReport) -> None:
 
 
 def parity_document(
-    report: ParityReport, conversion: ConversionReport | None, extra: dict[str, Any]
+    report: ParityReport,
+    conversion: ConversionReport | None,
+    extra: dict[str, Any],
+    levels: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON document; without a conversion report its levels say why they did not run."""
+    """The JSON document. ``levels`` lists the levels run instead of the conversion level (a
+    cached decoder's cache level); without either, the conversion level says why it did not
+    run (a torch gate failed, or it has not run yet)."""
     doc = report_to_json(report, extra)
-    levels: list[dict[str, Any]] = [dict(level) for level in TORCH_LEVELS]
-    if conversion is None:
-        levels.append(
-            {
-                "level": "conversion",
-                "implementation": "mil",
-                "against": "-",
-                "status": "not run: a torch-level gate failed, nothing was converted",
-                "gated": True,
-            }
-        )
-    else:
+    table: list[dict[str, Any]] = [dict(level) for level in TORCH_LEVELS]
+    if conversion is not None:
         conv = conversion_to_json(conversion)
-        levels += conv.pop("levels")
+        table += conv.pop("levels")
         doc |= conv
-    doc["levels"] = levels
+    elif levels:
+        table += levels
+    else:
+        status = (
+            "not run yet: the torch levels passed, the program is converted next"
+            if report.passed
+            else "not run: a torch-level gate failed, nothing was converted"
+        )
+        table.append(
+            {"level": "conversion", "implementation": "mil", "against": "-", "status": status,
+             "gated": True}
+        )  # fmt: skip
+    doc["levels"] = table
     return doc
 
 
@@ -70,9 +77,11 @@ def write_parity_reports(
     report: ParityReport,
     conversion: ConversionReport | None,
     extra: dict[str, Any],
+    levels: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Write the three report files atomically into ``directory``; returns the JSON document."""
-    doc = parity_document(report, conversion, extra)
+    """Write the three report files atomically into ``directory``; returns the JSON document
+    (``levels`` as `parity_document` takes them)."""
+    doc = parity_document(report, conversion, extra, levels)
     text = report_to_text(report)
     if conversion is not None:
         text += "\n\n" + conversion_to_text(conversion)

@@ -42,6 +42,9 @@ def test_every_cache_gate_ran_and_passed(artifact: Path) -> None:
     assert all(g["passed"] for g in gates.values())
     detail = json.loads((artifact / "kv_parity.json").read_text())
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64, 64]
+    # the levels table says what ran: the cache level, not a failed torch level
+    statuses = {lv["level"]: lv["status"] for lv in parity["levels"]}
+    assert statuses == {"rewrite": "run", "kv-cache": "run"}, statuses
 
 
 def test_anec_parity_reruns_every_published_gate(artifact: Path, tmp_path: Path) -> None:

@@ -287,6 +287,16 @@ def cache_gates(
     return kv
 
 
+# The level the cached functions are gated at (parity.html's levels table).
+KV_LEVEL = {
+    "level": "kv-cache",
+    "implementation": "mil-fp16",
+    "against": "reference (the original model's full recompute, fp32)",
+    "status": "run",
+    "gated": True,
+}
+
+
 def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
     """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
     rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
@@ -305,7 +315,7 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
             "sizes": run.sizes if len(run.chunk_sizes) == 1 else {"chunks": run.chunk_sizes},
         },
     )
-    write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name})
+    write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name}, [KV_LEVEL])
     return None if report.passed else Stop("kv-cache", run.kv.flips[:10])
 
 
