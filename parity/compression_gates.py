@@ -36,16 +36,17 @@ import torch
 from converter.memory import release_memory
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
-from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
+from parity.compression_metrics import psnr_db
+from parity.conversion import input_dtypes, program_feed
 from parity.decoder_gates import module_inputs, run_module
-from parity.fixtures import Batch, Fixture, make_batches
-from parity.gate import Gate, GateResult, all_passed, first_few, gate
+from parity.fixtures import Fixture, make_batches
+from parity.gate import Gate, GateResult, first_few, gate
 from parity.head_outputs import run_capturing_logits
-from parity.metrics import PositionRow, Summary, compare_positions, summarize
+from parity.metrics import PositionRow, compare_positions
 from parity.model_copies import cast_copy, fp16_constants, in_float64, set_weights
 from parity.reference import ReferenceRun, run_reference
-from parity.report import gate_line
 from parity.result import rel_error
+from parity.variant import Compared, VariantLevel, evaluator_weights
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
 Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
@@ -125,20 +126,6 @@ def torch_logits(
     return out
 
 
-def program_feed(
-    evaluator: Any, module: BC1LDecoder, batch: Batch, embed_table: torch.Tensor
-) -> dict[str, np.ndarray]:
-    """The program's inputs for a batch, in the dtypes it declares."""
-    (first, first_dtype), (second, second_dtype) = evaluator.inputs.items()
-    x, mask = module_inputs(module, batch, embed_table, torch.float32)
-    return {
-        first: x.numpy().astype(np.int32)
-        if x.dtype == torch.int64
-        else x.numpy().astype(np.float16 if first_dtype[0] == "fp16" else np.float32),
-        second: mask.numpy().astype(np.float16 if second_dtype[0] == "fp16" else np.float32),
-    }
-
-
 def mil_logits(
     evaluator: Any,
     module: BC1LDecoder,
@@ -152,7 +139,7 @@ def mil_logits(
     windows = held_out.windows if windows is None else windows
     out: Logits = {}
     for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
-        feed = program_feed(evaluator, module, batch, embed_table)
+        feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, embed_table)
         # an argmax / top-k program: its own logits, captured before the selection
         logits = join_logits(run_capturing_logits(evaluator, feed).outputs)  # (B, n, V)
         for r, fixture in enumerate(batch.fixtures):
@@ -162,12 +149,9 @@ def mil_logits(
     return out
 
 
-@dataclass
-class Compared:
-    """Per-position rows (``parity.metrics``) and the logit PSNR of each position (dB)."""
-
-    rows: list[PositionRow]
-    psnr: list[float]
+def _compared(rows: list[PositionRow], psnr: list[float]) -> Compared:
+    """Finite when every compared logit was."""
+    return Compared(psnr, all(np.isfinite(r.logit_error) for r in rows), rows)
 
 
 def compare_torch(cand: Logits, base: Logits | dict[str, ReferenceRun]) -> Compared:
@@ -180,7 +164,7 @@ def compare_torch(cand: Logits, base: Logits | dict[str, ReferenceRun]) -> Compa
         n = logits.shape[0]
         rows += compare_positions(name, "held-out", n, list(range(n)), logits, want)
         psnr += psnr_db(logits, want)
-    return Compared(rows, psnr)
+    return _compared(rows, psnr)
 
 
 def compare_windows(cand: Logits, held_out: HeldOut, base: Logits | None) -> Compared:
@@ -195,52 +179,11 @@ def compare_windows(cand: Logits, held_out: HeldOut, base: Logits | None) -> Com
         positions = list(range(first, last + 1))
         rows += compare_positions(text, "held-out", last + 1, positions, logits, want)
         psnr += psnr_db(logits, want)
-    return Compared(rows, psnr)
-
-
-@dataclass
-class LevelResult:
-    """One implementation of a variant against both baselines."""
-
-    implementation: str
-    description: str
-    vs_original: Summary
-    vs_fp16: Summary
-    finite: bool
-    psnr_vs_original: PsnrSummary
-    psnr_vs_fp16: PsnrSummary
-
-
-def level_result(
-    implementation: str, description: str, vs_original: Compared, vs_fp16: Compared
-) -> LevelResult:
-    """Summaries of both comparisons; finite when every compared logit was finite."""
-    finite = all(np.isfinite(r.logit_error) for r in vs_original.rows)
-    return LevelResult(
-        implementation, description, summarize(vs_original.rows), summarize(vs_fp16.rows),
-        finite, summarize_psnr(vs_original.psnr), summarize_psnr(vs_fp16.psnr),
-    )  # fmt: skip
-
-
-@dataclass
-class VariantParity:
-    """Every level of one variant, its gates and the verdict."""
-
-    levels: list[LevelResult]
-    gates: list[GateResult]
-    mil_fp32_logits_rel_error: float
-    notes: list[str] = field(default_factory=list)
-    # compress.acceptance's report section (measured, not gated), when the recipe asks for it
-    acceptance: dict[str, Any] | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all_passed(self.gates)
+    return _compared(rows, psnr)
 
 
 def decoder_gates(
-    levels: list[LevelResult],
+    levels: list[VariantLevel],
     min_top1: float,
     max_mean_kl: float,
     max_abs_dprob: float | None,
@@ -255,7 +198,7 @@ def decoder_gates(
     """
     gates = []
     for level in levels:
-        s, impl = level.vs_original, level.implementation
+        s, impl = level.vs_original.summary, level.implementation
         # No held-out position measured: nothing is shown, so the value is NaN and fails.
         top1 = s.argmax_agreement if s.positions else math.nan
         kl = s.mean_kl if s.positions else math.nan
@@ -332,32 +275,16 @@ def mil_fp32_check(
     expected).
     """
     from parity.mil import Evaluator
-    from parity.mil.numerics import round_fp16
 
     evaluator = Evaluator(program, "fp32")
     # The evaluator decodes constexpr ops once, when it prepares the program.
-    constants: dict[str, np.ndarray] = evaluator._constants
-    weights: dict[str, np.ndarray] = {}
-    mismatched: list[str] = []
-    sites = {
-        name.replace(".", "_"): name for name in decoded
-    }  # torch name from the constexpr output name "<mangled>_to_fp16_<palettized|quantized>"
-    for out_name, value in constants.items():
-        for mangled, name in sites.items():
-            if out_name.startswith(mangled + "_") and out_name.endswith(
-                ("_palettized", "_quantized")
-            ):
-                weights[name] = np.asarray(value, np.float32)
-                same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
-                if not same:
-                    mismatched.append(name)
-    mismatched += [name for name in decoded if name not in weights]  # not decoded at all
+    weights, mismatched = evaluator_weights(evaluator, decoded)
     chosen = held_out.windows[:windows]
     got = mil_logits(evaluator, module, held_out, embed_table, chosen)  # feeds: fp32 inputs
     # One more copy of the model, made only once the evaluator's constants are freed, and
     # fp64 one piece at a time: at Qwen2.5-0.5B size a whole fp64 copy is 4 GB, the
     # evaluator's constants 2 GB (bench/README.md).
-    del evaluator, constants
+    del evaluator
     release_memory()
     baseline = set_weights(fp16_constants(module), weights)
     del weights
@@ -376,66 +303,6 @@ def mil_fp32_check(
         want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
         worst = max(worst, rel_error(have, want))
     return worst, mismatched
-
-
-def summary_json(s: Summary) -> dict[str, Any]:
-    """A Summary as JSON-ready data (the uncertified list shortened)."""
-    data = {k: v for k, v in vars(s).items() if k != "uncertified"}
-    data["uncertified_count"] = len(s.uncertified)
-    return {
-        k: (v if not isinstance(v, float) or np.isfinite(v) else str(v)) for k, v in data.items()
-    }
-
-
-def parity_json(result: VariantParity) -> dict[str, Any]:
-    """The variant's parity report as JSON-ready data."""
-    return {
-        "passed": result.passed,
-        "gates": [g.to_json() for g in result.gates],
-        "levels": [
-            {
-                "implementation": level.implementation,
-                "description": level.description,
-                "finite": level.finite,
-                "against_original": summary_json(level.vs_original)
-                | {"psnr_db": level.psnr_vs_original.to_json()},
-                "against_fp16_artifact": summary_json(level.vs_fp16)
-                | {"psnr_db": level.psnr_vs_fp16.to_json()},
-            }
-            for level in result.levels
-        ],
-        "mil_fp32_logits_rel_error": result.mil_fp32_logits_rel_error,
-        "notes": result.notes,
-    } | ({"acceptance": result.acceptance} if result.acceptance is not None else {})
-
-
-def parity_text(result: VariantParity) -> str:
-    """A readable summary: gates, then each level against both baselines."""
-    lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
-    lines += [gate_line(g) for g in result.gates]
-    lines.append("")
-    lines.append(
-        "level       against         positions  top-1    mean KL   max KL  max|dp|  "
-        "PSNR dB min / median / mean"
-    )
-    for level in result.levels:
-        pairs = (
-            ("original", level.vs_original, level.psnr_vs_original),
-            ("fp16 artifact", level.vs_fp16, level.psnr_vs_fp16),
-        )
-        for label, s, p in pairs:
-            lines.append(
-                f"{level.implementation:<11} {label:<15} {s.positions:>9}  "
-                f"{s.argmax_agreement:>6.1%}  {s.mean_kl:>8.4f}  {s.max_kl:>7.3f}  "
-                f"{s.max_abs_dprob:>7.4f}  {p.min_db:6.1f} / {p.median_db:6.1f} / "
-                f"{p.mean_db:6.1f}"
-            )
-    lines.append(
-        "PSNR: 20 log10(max|z_ref| / RMS(z - z_ref)) over each position's full logit vector"
-    )
-    lines.append(f"mil-fp32 logits relative error: {result.mil_fp32_logits_rel_error:.3g}")
-    lines += result.notes
-    return "\n".join(lines)
 
 
 def write_reports(directory: Path, doc: dict[str, Any], text: str) -> None:

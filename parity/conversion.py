@@ -151,13 +151,14 @@ def fp64_baseline(
     return [(states[b], torch.cat(chunks[b], dim=1)) for b in range(len(inputs))]
 
 
-def _feed(
-    specs: dict[str, str], module: BC1LDecoder, batch: Batch, embed_table: torch.Tensor
+def program_feed(
+    dtypes: dict[str, str], module: BC1LDecoder, batch: Batch, embed_table: torch.Tensor
 ) -> tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]:
-    """The program's inputs for a batch in their declared dtypes, and the same values as
-    the torch module's inputs (an fp16 input reaches the module rounded to fp16 too)."""
+    """The program's inputs for a batch in their declared dtypes (``dtypes``: input name ->
+    "fp16" / "fp32" / ..., in the program's order), and the same values as the torch
+    module's inputs (an fp16 input reaches the module rounded to fp16 too)."""
     x, mask = module_inputs(module, batch, embed_table, torch.float32)
-    (first, first_dtype), (second, second_dtype) = specs.items()
+    (first, first_dtype), (second, second_dtype) = dtypes.items()
     feed: dict[str, np.ndarray] = {}
     if x.dtype == torch.int64:
         feed[first] = x.numpy().astype(np.int32)
@@ -172,6 +173,11 @@ def _feed(
     else:
         feed[second] = mask.numpy()
     return feed, x, mask
+
+
+def input_dtypes(evaluator: Any) -> dict[str, str]:
+    """An evaluator's input dtypes by name, for `program_feed`."""
+    return {name: dtype for name, (dtype, _) in evaluator.inputs.items()}
 
 
 def check_conversion(
@@ -267,7 +273,7 @@ def _run_against_module(
     progress: Callable[[], None],
 ) -> ProfileRun:
     length, n_logits = module.io.length, module.io.logit_positions
-    feeds = [_feed(specs, module, batch, embed_table) for batch in batches]
+    feeds = [program_feed(specs, module, batch, embed_table) for batch in batches]
     baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
     layers = [0.0] * len(module.layers)
     logits_err = 0.0
@@ -322,7 +328,7 @@ def _run_against_reference(
     seconds = 0.0
     choice = ChoiceCheck(module.chunk_sizes) if module.io.output != "logits" else None
     for batch in batches:
-        inputs, _, _ = _feed(specs, module, batch, embed_table)
+        inputs, _, _ = program_feed(specs, module, batch, embed_table)
         start = time.perf_counter()
         where = ", ".join(f.name for f in batch.fixtures)
         result = run_capturing_logits(evaluator, inputs, markers, check=choice, where=where)
@@ -451,7 +457,7 @@ def _runtime_level(
     finite = True
     seconds = 0.0
     for batch in batches:
-        feed, _, _ = _feed(specs, module, batch, embed_table)
+        feed, _, _ = program_feed(specs, module, batch, embed_table)
         start = time.perf_counter()
         outputs = predict(feed)
         seconds += time.perf_counter() - start

@@ -29,30 +29,29 @@ Slices (each gate's detail gives the worst value per slice): ``padded`` / ``full
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from graph_passes.decision import OUTPUT_NAMES, DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
-from graph_passes.masks import key_mask_from_padding
 from parity.decision_reference import DecisionReferenceResult
 from parity.encoder_gates import level_of, make_encoder_batches, state_rows
+from parity.encoder_gates import module_runner as encoder_runner
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, Worst, first_few, gate
 from parity.result import (
     FP16_DIVERGENCE,
     LayerRow,
+    Outputs,
     ParityReport,
+    Runner,
     Thresholds,
     clean_json,
     first_diverging,
     rel_error,
 )
 
-Outputs = dict[str, torch.Tensor]
-DecisionRunner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 ADVERSARIAL = "adversarial-mask"
 NARROW = "narrow-margin"
 
@@ -123,19 +122,13 @@ def batch_positions(batch: Batch, spec: DecisionHeadSpec) -> torch.Tensor | None
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def module_runner(
-    module: DecisionEncoder, tail: DecisionTail, dtype: torch.dtype
-) -> DecisionRunner:
+def module_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dtype) -> Runner:
     """The whole BC1L decision model (embedding, layers, tail) in ``dtype``."""
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        key_mask = key_mask_from_padding(batch.attention_mask).to(dtype)
-        with torch.no_grad():
-            states = module.run_layers(module.embed(batch.input_ids, None), key_mask)
-            out = tail(module.finish(states[-1]), batch_positions(batch, tail.spec))
-        return states, tail_outputs(out)
+    def head(h: torch.Tensor, _: torch.Tensor, batch: Batch) -> Outputs:
+        return tail_outputs(tail(h, batch_positions(batch, tail.spec)))
 
-    return run
+    return encoder_runner(module, dtype, head)
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -172,7 +165,7 @@ def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResu
 
 def _measure(
     name: str,
-    runner: DecisionRunner,
+    runner: Runner,
     batches: list[Batch],
     references: dict[str, DecisionReferenceResult],
     rows: dict[str, DecisionRow],
@@ -327,7 +320,7 @@ def check_decision(
     slices: dict[str, list[str]],
     references: dict[str, DecisionReferenceResult],
     thresholds: Thresholds,
-    extra: dict[str, DecisionRunner] | None = None,
+    extra: dict[str, Runner] | None = None,
     torch_levels: bool = True,
     fp16: tuple[DecisionEncoder, DecisionTail] | None = None,
 ) -> tuple[ParityReport, list[DecisionRow]]:
@@ -348,7 +341,7 @@ def check_decision(
             rows[f.name] = DecisionRow(f.name, tags, len(f.token_ids), margin)
     row_list = list(rows.values())
     gates: list[GateResult] = []
-    runners: dict[str, DecisionRunner] = {}
+    runners: dict[str, Runner] = {}
     if torch_levels:
         _measure("torch-fp32", module_runner(module, tail, torch.float32), batches, references,
                  rows, spec, length, layers, True, thresholds.fp32_logits_rel_error)  # fmt: skip

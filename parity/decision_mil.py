@@ -13,17 +13,18 @@ from graph_passes.decision import OUTPUT_NAMES
 from graph_passes.decision_spec import DecisionHeadSpec
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
-from parity.decision_gates import DecisionRunner, Outputs, batch_positions
+from parity.decision_gates import batch_positions
 from parity.fixtures import Batch
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile
 from parity.mil.program import load_package
+from parity.result import Outputs, Runner
 
 
 def decision_mil_runner(
     packages: dict[str, Path], host: HostEmbedding, spec: DecisionHeadSpec, dtype: str,
     profile: str = "fp16",
-) -> DecisionRunner:  # fmt: skip
+) -> Runner:  # fmt: skip
     """Host embedding (numpy, as the runtime) -> island program -> tail program. Raises
     `parity.mil.errors.MILError` if a program cannot be prepared."""
     island = Evaluator(load_package(packages["island"]), get_profile(profile))

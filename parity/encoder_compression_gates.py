@@ -29,29 +29,23 @@ import numpy as np
 import torch
 
 from graph_passes.encoder import BC1LEncoder
-from graph_passes.masks import key_mask_from_padding
-from parity.compression_metrics import PsnrSummary, psnr_db, summarize_psnr
+from parity.compression_metrics import psnr_db
 from parity.encoder_gates import (
     EncoderReference,
-    Runner,
     fp16_module,
     make_encoder_batches,
     module_runner,
     real_part,
     run_encoder_reference,
 )
+from parity.encoder_mil import OUTPUT_NAMES, program_feed
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Worst, all_passed, gate
+from parity.gate import GateResult, Worst, gate
 from parity.model_copies import with_weights
-from parity.report import gate_line
-from parity.result import rel_error
+from parity.result import OUTPUT, Runner, rel_error
+from parity.variant import Compared, VariantLevel, evaluator_weights
 
 Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
-_OUTPUT_NAMES = {
-    "last-hidden-state": "last_hidden_state",
-    "sentence-embedding": "sentence_embedding",
-    "logits": "logits",
-}
 
 
 @dataclass
@@ -92,7 +86,7 @@ def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Ou
     """Each held-out sentence's task output (its real positions) from ``runner``."""
     out: Outputs = {}
     for batch in held_out.batches:
-        _, result = runner(batch)
+        result = runner(batch)[1][OUTPUT]
         for r, fixture in enumerate(batch.fixtures):
             n = len(fixture.token_ids)
             out[fixture.name] = real_part(result, module.io.output, r, n).float()
@@ -105,25 +99,17 @@ def torch_runner(module: BC1LEncoder, weights: dict[str, np.ndarray] | None = No
     return module_runner(fp16_module(with_weights(module, weights or {})), torch.float16)
 
 
-def program_feed(evaluator: Any, module: BC1LEncoder, batch: Batch) -> dict[str, np.ndarray]:
-    """The single program's inputs for a batch (the evaluator rounds them to its dtypes)."""
-    feed: dict[str, np.ndarray] = {"input_ids": batch.input_ids.numpy().astype(np.int32)}
-    if module.embedding.types is not None:
-        feed["token_type_ids"] = np.zeros_like(feed["input_ids"])
-    feed["key_mask"] = key_mask_from_padding(batch.attention_mask).numpy().astype(np.float32)
-    missing = set(evaluator.inputs) - set(feed)
-    if missing:
-        raise ValueError(f"the program has inputs {sorted(missing)} a single encoder lacks")
-    return feed
-
-
 def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
     """The emitted single program run by the MIL evaluator, as a `Runner`."""
-    name = _OUTPUT_NAMES[module.io.output]
+    name = OUTPUT_NAMES[module.io.output]
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
-        out = evaluator.run(program_feed(evaluator, module, batch)).outputs[name]
-        return None, torch.from_numpy(np.asarray(out, np.float32))
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
+        feed, _ = program_feed(module, None, batch, "float32")  # the evaluator rounds them
+        missing = set(evaluator.inputs) - set(feed)
+        if missing:
+            raise ValueError(f"the program has inputs {sorted(missing)} a single encoder lacks")
+        out = evaluator.run(feed).outputs[name]
+        return None, {OUTPUT: torch.from_numpy(np.asarray(out, np.float32))}
 
     return run
 
@@ -131,42 +117,10 @@ def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
 # ---- comparisons ------------------------------------------------------------------------------
 
 
-@dataclass
-class Compared:
-    """One implementation against one baseline, per sentence and summarized."""
-
-    cosine: dict[str, float]  # per sentence (min over real tokens for hidden states)
-    argmax_kept: dict[str, bool]  # logits only
-    finite: bool
-    psnr: dict[str, float] = field(default_factory=dict)  # per sentence (min over tokens), dB
-
-    @property
-    def psnr_summary(self) -> PsnrSummary:
-        """PSNR over sentences (``parity.compression_metrics``)."""
-        return summarize_psnr(list(self.psnr.values()))
-
-    @property
-    def min_cosine(self) -> float:
-        """The worst sentence's cosine."""
-        return min(self.cosine.values()) if self.cosine else float("nan")
-
-    @property
-    def mean_cosine(self) -> float:
-        """The mean over sentences."""
-        return float(np.mean(list(self.cosine.values()))) if self.cosine else float("nan")
-
-    @property
-    def argmax_agreement(self) -> float | None:
-        """Share of sentences whose predicted label is kept (logits only)."""
-        if not self.argmax_kept:
-            return None
-        return sum(self.argmax_kept.values()) / len(self.argmax_kept)
-
-
 def compare(candidate: Outputs, baseline: dict[str, Any], logits: bool) -> Compared:
     """Cosines (and argmax agreement for logits) of ``candidate`` against ``baseline`` outputs
     (tensors or `EncoderReference`)."""
-    cos, kept, finite, psnr = {}, {}, True, {}
+    cos, kept, finite, psnr = {}, {}, True, []
     for name, got in candidate.items():
         ref = baseline[name]
         want = (ref.output if isinstance(ref, EncoderReference) else ref).double()
@@ -179,39 +133,14 @@ def compare(candidate: Outputs, baseline: dict[str, Any], logits: bool) -> Compa
             w = want
         value = float(torch.nn.functional.cosine_similarity(g, w, dim=-1).min())
         cos[name] = value if ok else float("-inf")
-        psnr[name] = min(psnr_db(g, w))  # per output vector (a token's for hidden states)
+        psnr.append(min(psnr_db(g, w)))  # per output vector (a token's for hidden states)
         if logits:
             kept[name] = ok and int(got.argmax()) == int(want.argmax())
-    return Compared(cos, kept, finite, psnr)
-
-
-@dataclass
-class EncoderLevel:
-    """One implementation of a variant against both baselines."""
-
-    implementation: str
-    description: str
-    vs_original: Compared
-    vs_fp16: Compared
-
-
-@dataclass
-class EncoderVariantParity:
-    """Every level of one encoder variant, its gates and the verdict."""
-
-    levels: list[EncoderLevel]
-    gates: list[GateResult]
-    mil_fp32_rel_error: float
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all_passed(self.gates)
+    return Compared(psnr, finite, cosine=cos, argmax_kept=kept)
 
 
 def encoder_gates(
-    levels: list[EncoderLevel],
+    levels: list[VariantLevel],
     min_cosine: float,
     min_top1: float | None,
     mil_fp32_error: float,
@@ -267,29 +196,6 @@ def encoder_gates(
 # ---- the program in fp32 ----------------------------------------------------------------------
 
 
-def evaluator_weights(
-    evaluator: Any, decoded: dict[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray], int]:
-    """The evaluator's own decoding of every compressed weight (by torch name), and how many
-    of them differ from ``decoded`` (coremltools' decoding) once rounded to fp16, or are
-    missing (0 expected)."""
-    from parity.mil.numerics import round_fp16
-
-    constants: dict[str, np.ndarray] = evaluator._constants  # decoded once, when prepared
-    # the constexpr output is named "<mangled torch name>_to_fp16_<palettized|quantized>"
-    mangled = {name.replace(".", "_"): name for name in decoded}
-    weights, mismatched = {}, 0
-    for out_name, value in constants.items():
-        if not out_name.endswith(("_palettized", "_quantized")):
-            continue
-        for prefix, name in mangled.items():
-            if out_name.startswith(prefix + "_"):
-                weights[name] = np.asarray(value, np.float32)
-                same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
-                mismatched += 0 if same else 1
-    return weights, mismatched + len(decoded) - len(weights)
-
-
 def with_constants(evaluator: Any, weights: dict[str, np.ndarray]) -> Any:
     """``evaluator`` (of an uncompressed program) with the weight constant of each torch name
     in ``weights`` replaced by the given values (fp32): the constant named after the traced
@@ -307,7 +213,7 @@ def with_constants(evaluator: Any, weights: dict[str, np.ndarray]) -> Any:
     return evaluator
 
 
-def mil_fp32_check(
+def mil_fp32_against_program(
     program: Any,
     fp16_program: Any,
     module: BC1LEncoder,
@@ -326,78 +232,7 @@ def mil_fp32_check(
     got, want = program_runner(evaluator, module), program_runner(base, module)
     worst = 0.0
     for batch in batches:
-        worst = max(worst, rel_error(got(batch)[1].double(), want(batch)[1].double()))
-    return worst, mismatched
-
-
-# ---- reports ----------------------------------------------------------------------------------
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not np.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    return value
-
-
-def _compared_json(c: Compared) -> dict[str, Any]:
-    return _clean(
-        {
-            "min_cosine": c.min_cosine,
-            "mean_cosine": c.mean_cosine,
-            "argmax_agreement": c.argmax_agreement,
-            "finite": c.finite,
-            "cosine": c.cosine,
-            "psnr_db": c.psnr_summary.to_json(),
-        }
-    )
-
-
-def parity_json(result: EncoderVariantParity) -> dict[str, Any]:
-    """The variant's parity report as JSON-ready data."""
-    return {
-        "passed": result.passed,
-        "gates": [g.to_json() for g in result.gates],
-        "levels": [
-            {
-                "implementation": level.implementation,
-                "description": level.description,
-                "finite": level.vs_original.finite,
-                "against_original": _compared_json(level.vs_original),
-                "against_fp16_artifact": _compared_json(level.vs_fp16),
-            }
-            for level in result.levels
-        ],
-        "mil_fp32_output_rel_error": _clean(result.mil_fp32_rel_error),
-        "notes": result.notes,
-    }
-
-
-def parity_text(result: EncoderVariantParity) -> str:
-    """A readable summary: gates, each level against both baselines, then per sentence."""
-    lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
-    lines += [gate_line(g) for g in result.gates]
-    lines.append("")
-    lines.append(
-        "level       against         sentences  min cos     mean cos   argmax  PSNR dB min / median"
-    )
-    for level in result.levels:
-        for label, c in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
-            agree = "" if c.argmax_agreement is None else f"{c.argmax_agreement:.1%}"
-            p = c.psnr_summary
-            lines.append(
-                f"{level.implementation:<11} {label:<15} {len(c.cosine):>9}  "
-                f"{c.min_cosine:>9.6f}  {c.mean_cosine:>9.6f}  {agree:>6}  "
-                f"{p.min_db:6.1f} / {p.median_db:6.1f}"
-            )
-    lines.append("PSNR: 20 log10(max|y_ref| / RMS(y - y_ref)) over each output vector")
-    lines.append(f"mil-fp32 output relative error: {result.mil_fp32_rel_error:.3g}")
-    lines.append("")
-    names = [level.implementation for level in result.levels]
-    lines.append("sentence        " + "".join(f"{n + ' cos':>18}" for n in names))
-    for sentence in result.levels[0].vs_original.cosine if result.levels else []:
-        cells = "".join(f"{lv.vs_original.cosine[sentence]:>18.6f}" for lv in result.levels)
-        lines.append(f"{sentence:<16}{cells}")
-    lines += result.notes
-    return "\n".join(lines)
+        worst = max(
+            worst, rel_error(got(batch)[1][OUTPUT].double(), want(batch)[1][OUTPUT].double())
+        )
+    return worst, len(mismatched)

@@ -28,10 +28,20 @@ from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, Worst, first_few, gate
-from parity.result import LayerRow, ParityReport, Thresholds, clean_json, first_diverging, rel_error
+from parity.result import (
+    OUTPUT,
+    LayerRow,
+    Outputs,
+    ParityReport,
+    Runner,
+    Thresholds,
+    clean_json,
+    first_diverging,
+    rel_error,
+)
 
-# A runner maps a batch to (folded per-layer states or None, the task output for the batch).
-Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, torch.Tensor]]
+# What runs after the layers: (finished stream, key mask, batch) -> the outputs by name.
+Head = Callable[[torch.Tensor, torch.Tensor, Batch], Outputs]
 
 # The name under which the MIL evaluator's run of the emitted program is gated, once the
 # evaluator exists (parity/mil/): pass {MIL_LEVEL: runner} as `extra` to `check_encoder`.
@@ -143,15 +153,18 @@ def fp16_module(module: BC1LEncoder) -> BC1LEncoder:
     return half.half().eval()
 
 
-def module_runner(module: BC1LEncoder, dtype: torch.dtype) -> Runner:
-    """Run the whole module (embedding, layers, tail) on a batch, keeping per-layer states."""
+def module_runner(module: BC1LEncoder, dtype: torch.dtype, head: Head | None = None) -> Runner:
+    """Run the whole module on a batch in ``dtype``, keeping per-layer states: embedding,
+    layers, then ``head`` on the finished stream (by default the module's own tail, whose
+    output is `OUTPUT`)."""
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
         *x, key_mask = module_inputs(module, batch, dtype)
         with torch.no_grad():
             h = module.embed(x[0], x[1] if len(x) > 1 else None)
             states = module.run_layers(h, key_mask)
-            out = module.tail(module.finish(states[-1]), key_mask)
+            h = module.finish(states[-1])
+            out = {OUTPUT: module.tail(h, key_mask)} if head is None else head(h, key_mask, batch)
         return states, out
 
     return run
@@ -199,9 +212,10 @@ def _measure(
 ) -> _Measured:
     m = _Measured()
     for batch in batches:
-        states, out = runner(batch)
+        states, outs = runner(batch)
         again_states, again = runner(batch)
-        m.deterministic &= torch.equal(out, again)
+        out = outs[OUTPUT]
+        m.deterministic &= torch.equal(out, again[OUTPUT])
         m.finite &= bool(torch.isfinite(out).all())
         if states is not None and again_states is not None:
             m.deterministic &= all(

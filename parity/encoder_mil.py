@@ -27,13 +27,14 @@ from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
-from parity.encoder_gates import Runner
 from parity.fixtures import Batch
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile
 from parity.mil.program import load_package
+from parity.result import OUTPUT, Outputs, Runner
 
-_OUTPUT_NAMES = {
+# The program output holding each task output.
+OUTPUT_NAMES = {
     "last-hidden-state": "last_hidden_state",
     "sentence-embedding": "sentence_embedding",
     "logits": "logits",
@@ -49,10 +50,12 @@ class LayerLevel:
     markers: list[str]
 
 
-def _feeds(
+def program_feed(
     module: BC1LEncoder, host: HostEmbedding | None, batch: Batch, dtype: str
 ) -> tuple[dict[str, np.ndarray], torch.Tensor]:
-    """The first program's inputs for ``batch`` and its key mask as the program receives it."""
+    """The first program's inputs for ``batch`` (``host``: the host embedding of an island
+    program, None for one taking token ids; ``dtype`` the program's float input type) and its
+    key mask as the program receives it."""
     np_float = np.float16 if dtype == "float16" else np.float32
     key_mask = key_mask_from_padding(batch.attention_mask).numpy().astype(np_float)
     feeds: dict[str, np.ndarray] = {}
@@ -97,7 +100,7 @@ def layer_level(
     worst = [0.0] * len(markers)
     finite = True
     for batch in batches:
-        feeds, key_mask = _feeds(module, host, batch, dtype)
+        feeds, key_mask = program_feed(module, host, batch, dtype)
         result = evaluator.run(feeds, capture=markers)
         with torch.no_grad():
             if host is None:
@@ -129,10 +132,10 @@ def output_runner(
     feature extraction). Raises `parity.mil.errors.MILError` if a program cannot be prepared.
     """
     evaluators = {k: Evaluator(load_package(p), get_profile("fp16")) for k, p in packages.items()}
-    out_name = _OUTPUT_NAMES[module.io.output]
+    out_name = OUTPUT_NAMES[module.io.output]
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
-        feeds, _ = _feeds(module, host, batch, dtype)
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
+        feeds, _ = program_feed(module, host, batch, dtype)
         if "main" in evaluators:
             out = evaluators["main"].run(feeds).outputs[out_name]
         else:
@@ -142,6 +145,6 @@ def output_runner(
             else:
                 tail_feeds = {"hidden": island.outputs["hidden"], "key_mask": feeds["key_mask"]}
                 out = evaluators["tail"].run(tail_feeds).outputs[out_name]
-        return None, torch.from_numpy(np.asarray(out, dtype=np.float32))
+        return None, {OUTPUT: torch.from_numpy(np.asarray(out, dtype=np.float32))}
 
     return run

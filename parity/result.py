@@ -9,12 +9,22 @@ measured: its gates, the per-layer rows and, for decoders, the per-fixture rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from graph_passes.stream_scale import StreamScaling
+from parity.fixtures import Batch
 from parity.gate import GateResult, all_passed
+
+# Outputs by name: an encoder's task output under `OUTPUT`, a decision model's tail outputs
+# under graph_passes.decision.OUTPUT_NAMES.
+Outputs = dict[str, torch.Tensor]
+OUTPUT = "output"
+# One implementation of an encoder or decision model: a right-padded (B, L) batch -> the
+# folded per-layer states (None where the implementation does not expose them) and outputs.
+Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 
 FP16_MAX = 65504.0
 # Diagnostic only (names the layer where an fp16 failure starts; gates are in the recipe):

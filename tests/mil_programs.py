@@ -30,7 +30,7 @@ from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import island_contract, single_contract, tail_contract
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.partition import Island, Tail
-from parity.compression_gates import program_feed
+from parity.conversion import input_dtypes, program_feed
 from parity.mil import Evaluator, load_package
 
 
@@ -100,7 +100,8 @@ def w8a8(out: Path, base: Built) -> Built:
     sites = weight_sites(function, [n for n, _ in base.module.named_parameters()])
     evaluator = Evaluator(load_package(base.package), "fp16")
     feeds = [
-        program_feed(evaluator, base.module, b, base.tiny.embed_table) for b in base.tiny.batches
+        program_feed(input_dtypes(evaluator), base.module, b, base.tiny.embed_table)[0]
+        for b in base.tiny.batches
     ]
     ranged = calibrate(evaluator, feeds, activation_sites(function, sites))
     scheme = Scheme("int8", 8, "per-channel")

@@ -160,13 +160,13 @@ def test_the_fp32_level_sees_weights_and_decoders_that_differ(
     evaluator's decoding of the variant's weights: without that substitution the two differ
     by the compression error; a decoded weight other than the program's is counted."""
     from parity.encoder_compression_gates import (
-        evaluator_weights,
-        mil_fp32_check,
+        mil_fp32_against_program,
         program_runner,
         with_constants,
     )
     from parity.mil import Evaluator, load_package
-    from parity.result import rel_error
+    from parity.result import OUTPUT, rel_error
+    from parity.variant import evaluator_weights
 
     _, out = run
     program = load_package(out / "tb-int8" / "tb-int8.mlpackage")
@@ -183,16 +183,19 @@ def test_the_fp32_level_sees_weights_and_decoders_that_differ(
     fp16 = {n: module.get_parameter(n).detach().half().numpy() for n in names}
     variant = Evaluator(program, "fp32")
     weights, mismatched = evaluator_weights(variant, fp16)
-    assert len(weights) == 12 and mismatched == 12  # fp16 values are not what int8 decodes to
+    assert len(weights) == 12 and len(mismatched) == 12  # fp16 values are not what int8 decodes to
     decoded = {n: v.astype(np.float16) for n, v in weights.items()}
-    assert evaluator_weights(variant, decoded)[1] == 0
-    got = program_runner(variant, module)(batch)[1].double()
-    plain = program_runner(Evaluator(fp16_program, "fp32"), module)(batch)[1].double()
+    assert evaluator_weights(variant, decoded)[1] == []
+    got = program_runner(variant, module)(batch)[1][OUTPUT].double()
+    plain = program_runner(Evaluator(fp16_program, "fp32"), module)(batch)[1][OUTPUT].double()
     assert rel_error(got, plain) > 1e-4  # the compression error itself
     same = with_constants(Evaluator(fp16_program, "fp32"), weights)
-    assert rel_error(got, program_runner(same, module)(batch)[1].double()) == 0.0
-    assert mil_fp32_check(program, fp16_program, module, decoded, held_out.batches) == (0.0, 0)
-    assert mil_fp32_check(program, fp16_program, module, fp16, held_out.batches)[1] == 12
+    assert rel_error(got, program_runner(same, module)(batch)[1][OUTPUT].double()) == 0.0
+    assert mil_fp32_against_program(program, fp16_program, module, decoded, held_out.batches) == (
+        0.0,
+        0,
+    )
+    assert mil_fp32_against_program(program, fp16_program, module, fp16, held_out.batches)[1] == 12
 
 
 def test_a_classifier_variant_is_gated_on_argmax_too(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from graph_passes.partition import host_embedding
 from parity.encoder_gates import make_encoder_batches
 from parity.encoder_mil import output_runner
 from parity.fixtures import build_fixtures
+from parity.result import OUTPUT
 
 BATCH, LENGTH = 2, 16
 
@@ -223,7 +224,7 @@ def test_partitioned_run_matches_the_single_program(
         [], random_sequences(3, (4, 16, 11, 7), first=1), None, 16, 300, False
     )
     for batch in make_encoder_batches(fixtures, BATCH, LENGTH, 0):
-        a, b = single(batch)[1], parts(batch)[1]
+        a, b = single(batch)[1][OUTPUT], parts(batch)[1][OUTPUT]
         assert torch.isfinite(b).all()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         assert float((a - b).abs().max()) < 0.05

@@ -23,20 +23,17 @@ from graph_passes.decoder import BC1LDecoder
 from parity.compression_gates import (
     HeldOut,
     Logits,
-    VariantParity,
     compare_torch,
     compare_windows,
     decoder_gates,
-    level_result,
     mil_fp32_check,
     mil_logits,
-    parity_json,
-    parity_text,
-    program_feed,
     torch_logits,
 )
+from parity.conversion import input_dtypes, program_feed
 from parity.fixtures import make_batches
 from parity.model_copies import with_weights
+from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
@@ -99,7 +96,8 @@ class DecoderSubject:
         """The program's inputs for the calibration text, in (B, L) batches."""
         io, held_out = self.module.io, self.held_out
         batches = make_batches(held_out.calibration, io.batch, io.length, held_out.pad_id)
-        return [program_feed(evaluator, self.module, b, self.embed_table) for b in batches]
+        dtypes = input_dtypes(evaluator)
+        return [program_feed(dtypes, self.module, b, self.embed_table)[0] for b in batches]
 
     def search(
         self, variant: VariantFields, chosen: list[WeightSite], advance: Callable[[], None]
@@ -132,7 +130,7 @@ class DecoderSubject:
             with_weights(module, decoded, torch.float16), held_out, table, torch.float16, wrap
         )
         release_memory()
-        torch_level = level_result(
+        torch_level = VariantLevel(
             "torch-fp16",
             "the BC1L module with the variant's decoded weights, cast to fp16, torch on the "
             "CPU; every real position of each held-out text",
@@ -144,7 +142,7 @@ class DecoderSubject:
         # size each is GBs (bench compress.py methods).
         mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, table, progress=advance)
         release_memory()
-        mil_level = level_result(
+        mil_level = VariantLevel(
             "mil-fp16",
             "the emitted variant program in anec's MIL evaluator, fp16 storage profile; "
             + (
@@ -170,7 +168,8 @@ class DecoderSubject:
         if inspected is not None and inspected.check is not None:
             evaluator = Evaluator(program, "fp32")
             (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
-            quantizers = inspected.check(evaluator, program_feed(evaluator, module, batch, table))
+            feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, table)
+            quantizers = inspected.check(evaluator, feed)
         if inspected is not None:
             notes += inspected.notes
         gates = decoder_gates(

@@ -31,19 +31,16 @@ from converter.progress import Steps
 from graph_passes.encoder import BC1LEncoder
 from parity.encoder_compression_gates import (
     EncoderHeldOut,
-    EncoderLevel,
-    EncoderVariantParity,
     Outputs,
     compare,
     encoder_gates,
-    mil_fp32_check,
+    mil_fp32_against_program,
     outputs,
-    parity_json,
-    parity_text,
     prepare_encoder_held_out,
     program_runner,
     torch_runner,
 )
+from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
@@ -104,7 +101,7 @@ class EncoderSubject:
         decoded: dict[str, np.ndarray],
         advance: Callable[[], None],
         inspected: Inspected | None,
-    ) -> EncoderVariantParity:
+    ) -> VariantParity:
         """Torch fp16 and MIL fp16 outputs of the variant against the original checkpoint
         (gated) and the fp16 artifact (reported), and the program in fp32 against torch."""
         from parity.mil import Evaluator
@@ -119,21 +116,21 @@ class EncoderSubject:
         run = _advancing(program_runner(Evaluator(program, "fp16"), module), advance)
         mil16 = outputs(run, module, held_out)
         levels = [
-            EncoderLevel(
+            VariantLevel(
                 "torch-fp16",
                 "the BC1L encoder with the variant's decoded weights and the fp16 epsilon "
                 "floors, cast to fp16, torch on the CPU; right-padded (B, L) batches",
                 compare(torch16, refs, logits),
                 compare(torch16, self.torch_fp16, logits),
             ),
-            EncoderLevel(
+            VariantLevel(
                 "mil-fp16",
                 "the emitted variant program in anec's MIL evaluator, fp16 storage profile",
                 compare(mil16, refs, logits),
                 compare(mil16, self.mil_fp16, logits),
             ),
         ]
-        fp32_error, mismatches = mil_fp32_check(
+        fp32_error, mismatches = mil_fp32_against_program(
             program, self.fp16_program, module, decoded, held_out.batches[:FP32_BATCHES]
         )
         for _ in range(FP32_BATCHES):
@@ -144,9 +141,9 @@ class EncoderSubject:
             levels, g.min_cosine, g.min_top1_agreement, fp32_error, self.mil_fp32_threshold,
             mismatches, _PER[module.io.output],
         )  # fmt: skip
-        return EncoderVariantParity(levels, gates, fp32_error)
+        return VariantParity(levels, gates, fp32_error, output="output")
 
-    def report(self, parity: EncoderVariantParity) -> tuple[dict[str, Any], str]:
+    def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
         """The variant's parity.json content and its parity.txt section."""
         h = self.held_out
         about = {"source": h.source, "sentences": len(h.fixtures)}

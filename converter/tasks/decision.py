@@ -46,7 +46,6 @@ from graph_passes.prescale import NormScale
 from graph_passes.spec import EncoderModel
 from parity.decision_gates import (
     DecisionRow,
-    DecisionRunner,
     batch_positions,
     check_decision,
     make_decision_batches,
@@ -61,7 +60,7 @@ from parity.gate import Worst, gate
 from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
-from parity.result import Thresholds
+from parity.result import Runner, Thresholds
 from parity.threads import with_torch_threads
 
 PARTITIONED = "partitioned-fp16"
@@ -172,7 +171,7 @@ def fp16_pieces(rw: DecisionRewrite) -> tuple[DecisionEncoder, DecisionTail]:
     return half, copy.deepcopy(rw.tail).half().eval()
 
 
-def partitioned_runner(rw: DecisionRewrite) -> DecisionRunner:
+def partitioned_runner(rw: DecisionRewrite) -> Runner:
     """Host embedding -> island (fp16) -> tail (fp16), as the runtime calls them."""
     half, tail = fp16_pieces(rw)
     island = DecisionIsland(half).eval()

@@ -52,7 +52,6 @@ from parity.encoder_gates import (
     MIL_LEVEL,
     EncoderFixtureRow,
     EncoderReference,
-    Runner,
     check_encoder,
     fixture_rows_to_json,
     fixture_rows_to_text,
@@ -67,7 +66,7 @@ from parity.gate import Worst, gate
 from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
-from parity.result import Thresholds
+from parity.result import OUTPUT, Runner, Thresholds
 from parity.threads import with_torch_threads
 
 OUTPUTS: dict[str, EncoderOutput] = {
@@ -186,14 +185,14 @@ def partitioned_runner(module: BC1LEncoder, host: HostEmbedding) -> Runner:
     half = fp16_module(module)
     island, tail = Island(half).eval(), Tail(half).eval()
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
         key_mask = key_mask_from_padding(batch.attention_mask).half()
         rows = host(batch.input_ids, torch.zeros_like(batch.input_ids)).half()
         with torch.no_grad():
             out = island(rows, key_mask)
             if not island.returns_task_output:
                 out = tail(out, key_mask)
-        return None, out
+        return None, {OUTPUT: out}
 
     return run
 
