@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converter.memory import release_memory
 from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import ArtifactStage, clean_leftovers, stage_artifact
@@ -23,6 +22,7 @@ from converter.runlog import write_log_into
 from converter.steps import Stop, run_steps
 from converter.tasks import task_of
 from converter.tasks.base import Job, TaskRun
+from parity.memory import release_memory
 from parity.result import ParityReport
 
 

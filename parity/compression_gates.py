@@ -27,13 +27,11 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from converter.memory import release_memory
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from parity.compression_metrics import psnr_db
@@ -42,9 +40,10 @@ from parity.decoder_gates import module_inputs, run_module
 from parity.fixtures import Fixture, make_batches
 from parity.gate import Gate, GateResult, first_few, gate
 from parity.head_outputs import run_capturing_logits
+from parity.memory import release_memory
 from parity.metrics import PositionRow, compare_positions
 from parity.model_copies import cast_copy, fp16_constants, in_float64, set_weights
-from parity.reference import ReferenceRun, run_reference
+from parity.reference import ReferenceRun
 from parity.result import rel_error
 from parity.variant import Compared, VariantLevel, evaluator_weights
 
@@ -69,39 +68,6 @@ class HeldOut:
     def positions(self) -> int:
         """Scored positions per level: every real token of every text."""
         return sum(len(f.token_ids) for f in self.texts)
-
-
-def prepare_held_out(
-    texts: Any,
-    tokenizer: Any,
-    model: torch.nn.Module,
-    length: int,
-    vocab_size: int,
-    mil_positions: int | str,
-    pad_id: int,
-    calibration: Any = None,
-) -> HeldOut:
-    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here), run the
-    original model on each, and cut MIL windows (``mil_positions`` "all": each whole text)."""
-    from converter.compress.corpus import slice_fixtures
-
-    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, length, vocab_size, True)
-    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, length, vocab_size, True)
-    references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
-    windows, source = [], {}
-    for f in fixtures:
-        n = len(f.token_ids)
-        if mil_positions == "all":
-            windows.append(f)
-            source[f.name] = (f.name, n - 1)
-            continue
-        assert isinstance(mil_positions, int)
-        for p in range(max(0, n - mil_positions), n):
-            name = f"{f.name}@{p}"
-            windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
-            source[name] = (f.name, p)
-    every = mil_positions == "all"
-    return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
 
 
 def torch_logits(
@@ -303,11 +269,3 @@ def mil_fp32_check(
         want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
         worst = max(worst, rel_error(have, want))
     return worst, mismatched
-
-
-def write_reports(directory: Path, doc: dict[str, Any], text: str) -> None:
-    """``parity.json`` and ``parity.txt`` of a variant, atomically."""
-    from converter.publish import write_json_atomic, write_text_atomic
-
-    write_json_atomic(directory / "parity.json", doc)
-    write_text_atomic(directory / "parity.txt", text + "\n")

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.markers import MarkerError, find_markers
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
+from graph_passes.markers import MarkerError, find_markers
 from parity import runtime
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch

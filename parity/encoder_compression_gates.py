@@ -33,10 +33,8 @@ from parity.compression_metrics import psnr_db
 from parity.encoder_gates import (
     EncoderReference,
     fp16_module,
-    make_encoder_batches,
     module_runner,
     real_part,
-    run_encoder_reference,
 )
 from parity.encoder_mil import OUTPUT_NAMES, program_feed
 from parity.fixtures import Batch, Fixture
@@ -59,27 +57,6 @@ class EncoderHeldOut:
     source: str = "the recipe's own texts"
     calibration: list[Fixture] = field(default_factory=list)
     pad_id: int = 0
-
-
-def prepare_encoder_held_out(
-    texts: Any,
-    tokenizer: Any,
-    model: torch.nn.Module,
-    module: BC1LEncoder,
-    pad_id: int,
-    calibration: Any = None,
-) -> EncoderHeldOut:
-    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here) and run
-    the original model on each, alone and unpadded; tokenize the calibration sentences (a
-    list, or the corpus's other part: disjoint from the held-out one by construction)."""
-    from converter.compress.corpus import slice_fixtures
-
-    io, vocab = module.io, module.spec.embedding.vocab_size
-    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False)
-    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
-    references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
-    batches = make_encoder_batches(fixtures, io.batch, io.length, pad_id)
-    return EncoderHeldOut(fixtures, batches, references, where, cal, pad_id)
 
 
 def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Outputs:

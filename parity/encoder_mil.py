@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from converter.markers import find_markers
 from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.layer_norm import FP16_EPS_FLOOR
+from graph_passes.markers import find_markers
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
 from parity.fixtures import Batch

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from converter.errors import InputError
+from graph_passes.errors import InputError
 
 Slice = Literal["padded", "full-window"]
 

@@ -7,10 +7,8 @@ program in the MIL evaluator), the Core ML runtime (macOS only, otherwise marked
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from converter.publish import write_json_atomic, write_text_atomic
 from parity.conversion import ConversionReport
 from parity.conversion_report import conversion_to_json, conversion_to_text
 from parity.html_report import report_to_html
@@ -72,21 +70,17 @@ def parity_document(
     return doc
 
 
-def write_parity_reports(
-    directory: Path,
+def report_texts(
     report: ParityReport,
     conversion: ConversionReport | None,
     extra: dict[str, Any],
     levels: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """Write the three report files atomically into ``directory``; returns the JSON document
-    (``levels`` as `parity_document` takes them)."""
+) -> tuple[dict[str, Any], str, str]:
+    """The three report files' contents (``parity.json`` document, ``parity.txt``,
+    ``parity.html``); ``levels`` as `parity_document` takes them."""
     doc = parity_document(report, conversion, extra, levels)
     text = report_to_text(report)
     if conversion is not None:
         text += "\n\n" + conversion_to_text(conversion)
-    write_json_atomic(directory / "parity.json", doc)
-    write_text_atomic(directory / "parity.txt", text + "\n")
     title = f"anec parity report: {extra['recipe']}" if "recipe" in extra else "anec parity report"
-    write_text_atomic(directory / "parity.html", report_to_html(doc, title))
-    return doc
+    return doc, text + "\n", report_to_html(doc, title)

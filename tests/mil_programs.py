@@ -23,12 +23,12 @@ from converter.compress.activations import (
 from converter.compress.schemes import Scheme, apply_plan
 from converter.compress.sites import weight_sites
 from converter.coreml import to_mlprogram, trace
-from converter.markers import mark_layer_outputs
 from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import island_contract, single_contract, tail_contract
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.markers import mark_layer_outputs
 from graph_passes.partition import Island, Tail
 from parity.conversion import input_dtypes, program_feed
 from parity.mil import Evaluator, load_package

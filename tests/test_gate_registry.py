@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from converter.gate_table import markdown_table, recipe_field
 from converter.recipe import Gates
 from parity.gate import REGISTRY, Comparison, Worst, gate, registered
-from parity.gate_table import markdown_table, recipe_field
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_a_recipe_key_that_does_not_exist_is_named() -> None:
 
 def test_the_readme_lists_every_registered_gate() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert markdown_table() in readme, "README gate table is stale: python -m parity.gate_table"
+    assert markdown_table() in readme, "README gate table is stale: python -m converter.gate_table"
     for g in registered():
         assert f"| {g.level} | `{g.name}` |" in readme, g.key
 

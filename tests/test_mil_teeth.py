@@ -12,9 +12,9 @@ import pytest
 from tiny_models import Tiny, build_tiny
 
 from converter.coreml import trace
-from converter.markers import MarkerError, find_markers, mark_layer_outputs
 from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
+from graph_passes.markers import MarkerError, find_markers, mark_layer_outputs
 from parity.decoder_gates import check_decoder
 from parity.mil import load_package
 

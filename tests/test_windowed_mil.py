@@ -16,10 +16,10 @@ import pytest
 from tiny_models import Tiny, build_tiny
 
 from converter.coreml import to_mlprogram, trace
-from converter.markers import mark_layer_outputs
 from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from graph_passes.decoder import BC1LDecoder
+from graph_passes.markers import mark_layer_outputs
 
 LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"]
 LENGTH = 32  # fixtures of 5 to 16 tokens plus their 32-token full-window variants

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from converter.compress.corpus import slice_fixtures
 from converter.compress.methods.base import Inspected, Scheme, VariantFields
 from converter.compress.sites import WeightSite
-from converter.memory import release_memory
 from graph_passes.decoder import BC1LDecoder
 from parity.compression_gates import (
     HeldOut,
@@ -31,8 +31,10 @@ from parity.compression_gates import (
     torch_logits,
 )
 from parity.conversion import input_dtypes, program_feed
-from parity.fixtures import make_batches
+from parity.fixtures import Fixture, make_batches
+from parity.memory import release_memory
 from parity.model_copies import with_weights
+from parity.reference import run_reference
 from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
 
 if TYPE_CHECKING:
@@ -40,6 +42,37 @@ if TYPE_CHECKING:
 
 # Windows the fp32 consistency check runs (the program against torch with the same weights).
 FP32_WINDOWS = 2
+
+
+def prepare_held_out(
+    texts: Any,
+    tokenizer: Any,
+    model: torch.nn.Module,
+    length: int,
+    vocab_size: int,
+    mil_positions: int | str,
+    pad_id: int,
+    calibration: Any = None,
+) -> HeldOut:
+    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here), run the
+    original model on each, and cut MIL windows (``mil_positions`` "all": each whole text)."""
+    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, length, vocab_size, True)
+    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, length, vocab_size, True)
+    references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
+    windows, source = [], {}
+    for f in fixtures:
+        n = len(f.token_ids)
+        if mil_positions == "all":
+            windows.append(f)
+            source[f.name] = (f.name, n - 1)
+            continue
+        assert isinstance(mil_positions, int)
+        for p in range(max(0, n - mil_positions), n):
+            name = f"{f.name}@{p}"
+            windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
+            source[name] = (f.name, p)
+    every = mil_positions == "all"
+    return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
 
 
 @dataclass

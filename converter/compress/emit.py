@@ -35,12 +35,12 @@ from converter.coreml import save_package
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
 from converter.manifest import FileEntry, Manifest, PackageEntry
-from converter.memory import release_memory
 from converter.progress import Steps
-from converter.publish import stage_artifact, write_json_atomic
+from converter.publish import stage_artifact, write_json_atomic, write_text_atomic
 from converter.runlog import write_log_into
 from graph_passes.decoder import BC1LDecoder
-from parity.compression_gates import HeldOut, write_reports
+from parity.compression_gates import HeldOut
+from parity.memory import release_memory
 
 
 @dataclass
@@ -298,3 +298,9 @@ def _live_ops(program: Any) -> dict[str, int]:
         if op.op_type != "const":
             counts[op.op_type] = counts.get(op.op_type, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def write_reports(directory: Path, doc: dict[str, Any], text: str) -> None:
+    """``parity.json`` and ``parity.txt`` of a variant, atomically."""
+    write_json_atomic(directory / "parity.json", doc)
+    write_text_atomic(directory / "parity.txt", text + "\n")

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from converter.compress.config import Compression
+from converter.compress.corpus import slice_fixtures
 from converter.compress.emit import VariantResult, emit
 from converter.compress.methods.base import Inspected, Scheme, VariantFields
 from converter.compress.sites import WeightSite
@@ -36,10 +38,10 @@ from parity.encoder_compression_gates import (
     encoder_gates,
     mil_fp32_against_program,
     outputs,
-    prepare_encoder_held_out,
     program_runner,
     torch_runner,
 )
+from parity.encoder_gates import make_encoder_batches, run_encoder_reference
 from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
 
 if TYPE_CHECKING:
@@ -54,6 +56,25 @@ _PER = {
     "last-hidden-state": "real token (min over each sentence's tokens)",
     "logits": "sentence's logits",
 }
+
+
+def prepare_encoder_held_out(
+    texts: Any,
+    tokenizer: Any,
+    model: torch.nn.Module,
+    module: BC1LEncoder,
+    pad_id: int,
+    calibration: Any = None,
+) -> EncoderHeldOut:
+    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here) and run
+    the original model on each, alone and unpadded; tokenize the calibration sentences (a
+    list, or the corpus's other part: disjoint from the held-out one by construction)."""
+    io, vocab = module.io, module.spec.embedding.vocab_size
+    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False)
+    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
+    references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
+    batches = make_encoder_batches(fixtures, io.batch, io.length, pad_id)
+    return EncoderHeldOut(fixtures, batches, references, where, cal, pad_id)
 
 
 @dataclass

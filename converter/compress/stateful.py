@@ -48,6 +48,7 @@ from converter.compress.emit import (
     _peak_rss_mib,
     ne_stream,
     ne_stream_text,
+    write_reports,
 )
 from converter.compress.methods.base import BuildContext, Scheme
 from converter.compress.records import WeightRecord, weight_records
@@ -60,7 +61,6 @@ from converter.errors import InputError
 from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic
 from converter.runlog import write_log_into
-from parity.compression_gates import write_reports
 
 # The cache gates that hold for a compressed variant exactly as for the fp16 package.
 STRUCTURAL = (

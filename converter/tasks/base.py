@@ -18,11 +18,14 @@ from converter.checkpoint import Checkpoint, load_checkpoint
 from converter.coreml import TensorIO, live_ops, save_package, to_mlprogram, trace
 from converter.errors import InputError
 from converter.manifest import Manifest
-from converter.markers import mark_layer_outputs
 from converter.plan.artifact_gate import plan_artifact
+from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import Recipe, ResolvedSource
 from converter.steps import Advance, Stop
 from converter.targets import TARGETS
+from graph_passes.markers import mark_layer_outputs
+from parity.conversion import ConversionReport
+from parity.report_files import report_texts
 from parity.result import ParityReport
 
 T = TypeVar("T")
@@ -138,3 +141,19 @@ def plan(run: TaskRun, advance: Advance) -> Stop | None:
         run.job.directory,
     )
     return None if result.passed else Stop("plan", result.failures())
+
+
+def write_parity_reports(
+    directory: Path,
+    report: ParityReport,
+    conversion: ConversionReport | None,
+    extra: dict[str, Any],
+    levels: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Write ``parity.json``, ``parity.txt`` and ``parity.html`` atomically into
+    ``directory`` (`parity.report_files.report_texts`); returns the JSON document."""
+    doc, text, html = report_texts(report, conversion, extra, levels)
+    write_json_atomic(directory / "parity.json", doc)
+    write_text_atomic(directory / "parity.txt", text)
+    write_text_atomic(directory / "parity.html", html)
+    return doc

@@ -25,7 +25,6 @@ from converter.checkpoint import load_checkpoint
 from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.manifest_fields import write_tokenizer
-from converter.markers import MarkerError
 from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import DecisionRecipe
@@ -40,6 +39,7 @@ from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail,
 from graph_passes.decision_spec import CandidateError, DecisionHead
 from graph_passes.encoder import EncoderIO
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
+from graph_passes.markers import MarkerError
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding, host_embedding
 from graph_passes.prescale import NormScale

@@ -21,7 +21,6 @@ import torch
 from converter.checkpoint import Checkpoint
 from converter.errors import InputError
 from converter.manifest_fields import write_tokenizer
-from converter.markers import MarkerError
 from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import EncoderOptions, EncoderRecipe, Recipe
@@ -38,6 +37,7 @@ from converter.tasks.encoder_contract import (
 from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
+from graph_passes.markers import MarkerError
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import (
     HostEmbedding,

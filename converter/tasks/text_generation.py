@@ -22,7 +22,7 @@ from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.recipe import DecoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, load, need, plan
+from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_parity_reports
 from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
 from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
@@ -38,7 +38,7 @@ from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversi
 from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.reference import ReferenceRun, run_reference
-from parity.report_files import merge, write_parity_reports
+from parity.report_files import merge
 from parity.result import Thresholds
 from parity.threads import with_torch_threads
 
@@ -239,7 +239,7 @@ def held_out(recipe: Recipe, ckpt: Checkpoint, rw: Rewrite) -> Any:
     """The compression section's held-out slice with the original model's logits, or None."""
     if recipe.compression is None:
         return None
-    from parity.compression_gates import prepare_held_out
+    from converter.compress.decoder import prepare_held_out
 
     c = recipe.compression
     return prepare_held_out(

@@ -26,7 +26,7 @@ from converter.publish import write_json_atomic
 from converter.steps import Advance, Step, Stop
 from converter.targets import TARGETS
 from converter.tasks import text_generation as window_task
-from converter.tasks.base import Program, load, need
+from converter.tasks.base import Program, load, need, write_parity_reports
 from converter.tasks.decoder_contract import head_output_section
 from converter.tasks.kv_chunks import (
     Chunk,
@@ -51,7 +51,6 @@ from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import CacheSession, MilFunctions, rope_rows, session_for
-from parity.report_files import write_parity_reports
 from parity.threads import with_torch_threads
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
@@ -372,8 +371,8 @@ def window_package(run: KvRun, path: Path) -> Path:
     (layer outputs marked), saved as ``path``: the vehicle a compressed variant's quality
     gates are measured on with byte-identical weights."""
     from converter.coreml import to_mlprogram, trace
-    from converter.markers import mark_layer_outputs
     from converter.tasks.decoder_contract import tensor_contract
+    from graph_passes.markers import mark_layer_outputs
 
     module = need(run.rewrite, "the rewrite").module
     inputs, outputs = tensor_contract(module, run.recipe.io.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from converter.errors import AnecError
+from graph_passes.errors import AnecError
 
 # The suffixes coremltools' passes append to a value's name; a marker may carry one.
 _SUFFIXES = ("", "_cast_fp16")

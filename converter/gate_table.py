@@ -1,7 +1,7 @@
 """The registered gates against the recipe schema: where each threshold is set, its default,
 and the README's gate table built from both.
 
-``python -m parity.gate_table`` prints the table the README's "Gates" section holds (a test
+``python -m converter.gate_table`` prints the table the README's "Gates" section holds (a test
 keeps the two equal).
 """
 
