@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from parity.conversion import ConversionReport
-from parity.conversion_report import conversion_to_json, conversion_to_text
-from parity.html_report import report_to_html
-from parity.report import report_to_json, report_to_text
+from parity.conversion_report import conversion_to_json
+from parity.report import report_to_json
 from parity.result import ParityReport
 
 TORCH_LEVELS = [
@@ -68,19 +67,3 @@ def parity_document(
         )  # fmt: skip
     doc["levels"] = table
     return doc
-
-
-def report_texts(
-    report: ParityReport,
-    conversion: ConversionReport | None,
-    extra: dict[str, Any],
-    levels: list[dict[str, Any]] | None = None,
-) -> tuple[dict[str, Any], str, str]:
-    """The three report files' contents (``parity.json`` document, ``parity.txt``,
-    ``parity.html``); ``levels`` as `parity_document` takes them."""
-    doc = parity_document(report, conversion, extra, levels)
-    text = report_to_text(report)
-    if conversion is not None:
-        text += "\n\n" + conversion_to_text(conversion)
-    title = f"anec parity report: {extra['recipe']}" if "recipe" in extra else "anec parity report"
-    return doc, text + "\n", report_to_html(doc, title)

@@ -25,7 +25,10 @@ from converter.steps import Advance, Stop
 from converter.targets import TARGETS
 from graph_passes.markers import mark_layer_outputs
 from parity.conversion import ConversionReport
-from parity.report_files import report_texts
+from parity.conversion_report import conversion_to_text
+from parity.html_report import report_to_html
+from parity.report import report_to_text
+from parity.report_files import parity_document
 from parity.result import ParityReport
 
 T = TypeVar("T")
@@ -150,10 +153,20 @@ def write_parity_reports(
     extra: dict[str, Any],
     levels: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Write ``parity.json``, ``parity.txt`` and ``parity.html`` atomically into
-    ``directory`` (`parity.report_files.report_texts`); returns the JSON document."""
-    doc, text, html = report_texts(report, conversion, extra, levels)
-    write_json_atomic(directory / "parity.json", doc)
-    write_text_atomic(directory / "parity.txt", text)
-    write_text_atomic(directory / "parity.html", html)
+    """A decoder's parity report files (`parity.report_files.parity_document`, whose levels
+    table says what ran); returns the JSON document."""
+    doc = parity_document(report, conversion, extra, levels)
+    text = report_to_text(report)
+    if conversion is not None:
+        text += "\n\n" + conversion_to_text(conversion)
+    write_parity_files(directory, doc, text)
     return doc
+
+
+def write_parity_files(directory: Path, doc: dict[str, Any], text: str) -> None:
+    """Write ``parity.json`` (``doc``), ``parity.txt`` (``text``) and ``parity.html`` (from
+    ``doc``) atomically into ``directory``: every model kind's report files."""
+    write_json_atomic(directory / "parity.json", doc)
+    write_text_atomic(directory / "parity.txt", text + "\n")
+    title = f"anec parity report: {doc['recipe']}" if "recipe" in doc else "anec parity report"
+    write_text_atomic(directory / "parity.html", report_to_html(doc, title))

@@ -26,10 +26,10 @@ from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.manifest_fields import write_tokenizer
 from converter.progress import Steps
-from converter.publish import write_json_atomic, write_text_atomic
+from converter.publish import write_json_atomic
 from converter.recipe import DecisionRecipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, need, plan
+from converter.tasks.base import TaskRun, emit_program, need, plan, write_parity_files
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
 from converter.tasks.decision_load import head_files, load_head
 from converter.tasks.encoder import program_module
@@ -57,7 +57,6 @@ from parity.encoder_gates import MIL_LEVEL, fp16_module
 from parity.encoder_mil import layer_level
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
 from parity.gate import Worst, gate
-from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
 from parity.result import Runner, Thresholds
@@ -191,11 +190,7 @@ def write_parity(run: DecisionRun) -> None:
     report, directory = need(run.report, "the torch report"), run.job.directory
     extra = {"recipe": run.recipe.name, "decision_requests": rows_to_json(run.rows)}
     doc = report_to_json(report, {**extra, **run.extra_json})
-    write_json_atomic(directory / "parity.json", doc)
-    write_text_atomic(directory / "parity.txt", report_to_text(report) + "\n")
-    write_text_atomic(
-        directory / "parity.html", report_to_html(doc, f"anec parity report: {run.recipe.name}")
-    )
+    write_parity_files(directory, doc, report_to_text(report))
 
 
 # ---- steps -----------------------------------------------------------------------------------

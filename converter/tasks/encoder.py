@@ -22,10 +22,10 @@ from converter.checkpoint import Checkpoint
 from converter.errors import InputError
 from converter.manifest_fields import write_tokenizer
 from converter.progress import Steps
-from converter.publish import write_json_atomic, write_text_atomic
+from converter.publish import write_json_atomic
 from converter.recipe import EncoderOptions, EncoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, load, need, plan
+from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_parity_files
 from converter.tasks.encoder_contract import (
     encoder_deviations,
     encoder_manifest,
@@ -63,7 +63,6 @@ from parity.encoder_gates import (
 from parity.encoder_mil import layer_level, output_runner
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
 from parity.gate import Worst, gate
-from parity.html_report import report_to_html
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
 from parity.result import OUTPUT, Runner, Thresholds
@@ -214,11 +213,9 @@ def write_parity(run: EncoderRun) -> None:
     report, directory = need(run.report, "the torch report"), run.job.directory
     extra = {"recipe": run.recipe.name, "encoder_fixtures": fixture_rows_to_json(run.rows)}
     doc = report_to_json(report, {**extra, **run.extra_json})
-    write_json_atomic(directory / "parity.json", doc)
-    text = report_to_text(report) + "\n\n" + fixture_rows_to_text(run.rows) + "\n"
-    write_text_atomic(directory / "parity.txt", text)
-    html = report_to_html(doc, f"anec parity report: {run.recipe.name}")
-    write_text_atomic(directory / "parity.html", html)
+    write_parity_files(
+        directory, doc, report_to_text(report) + "\n\n" + fixture_rows_to_text(run.rows)
+    )
 
 
 # ---- steps -----------------------------------------------------------------------------------
