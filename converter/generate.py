@@ -26,7 +26,7 @@ from converter.errors import InputError
 from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
 from parity.kv_chain import ChunkMeta, MilChain, chain_runner
-from parity.kv_session import CacheSession, FunctionShape, MilFunctions, Runner
+from parity.kv_session import CacheSession, FunctionRunner, FunctionShape, MilFunctions
 
 
 @dataclass
@@ -93,7 +93,9 @@ class Runtime:
         """``input_ids`` or ``inputs_embeds``: the first input of the decode function."""
         return str(self.kv["functions"]["decode"]["inputs"][0]["name"])
 
-    def session(self, runner: Runner, states: Mapping[str, np.ndarray] | None) -> CacheSession:
+    def session(
+        self, runner: FunctionRunner, states: Mapping[str, np.ndarray] | None
+    ) -> CacheSession:
         """A host loop over this artifact's functions run by ``runner``."""
         table = self.embeddings
 
@@ -160,7 +162,7 @@ def coreml_backend(
         for package in packages
     ]
 
-    def runner(models: dict[str, Any]) -> Runner:
+    def runner(models: dict[str, Any]) -> FunctionRunner:
         # One state per package (per chunk), shared by its functions.
         state = models["decode"].make_state() if runtime.kv["style"] == "state" else None
 

@@ -36,8 +36,7 @@ import torch
 from graph_passes.decision import OUTPUT_NAMES, DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
 from parity.decision_reference import DecisionReferenceResult
-from parity.encoder_gates import level_of, make_encoder_batches, state_rows
-from parity.encoder_gates import module_runner as encoder_runner
+from parity.encoder_gates import encoder_runner, level_of, make_encoder_batches, state_rows
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, Worst, first_few, gate
 from parity.result import (
@@ -122,7 +121,7 @@ def batch_positions(batch: Batch, spec: DecisionHeadSpec) -> torch.Tensor | None
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def module_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dtype) -> Runner:
+def decision_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dtype) -> Runner:
     """The whole BC1L decision model (embedding, layers, tail) in ``dtype``."""
 
     def head(h: torch.Tensor, _: torch.Tensor, batch: Batch) -> Outputs:
@@ -343,11 +342,11 @@ def check_decision(
     gates: list[GateResult] = []
     runners: dict[str, Runner] = {}
     if torch_levels:
-        _measure("torch-fp32", module_runner(module, tail, torch.float32), batches, references,
+        _measure("torch-fp32", decision_runner(module, tail, torch.float32), batches, references,
                  rows, spec, length, layers, True, thresholds.fp32_logits_rel_error)  # fmt: skip
         gates += _fp32_gates(row_list, layers, module, thresholds)
         if fp16 is not None:
-            runners["torch-fp16"] = module_runner(fp16[0], fp16[1], torch.float16)
+            runners["torch-fp16"] = decision_runner(fp16[0], fp16[1], torch.float16)
     runners.update(extra or {})
     for name, runner in runners.items():
         states_layers = layers if name == "torch-fp16" else None

@@ -32,18 +32,18 @@ from graph_passes.encoder import BC1LEncoder
 from parity.compression_metrics import psnr_db
 from parity.encoder_gates import (
     EncoderReference,
+    encoder_runner,
     fp16_module,
-    module_runner,
     real_part,
 )
-from parity.encoder_mil import OUTPUT_NAMES, program_feed
+from parity.encoder_mil import OUTPUT_NAMES, encoder_feed
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Worst, gate
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner, rel_error
 from parity.variant import Compared, VariantLevel, evaluator_weights
 
-Outputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
+SentenceOutputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
 
 
 @dataclass
@@ -59,9 +59,9 @@ class EncoderHeldOut:
     pad_id: int = 0
 
 
-def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Outputs:
+def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> SentenceOutputs:
     """Each held-out sentence's task output (its real positions) from ``runner``."""
-    out: Outputs = {}
+    out: SentenceOutputs = {}
     for batch in held_out.batches:
         result = runner(batch)[1][OUTPUT]
         for r, fixture in enumerate(batch.fixtures):
@@ -70,18 +70,18 @@ def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> Ou
     return out
 
 
-def torch_runner(module: BC1LEncoder, weights: dict[str, np.ndarray] | None = None) -> Runner:
+def fp16_runner(module: BC1LEncoder, weights: dict[str, np.ndarray] | None = None) -> Runner:
     """The torch fp16 level: ``module`` (with ``weights`` when given) as the fp16 program
     stores it - epsilon floors, every value fp16."""
-    return module_runner(fp16_module(with_weights(module, weights or {})), torch.float16)
+    return encoder_runner(fp16_module(with_weights(module, weights or {})), torch.float16)
 
 
 def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
     """The emitted single program run by the MIL evaluator, as a `Runner`."""
     name = OUTPUT_NAMES[module.io.output]
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        feed, _ = program_feed(module, None, batch, "float32")  # the evaluator rounds them
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, SentenceOutputs]:
+        feed, _ = encoder_feed(module, None, batch, "float32")  # the evaluator rounds them
         missing = set(evaluator.inputs) - set(feed)
         if missing:
             raise ValueError(f"the program has inputs {sorted(missing)} a single encoder lacks")
@@ -94,7 +94,7 @@ def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
 # ---- comparisons ------------------------------------------------------------------------------
 
 
-def compare(candidate: Outputs, baseline: dict[str, Any], logits: bool) -> Compared:
+def compare(candidate: SentenceOutputs, baseline: dict[str, Any], logits: bool) -> Compared:
     """Cosines (and argmax agreement for logits) of ``candidate`` against ``baseline`` outputs
     (tensors or `EncoderReference`)."""
     cos, kept, finite, psnr = {}, {}, True, []

@@ -136,7 +136,7 @@ def run_encoder_reference(
 # ---- candidates -------------------------------------------------------------------------------
 
 
-def module_inputs(
+def encoder_inputs(
     module: BC1LEncoder, batch: Batch, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
     """The single program's inputs for a batch: ids [, token types], key mask."""
@@ -153,13 +153,13 @@ def fp16_module(module: BC1LEncoder) -> BC1LEncoder:
     return half.half().eval()
 
 
-def module_runner(module: BC1LEncoder, dtype: torch.dtype, head: Head | None = None) -> Runner:
+def encoder_runner(module: BC1LEncoder, dtype: torch.dtype, head: Head | None = None) -> Runner:
     """Run the whole module on a batch in ``dtype``, keeping per-layer states: embedding,
     layers, then ``head`` on the finished stream (by default the module's own tail, whose
     output is `OUTPUT`)."""
 
     def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        *x, key_mask = module_inputs(module, batch, dtype)
+        *x, key_mask = encoder_inputs(module, batch, dtype)
         with torch.no_grad():
             h = module.embed(x[0], x[1] if len(x) > 1 else None)
             states = module.run_layers(h, key_mask)
@@ -407,7 +407,7 @@ def _torch_levels(
     gates: list[GateResult] = []
     m32 = _measure(
         "torch-fp32",
-        module_runner(module, torch.float32),
+        encoder_runner(module, torch.float32),
         batches,
         references,
         kind,
@@ -428,7 +428,7 @@ def _torch_levels(
     half = fp16_module(module)
     m16 = _measure(
         "torch-fp16",
-        module_runner(half, torch.float16),
+        encoder_runner(half, torch.float16),
         batches,
         references,
         kind,

@@ -50,7 +50,7 @@ class LayerLevel:
     markers: list[str]
 
 
-def program_feed(
+def encoder_feed(
     module: BC1LEncoder, host: HostEmbedding | None, batch: Batch, dtype: str
 ) -> tuple[dict[str, np.ndarray], torch.Tensor]:
     """The first program's inputs for ``batch`` (``host``: the host embedding of an island
@@ -100,7 +100,7 @@ def layer_level(
     worst = [0.0] * len(markers)
     finite = True
     for batch in batches:
-        feeds, key_mask = program_feed(module, host, batch, dtype)
+        feeds, key_mask = encoder_feed(module, host, batch, dtype)
         result = evaluator.run(feeds, capture=markers)
         with torch.no_grad():
             if host is None:
@@ -135,7 +135,7 @@ def output_runner(
     out_name = OUTPUT_NAMES[module.io.output]
 
     def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        feeds, _ = program_feed(module, host, batch, dtype)
+        feeds, _ = encoder_feed(module, host, batch, dtype)
         if "main" in evaluators:
             out = evaluators["main"].run(feeds).outputs[out_name]
         else:

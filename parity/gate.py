@@ -145,9 +145,9 @@ class GateResult:
             "name": self.name,
             "level": self.level,
             "implementation": self.implementation,
-            "value": _finite(self.value),
+            "value": json_number(self.value),
             "comparison": self.comparison,
-            "threshold": _finite(self.threshold),
+            "threshold": json_number(self.threshold),
             "passed": self.passed,
             "where": self.where,
             "detail": self.detail,
@@ -156,7 +156,8 @@ class GateResult:
         }
 
 
-def _finite(value: float) -> float | str:
+def json_number(value: float) -> float | str:
+    """``value``, or its text when it is inf or NaN (JSON has neither)."""
     return value if math.isfinite(value) else str(value)
 
 

@@ -1,4 +1,4 @@
-"""A chunked cached decoder run as one: a `Runner` that calls its chunks in order.
+"""A chunked cached decoder run as one: a `FunctionRunner` that calls its chunks in order.
 
 A decoder split by ``cache.package_budget_mb`` (`converter.tasks.kv_chunks`) is one package
 per chunk of consecutive layers, each with its own cache (state or io). One call of a
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT
-from parity.kv_session import MilFunctions, Runner
+from parity.kv_session import FunctionRunner, MilFunctions
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def handoff(fed: dict[str, np.ndarray], returned: dict[str, np.ndarray]) -> np.n
     return returned[HIDDEN_OUT]
 
 
-def chain_runner(chunks: Sequence[ChunkMeta], runners: Sequence[Runner]) -> Runner:
+def chain_runner(chunks: Sequence[ChunkMeta], runners: Sequence[FunctionRunner]) -> FunctionRunner:
     """One runner over every chunk, in call order (see the module docstring)."""
     if not chunks or not chunks[0].first or not chunks[-1].last:
         raise ValueError("a chain runs chunks from layer 0 to the last layer")
@@ -137,10 +137,10 @@ class MilChain:
         ]
         self.check = self.parts[-1].check  # the LM head's choice outputs are the last chunk's
 
-    def session(self) -> tuple[Runner, ChainStates]:
+    def session(self) -> tuple[FunctionRunner, ChainStates]:
         """A chained runner and every chunk's state values (`ChainStates`; empty for the
         ``io`` style)."""
-        runners: list[Runner] = []
+        runners: list[FunctionRunner] = []
         held: list[dict[str, np.ndarray]] = []
         for part in self.parts:
             runner, states = part.session()

@@ -1,7 +1,7 @@
 """A host loop over a cached decoder's functions: positions, cache and inputs per call.
 
 `CacheSession` keeps the position (and, for the ``io`` style, the cache) and builds every
-call's inputs from `graph_passes.cache_host`; a `Runner` runs one function on named inputs
+call's inputs from `graph_passes.cache_host`; a `FunctionRunner` runs one function on named inputs
 (the torch module here, the MIL evaluator in `parity.kv_mil`, Core ML on macOS). The parity
 gates, the tests and ``anec generate`` drive the same loop.
 """
@@ -19,8 +19,10 @@ from graph_passes.cache_host import CallShape, call_inputs, write_rows
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import join_logits, top_ids
 
-# (function name, named inputs) -> named outputs (logits_<k> chunks, new_kv for io)
-Runner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
+# One call of one function of a package (the host loop's level, apart from the batch-level
+# `parity.result.Runner`): (function name, named inputs) -> named outputs (logits_<k>
+# chunks, new_kv for io).
+FunctionRunner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 @dataclass
@@ -39,7 +41,7 @@ class CacheSession:
     functions: dict[str, FunctionShape]
     rope: list[tuple[np.ndarray, np.ndarray]]  # per group, cos and sin (r, S)
     cache_shape: tuple[int, ...]
-    runner: Runner
+    runner: FunctionRunner
     token_input: str  # "input_ids" or "inputs_embeds"
     embed: Callable[[list[int]], np.ndarray] | None = None  # ids -> (n, D) rows
     position: int = 0
@@ -127,7 +129,7 @@ def rope_rows(module: CachedDecoder) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Runner:
+def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> FunctionRunner:
     """Run the torch modules (sharing one state buffer for the ``state`` style)."""
 
     def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -179,7 +181,7 @@ class MilFunctions:
         chooses = any(head_logit_vars(e.function) for e in self.evaluators.values())
         self.check = ChoiceCheck(chunk_sizes) if chooses and chunk_sizes else None
 
-    def session(self) -> tuple[Runner, dict[str, np.ndarray]]:
+    def session(self) -> tuple[FunctionRunner, dict[str, np.ndarray]]:
         """A runner over the functions and the state values it keeps between calls (empty
         for the ``io`` style, whose cache the host keeps)."""
         states: dict[str, np.ndarray] = {}
@@ -201,7 +203,7 @@ class MilFunctions:
 
 
 def session_for(
-    functions: dict[str, CachedDecoder], runner: Runner, states: Any, embed: Any
+    functions: dict[str, CachedDecoder], runner: FunctionRunner, states: Any, embed: Any
 ) -> CacheSession:
     """A fresh host loop over the cached modules ``functions`` run by ``runner`` (the
     functions share the cache shape, RoPE rows and token input; a chunk's functions give

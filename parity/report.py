@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from parity.gate import GateResult
+from parity.gate import GateResult, json_number
 from parity.result import ParityReport
 from parity.stream_report import stream_to_json, stream_to_text
 
 SCHEMA_VERSION = 1
-
-
-def _finite(value: float) -> float | str:
-    # JSON has no inf/NaN; spell them out rather than emit invalid JSON.
-    return value if math.isfinite(value) else str(value)
 
 
 def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -29,16 +23,16 @@ def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) ->
         "layers": [
             {
                 **{
-                    k: _finite(v) if isinstance(v, float) else v
+                    k: json_number(v) if isinstance(v, float) else v
                     for k, v in dataclasses.asdict(row).items()
                 },
-                "fp16_overflow_margin": _finite(row.fp16_overflow_margin),
+                "fp16_overflow_margin": json_number(row.fp16_overflow_margin),
             }
             for row in report.layers
         ],
         "fixtures": [
             {
-                k: _finite(v) if isinstance(v, float) else v
+                k: json_number(v) if isinstance(v, float) else v
                 for k, v in dataclasses.asdict(row).items()
             }
             for row in report.fixtures

@@ -8,7 +8,6 @@ measured: its gates, the per-layer rows and, for decoders, the per-fixture rows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -16,7 +15,7 @@ import torch
 
 from graph_passes.stream_scale import StreamScaling
 from parity.fixtures import Batch
-from parity.gate import GateResult, all_passed
+from parity.gate import GateResult, all_passed, json_number
 
 # Outputs by name: an encoder's task output under `OUTPUT`, a decision model's tail outputs
 # under graph_passes.decision.OUTPUT_NAMES.
@@ -133,8 +132,8 @@ def first_diverging(
 def clean_json(value: object) -> object:
     """``value`` with every non-finite float spelt as a string (JSON has no inf / NaN),
     through dicts."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+    if isinstance(value, float):
+        return json_number(value)
     if isinstance(value, dict):
         return {k: clean_json(v) for k, v in value.items()}
     return value

@@ -29,8 +29,8 @@ from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, 
 from graph_passes.spec import EncoderModel
 from parity.encoder_gates import (
     EncoderReference,
+    encoder_inputs,
     make_encoder_batches,
-    module_inputs,
     run_encoder_reference,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures
@@ -131,7 +131,7 @@ def set_encoder_prescales(module: BC1LEncoder, batches: list[Batch]) -> None:
 
     def run() -> None:
         for batch in batches:
-            module(*module_inputs(module, batch, torch.float32))
+            module(*encoder_inputs(module, batch, torch.float32))
 
     apply_layer_norm_prescales(norms, measure_centred_l2(norms, run), FP16_EPS_FLOOR)
 

@@ -25,7 +25,7 @@ from graph_passes.archs import ENCODER_ADAPTERS, adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, fold, real_weights, unfold
 from graph_passes.layer_norm import FP16_EPS_FLOOR, LayerNorm
 from graph_passes.masks import MASKED, folded_band_mask, key_mask_from_padding
-from parity.encoder_gates import check_encoder, module_inputs, state_rows
+from parity.encoder_gates import check_encoder, encoder_inputs, state_rows
 
 TOLERANCE = 1e-5
 OUTPUTS = ["last-hidden-state", "sentence-embedding", "logits"]
@@ -92,7 +92,7 @@ def test_samples_do_not_see_each_other() -> None:
     # mask removes other samples' keys exactly (exp(-1e4) is 0).
     t = tiny("bert")
     batch = t.batches[0]
-    inputs = module_inputs(t.module, batch, torch.float32)
+    inputs = encoder_inputs(t.module, batch, torch.float32)
     other = batch.input_ids.clone()
     other[1:, :4] = torch.tensor([7, 8, 9, 10])
     with torch.no_grad():
@@ -310,7 +310,7 @@ def test_padded_fp16_rows_are_finite_for_every_layer() -> None:
     t = tiny("bert", "sentence-embedding")
     half = fp16_module(t.module)
     for batch in t.batches:
-        ids, types, km = module_inputs(half, batch, torch.float16)
+        ids, types, km = encoder_inputs(half, batch, torch.float16)
         with torch.no_grad():
             states = half.run_layers(half.embed(ids, types), km)
         assert all(torch.isfinite(s).all() for s in states)

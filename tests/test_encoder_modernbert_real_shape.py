@@ -24,7 +24,7 @@ from converter.tasks.encoder_contract import island_contract
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import Island, host_embedding
-from parity.encoder_gates import MIL_LEVEL, check_encoder, module_inputs, state_rows
+from parity.encoder_gates import MIL_LEVEL, check_encoder, encoder_inputs, state_rows
 from parity.encoder_mil import output_runner
 
 pytestmark = pytest.mark.slow
@@ -135,7 +135,7 @@ def test_mmbert_shape_folded_batch_is_exact_in_fp32() -> None:
     )
     assert {ls.attention.rope_theta for ls in t.canonical.spec.layers} == {160000.0}
     (batch,) = t.batches
-    *x, key_mask = module_inputs(t.module, batch, torch.float32)
+    *x, key_mask = encoder_inputs(t.module, batch, torch.float32)
     with torch.no_grad():
         states = t.module.run_layers(t.module.embed(x[0], None), key_mask)
     for r, fixture in enumerate(batch.fixtures):

@@ -175,8 +175,7 @@ def encoder_stages(module: BC1LEncoder, fixtures: list[Fixture], pad_id: int) ->
     """An encoder's stages on its calibration sentences, in the program's own (B, L) batches
     (right-padded, folded to (1, C, 1, B*L)), with the fp16 program's epsilon floors."""
     from graph_passes.layer_norm import FP16_EPS_FLOOR
-    from parity.encoder_gates import make_encoder_batches
-    from parity.encoder_gates import module_inputs as encoder_inputs
+    from parity.encoder_gates import encoder_inputs, make_encoder_batches
 
     if not fixtures:
         raise ValueError("compression.calibration: no calibration text for a calibrated method")

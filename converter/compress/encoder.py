@@ -33,13 +33,13 @@ from converter.progress import Steps
 from graph_passes.encoder import BC1LEncoder
 from parity.encoder_compression_gates import (
     EncoderHeldOut,
-    Outputs,
+    SentenceOutputs,
     compare,
     encoder_gates,
+    fp16_runner,
     mil_fp32_against_program,
     outputs,
     program_runner,
-    torch_runner,
 )
 from parity.encoder_gates import make_encoder_batches, run_encoder_reference
 from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
@@ -92,8 +92,8 @@ class EncoderSubject:
         "fp16 artifact"
     )
     # The fp16 artifact's own outputs, computed once for all variants by `baselines`.
-    torch_fp16: Outputs = field(default_factory=dict)
-    mil_fp16: Outputs = field(default_factory=dict)
+    torch_fp16: SentenceOutputs = field(default_factory=dict)
+    mil_fp16: SentenceOutputs = field(default_factory=dict)
     fp16_program: Any = None  # kept for the mil-fp32 level
 
     @property
@@ -110,7 +110,7 @@ class EncoderSubject:
         """The fp16 artifact's outputs: the torch module in fp16 and the program (MIL fp16)."""
         from parity.mil import Evaluator
 
-        self.torch_fp16 = outputs(torch_runner(self.module), self.module, self.held_out)
+        self.torch_fp16 = outputs(fp16_runner(self.module), self.module, self.held_out)
         run = program_runner(Evaluator(program, "fp16"), self.module)
         self.mil_fp16 = outputs(_advancing(run, advance), self.module, self.held_out)
         self.fp16_program = program
@@ -133,7 +133,7 @@ class EncoderSubject:
         module, held_out = self.module, self.held_out
         logits = module.io.output == "logits"
         refs = held_out.references
-        torch16 = outputs(torch_runner(module, decoded), module, held_out)
+        torch16 = outputs(fp16_runner(module, decoded), module, held_out)
         run = _advancing(program_runner(Evaluator(program, "fp16"), module), advance)
         mil16 = outputs(run, module, held_out)
         levels = [

@@ -53,11 +53,11 @@ from parity.encoder_gates import (
     EncoderFixtureRow,
     EncoderReference,
     check_encoder,
+    encoder_inputs,
     fixture_rows_to_json,
     fixture_rows_to_text,
     fp16_module,
     make_encoder_batches,
-    module_inputs,
     run_encoder_reference,
 )
 from parity.encoder_mil import layer_level, output_runner
@@ -132,7 +132,7 @@ def set_scales(module: BC1LEncoder, batches: list[Batch]) -> tuple[list[NormScal
     def run_all() -> None:
         nonlocal pooled_max
         for batch in batches:
-            *x, key_mask = module_inputs(module, batch, torch.float32)
+            *x, key_mask = encoder_inputs(module, batch, torch.float32)
             h = module.finish(
                 module.run_layers(module.embed(x[0], x[1] if x[1:] else None), key_mask)[-1]
             )
