@@ -15,13 +15,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gate import Worst, first_few, gate
+from parity.gate import GateResult, Worst, first_few, gate
 from parity.reference import ReferenceRun
 from parity.result import FixtureRow, LayerRow, ParityReport, Thresholds, first_diverging, rel_error
 
@@ -46,6 +47,55 @@ def run_module(
     return states, logits
 
 
+@dataclass
+class _Tally:
+    """What the torch levels measured over every batch, for the gates."""
+
+    finite: bool = True
+    deterministic: bool = True
+    agree: int = 0
+    total: int = 0
+    worst_layer: Worst = field(default_factory=lambda: Worst(0.0))
+    worst_logits: Worst = field(default_factory=lambda: Worst(0.0))
+    worst_dprob: Worst = field(default_factory=lambda: Worst(0.0))
+    flipped: list[str] = field(default_factory=list)  # fixtures where the fp16 argmax moved
+
+    def gates(self, thresholds: Thresholds) -> list[GateResult]:
+        """The torch-fp32 and torch-fp16 gates on what was measured."""
+        agreement = self.agree / self.total if self.total else math.nan
+        return [
+            gate("torch-fp32", "fp32_layer_rel_error").check(
+                self.worst_layer.value,
+                thresholds.fp32_layer_rel_error,
+                where=self.worst_layer.where,
+                detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
+            ),
+            gate("torch-fp32", "fp32_logits_rel_error").check(
+                self.worst_logits.value,
+                thresholds.fp32_logits_rel_error,
+                where=self.worst_logits.where,
+            ),
+            gate("torch-fp16", "fp16_argmax_agreement").check(
+                agreement,
+                thresholds.fp16_argmax_agreement,
+                where=first_few(self.flipped),
+                detail=f"{self.agree}/{self.total} real positions",
+            ),
+            gate("torch-fp16", "fp16_max_abs_dprob").check(
+                self.worst_dprob.value,
+                thresholds.fp16_max_abs_dprob,
+                where=self.worst_dprob.where,
+                detail="softmax at T=1 over the whole vocabulary, real positions",
+            ),
+            gate("torch-fp16", "finite_outputs").check(
+                float(self.finite), detail="every layer and logit, padded positions included"
+            ),
+            gate("torch-fp16", "deterministic").check(
+                float(self.deterministic), detail="two runs, identical bits"
+            ),
+        ]
+
+
 def check_decoder(
     module: BC1LDecoder,
     batches: list[Batch],
@@ -59,11 +109,7 @@ def check_decoder(
     layers = [LayerRow(i) for i in range(n_layers)]
     rows: list[FixtureRow] = []
     fp16 = copy.deepcopy(module).half().eval()
-    finite = True
-    deterministic = True
-    agree = total = 0
-    worst_layer, worst_logits, worst_dprob = Worst(0.0), Worst(0.0), Worst(0.0)
-    flipped: list[str] = []  # fixtures where the fp16 argmax moved
+    t = _Tally()
     length = module.io.length
     stream_scale = module.spec.stream_scale
 
@@ -73,10 +119,10 @@ def check_decoder(
         states32, logits32 = run_module(module, x32, m32)
         states16, logits16 = run_module(fp16, x16, m16)
         again16, again_logits16 = run_module(fp16, x16, m16)
-        deterministic &= torch.equal(logits16, again_logits16) and all(
+        t.deterministic &= torch.equal(logits16, again_logits16) and all(
             torch.equal(a, b) for a, b in zip(states16, again16, strict=True)
         )
-        finite &= bool(torch.isfinite(logits16).all()) and all(
+        t.finite &= bool(torch.isfinite(logits16).all()) and all(
             bool(torch.isfinite(s).all()) for s in states16
         )
         for i in range(n_layers):
@@ -95,7 +141,7 @@ def check_decoder(
                 h16 = states16[i][r, :, 0, real].T.float() / stream_scale
                 row = layers[i]
                 err32 = rel_error(h32, ref_h)
-                worst_layer.see(err32, f"layer {i}, {fixture.name}")
+                t.worst_layer.see(err32, f"layer {i}, {fixture.name}")
                 row.fp32_rel_error = max(row.fp32_rel_error, err32)
                 row.fp16_rel_error = max(row.fp16_rel_error, rel_error(h16, ref_h))
                 row.fp32_max_abs = max(row.fp32_max_abs, float(h32.abs().max()))
@@ -104,46 +150,16 @@ def check_decoder(
             )
             rows.append(fixture_row)
             kept = round(fixture_row.fp16_argmax_agreement * n)
-            agree += kept
-            total += n
+            t.agree += kept
+            t.total += n
             if kept < n:
-                flipped.append(fixture.name)
-            worst_logits.see(fixture_row.fp32_logits_rel_error, fixture.name)
-            worst_dprob.see(fixture_row.fp16_max_abs_dprob, fixture.name)
+                t.flipped.append(fixture.name)
+            t.worst_logits.see(fixture_row.fp32_logits_rel_error, fixture.name)
+            t.worst_dprob.see(fixture_row.fp16_max_abs_dprob, fixture.name)
         progress()
 
-    agreement = agree / total if total else math.nan
-    gates = [
-        gate("torch-fp32", "fp32_layer_rel_error").check(
-            worst_layer.value,
-            thresholds.fp32_layer_rel_error,
-            where=worst_layer.where,
-            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
-        ),
-        gate("torch-fp32", "fp32_logits_rel_error").check(
-            worst_logits.value, thresholds.fp32_logits_rel_error, where=worst_logits.where
-        ),
-        gate("torch-fp16", "fp16_argmax_agreement").check(
-            agreement,
-            thresholds.fp16_argmax_agreement,
-            where=first_few(flipped),
-            detail=f"{agree}/{total} real positions",
-        ),
-        gate("torch-fp16", "fp16_max_abs_dprob").check(
-            worst_dprob.value,
-            thresholds.fp16_max_abs_dprob,
-            where=worst_dprob.where,
-            detail="softmax at T=1 over the whole vocabulary, real positions",
-        ),
-        gate("torch-fp16", "finite_outputs").check(
-            float(finite), detail="every layer and logit, padded positions included"
-        ),
-        gate("torch-fp16", "deterministic").check(
-            float(deterministic), detail="two runs, identical bits"
-        ),
-    ]
     return ParityReport(
-        gates=gates,
+        gates=t.gates(thresholds),
         layers=layers,
         fixtures=rows,
         first_diverging_layer=first_diverging(layers, thresholds),
