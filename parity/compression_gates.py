@@ -42,7 +42,7 @@ from parity.gate import Gate, GateResult, first_few, gate
 from parity.head_outputs import run_capturing_logits
 from parity.memory import release_memory
 from parity.metrics import PositionRow, compare_positions
-from parity.model_copies import cast_copy, fp16_constants, in_float64, set_weights
+from parity.model_copies import cast_copy, in_float64, program_constants, set_weights
 from parity.reference import ReferenceRun
 from parity.result import rel_error
 from parity.variant import Compared, VariantLevel, evaluator_weights
@@ -252,7 +252,7 @@ def mil_fp32_check(
     # evaluator's constants 2 GB (bench/README.md).
     del evaluator
     release_memory()
-    baseline = set_weights(fp16_constants(module), weights)
+    baseline = set_weights(program_constants(module), weights)
     del weights
     worst = 0.0
     length = module.io.length

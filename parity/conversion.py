@@ -16,7 +16,6 @@ marked not run.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from parity.head_outputs import ChoiceCheck, run_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
+from parity.model_copies import program_constants
 from parity.reference import ReferenceRun
 from parity.result import Thresholds
 
@@ -95,22 +95,17 @@ class ConversionReport:
         return all_passed(self.gates)
 
 
-def _program_piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """A float64 copy of ``part`` holding the values the program stores (fp16-rounded)."""
-    piece = copy.deepcopy(part).eval()
-    with torch.no_grad():
-        for tensor in [*piece.parameters(), *piece.buffers()]:
-            if tensor.is_floating_point() and precision == "float16":
-                tensor.copy_(tensor.half().float())
-    return piece.double()
-
-
 def _program_constant(precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A module constant as the program stores it (fp16-rounded when it stores fp16), in
     float64."""
     if precision == "float16":
         return lambda t: t.half().double()
     return lambda t: t.double()
+
+
+def _piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """A float64 copy of ``part`` holding the values the program stores."""
+    return program_constants(part, precision).double()
 
 
 def fp64_baseline(
@@ -126,7 +121,7 @@ def fp64_baseline(
     """
     n = module.io.logit_positions
     with torch.no_grad():
-        embed = _program_piece(module.embed, precision) if module.embed is not None else None
+        embed = _piece(module.embed, precision) if module.embed is not None else None
         hs, masks = [], []
         for x, key_mask in inputs:
             x = embed(x) if embed is not None else x.double()
@@ -136,16 +131,16 @@ def fp64_baseline(
         del embed
         states: list[list[torch.Tensor]] = [[] for _ in inputs]
         for i, layer in enumerate(module.decoder_layers()):
-            piece = _program_piece(layer, precision)
+            piece = _piece(layer, precision)
             for b in range(len(inputs)):
                 hs[b] = piece(hs[b], masks[b][i])
                 states[b].append(hs[b])
         # The head as BC1LDecoder.forward computes it: final norm, then each chunk's conv.
-        norm = _program_piece(module.final_norm, precision)
+        norm = _piece(module.final_norm, precision)
         normed = [norm(h[:, :, :, module.io.length - n :]) for h in hs]
         chunks: list[list[torch.Tensor]] = [[] for _ in inputs]
         for conv in module.lm_head:
-            piece = _program_piece(conv, precision)
+            piece = _piece(conv, precision)
             for b in range(len(inputs)):
                 chunks[b].append(piece(normed[b]))
     return [(states[b], torch.cat(chunks[b], dim=1)) for b in range(len(inputs))]

@@ -14,8 +14,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from graph_passes.decoder import BC1LDecoder
-
 M = TypeVar("M", bound=torch.nn.Module)
 
 
@@ -50,12 +48,13 @@ def set_weights(module: M, weights: dict[str, np.ndarray]) -> M:
     return module
 
 
-def fp16_constants(module: BC1LDecoder) -> BC1LDecoder:
-    """A copy whose parameters and buffers hold the values an fp16 program stores."""
+def program_constants(module: M, precision: str = "float16") -> M:
+    """A copy (eval mode) whose parameters and buffers hold the values a program of
+    ``precision`` stores: fp16-rounded for "float16", unchanged otherwise."""
     out = copy.deepcopy(module).eval()
     with torch.no_grad():
         for tensor in [*out.parameters(), *out.buffers()]:
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and precision == "float16":
                 tensor.copy_(tensor.half().float())
     return out
 
