@@ -2,14 +2,14 @@
 
 `Thresholds` holds every parity gate's threshold under its gate's name (the recipe's
 ``gates:`` and ``decision:`` keys), fixed before anything is measured; a model kind reads the
-ones its gates check (`Thresholds.of`). `ParityReport` is what a torch- or MIL-level run
+ones its gates check. `ParityReport` is what a torch- or MIL-level run
 measured: its gates, the per-layer rows and, for decoders, the per-fixture rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,12 +51,6 @@ class Thresholds:
     max_abs_dprob_calibrated: float = 0.02
     max_abs_dprob_action: float = 0.02
     narrow_margin: float = 1.0  # scorer logits: top1 - top2 below this is the narrow slice
-
-    def of(self, name: str) -> float:
-        """The threshold of the gate ``name``."""
-        if name not in {f.name for f in fields(self)}:
-            raise KeyError(f"no threshold for gate {name!r}")
-        return float(getattr(self, name))
 
 
 @dataclass
