@@ -48,6 +48,17 @@ class Checkpoint:
     sha256: str  # over the weight files and config, in name order
     license: str | None
     note: str | None  # e.g. that a GGUF reference is the de-quantized model
+    # GGUF: the config keys its metadata carried (the rest are transformers' defaults,
+    # `converter.gguf_config`); None for other sources.
+    gguf_carried: frozenset[str] | None = None
+
+
+def has_tokenizer(source: ResolvedSource) -> bool:
+    """Whether the source ships a tokenizer: tokenizer metadata in a GGUF file (llama.cpp
+    writes it; a file written without it has none), tokenizer files in a folder."""
+    if source.gguf_path is not None:
+        return bool(read_gguf_metadata(source.gguf_path, ["tokenizer.ggml.model"]))
+    return any((source.directory / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def weight_files(source: ResolvedSource, allow_pickle: bool) -> list[Path]:
@@ -124,7 +135,7 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer
     # files; only a GGUF or real tokenizer files count. No tokenizer is allowed (token-id
     # fixtures), a placeholder shipped as tokenizer.json would not be.
-    if source.gguf_file or any((source.directory / f).is_file() for f in _TOKENIZER_FILES):
+    if has_tokenizer(source):
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
         except Exception as e:
@@ -137,7 +148,13 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
             "GGUF checkpoint de-quantized to fp32 (gguf.quants, as transformers does); parity "
             "references the de-quantized model, not the original full-precision weights"
         )
-    return Checkpoint(model, config, tokenizer, files, digest, _license(source), note)
+    carried = None
+    if source.gguf_path is not None:
+        from converter.gguf_config import carried_keys
+
+        architecture = read_gguf_metadata(source.gguf_path, ["general.architecture"])
+        carried = carried_keys(source.gguf_path, str(architecture.get("general.architecture")))
+    return Checkpoint(model, config, tokenizer, files, digest, _license(source), note, carried)
 
 
 def _from_pretrained(

@@ -10,12 +10,15 @@ tensor is de-quantized from the memory-mapped file by the same ``gguf.quants.deq
 transformers calls, and the same q/k row permutation is undone, so the weights are
 bit-identical to transformers' (tests/test_gguf_weights.py).
 
-Only the architectures in ``_LAYOUTS`` take this path; others go through transformers.
+Only the architectures in ``_LAYOUTS`` take this path; others go through transformers. Gemma's
+norm weights, stored as ``1 + w`` by llama.cpp, get their 1 taken off as transformers does.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +47,38 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# GGUF architecture -> whether llama.cpp permuted the q and k rows (transformers'
-# LlamaTensorProcessor undoes it; qwen2 files are stored unpermuted).
-_LAYOUTS = {"llama": True, "qwen2": False}
+_QK_NORMS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3's four norms a layer (gguf's name map): ffn_norm is the pre-MLP norm there.
+_GEMMA3 = {
+    **_LAYER,
+    **_QK_NORMS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How llama.cpp stored one architecture's tensors."""
+
+    layer: Mapping[str, str]  # GGUF per-layer name -> transformers name
+    permuted: bool  # q and k rows interleaved (transformers' LlamaTensorProcessor undoes it)
+    # Taken off every norm weight: Gemma's ``(1 + w)`` norms are stored as ``1 + w``
+    # (transformers' Gemma2TensorProcessor subtracts 1 from every "norm.weight").
+    norm_offset: float = 0.0
+
+
+# GGUF architecture -> layout (qwen2 / qwen3 files are stored unpermuted).
+_LAYOUTS = {
+    "llama": Layout(_LAYER, permuted=True),
+    "qwen2": Layout(_LAYER, permuted=False),
+    "qwen3": Layout({**_LAYER, **_QK_NORMS}, permuted=False),
+    "gemma3": Layout(_GEMMA3, permuted=False, norm_offset=1.0),
+}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -55,13 +87,14 @@ def supported(path: Path) -> bool:
     return read_gguf(path).architecture in _LAYOUTS
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The transformers parameter name of a GGUF tensor (None: transformers skips it too)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    layer = _LAYOUTS[architecture].layer
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER:
-        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    if match and match.group(2) in layer:
+        return f"model.layers.{match.group(1)}.{layer[match.group(2)]}"
     return None
 
 
@@ -94,12 +127,14 @@ def read_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     table = read_gguf(path)
-    permuted = _LAYOUTS[str(table.architecture)]
+    architecture = str(table.architecture)
+    layout = _LAYOUTS[architecture]
+    permuted = layout.permuted
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     state: dict[str, torch.Tensor] = {}
     file = np.memmap(path, dtype=np.uint8, mode="r")  # unmapped when the last view goes
     for info in table.tensors.values():
-        name = hf_name(info.name)
+        name = hf_name(info.name, architecture)
         if name is None or info.offset is None:
             continue
         qtype = GGMLQuantizationType[info.dtype]
@@ -108,6 +143,8 @@ def read_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
             weights = _unpermute(weights, heads)
         elif permuted and ".attn_k." in info.name:
             weights = _unpermute(weights, kv_heads)
+        if layout.norm_offset and "norm.weight" in name:
+            weights = weights - layout.norm_offset
         # A copy, as transformers makes: no tensor keeps the file mapped.
         state[name] = torch.from_numpy(np.copy(weights)).to(torch.float32)
     return state

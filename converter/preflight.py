@@ -10,15 +10,16 @@ disk space.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from converter.checkpoint import _TOKENIZER_FILES, weight_files
+from converter.checkpoint import _TOKENIZER_FILES, has_tokenizer, weight_files
 from converter.errors import InputError
 from converter.recipe import Recipe, ResolvedSource
 from converter.resources import MemoryEstimate, check_disk, check_memory, estimate_peak_memory
-from converter.weightfiles import WeightTable, read_weight_tables
+from converter.weightfiles import WeightTable, read_gguf_metadata, read_weight_tables
 
 # Tensor names of the embedding table and a separate LM head (Hugging Face, GGUF).
 _EMBEDDING_NAMES = ("model.embed_tokens.weight", "token_embd.weight")
@@ -113,20 +114,40 @@ def _check_architecture(source: ResolvedSource, tables: list[WeightTable], task:
                 f"not supported; {supported}{remote}"
             )
     for table in tables:
-        if table.format == "gguf" and table.architecture not in adapters:
-            raise InputError(
-                f"{table.file}: general.architecture: {table.architecture!r} is not supported; "
-                f"{supported}"
-            )
+        if table.format == "gguf":
+            _check_gguf_architecture(table, adapters, supported)
+
+
+def _check_gguf_architecture(table: WeightTable, adapters: Collection[str], supported: str) -> None:
+    """A GGUF architecture is what transformers loads it as (llama.cpp's ``gemma3`` is
+    ``gemma3_text``); one it does not load from GGUF is refused by name."""
+    from converter.gguf_config import model_type
+
+    arch = str(table.architecture)
+    name = read_gguf_metadata(table.file, ["general.name"]).get("general.name")
+    loaded_as = model_type(arch, name if isinstance(name, str) else None)
+    where = f"{table.file}: general.architecture: {arch!r}"
+    if loaded_as is None:
+        raise InputError(
+            f"{where}: transformers does not load this architecture from GGUF; {supported}"
+        )
+    if loaded_as not in adapters:
+        raise InputError(
+            f"{where} (transformers model type {loaded_as!r}) is not supported; {supported}"
+        )
 
 
 def _check_tokenizer(recipe: Recipe, source: ResolvedSource) -> None:
     """Prompts need the checkpoint's tokenizer; a folder without tokenizer files has none."""
-    if not recipe.fixtures.prompts or source.gguf_file:
-        return  # a GGUF carries its tokenizer
-    if not any((source.directory / f).is_file() for f in _TOKENIZER_FILES):
+    if not recipe.fixtures.prompts or has_tokenizer(source):
+        return
+    if source.gguf_path is not None:
         raise InputError(
-            f"fixtures.prompts: {source.directory} has no tokenizer (none of "
-            f"{', '.join(_TOKENIZER_FILES)}); add the checkpoint's tokenizer files or give "
-            "fixtures.token_ids instead"
+            f"fixtures.prompts: {source.gguf_path} has no tokenizer (no tokenizer.ggml.model "
+            "metadata); give fixtures.token_ids instead"
         )
+    raise InputError(
+        f"fixtures.prompts: {source.directory} has no tokenizer (none of "
+        f"{', '.join(_TOKENIZER_FILES)}); add the checkpoint's tokenizer files or give "
+        "fixtures.token_ids instead"
+    )

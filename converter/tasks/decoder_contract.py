@@ -253,8 +253,10 @@ def decoder_manifest(
     program: Program,
     embeddings: FileEntry | None,
     tokenizer: FileEntry | None,
+    assumed: list[Deviation] | None = None,
 ) -> Manifest:
-    """The manifest of a decoder artifact (parity.json must already be written)."""
+    """The manifest of a decoder artifact (parity.json must already be written); ``assumed``:
+    config values the checkpoint did not carry (`converter.gguf_config.assumed_values`)."""
     spec, recipe = module.spec, job.recipe
     return Manifest(
         **common_fields(
@@ -288,5 +290,5 @@ def decoder_manifest(
         lm_head_chunks=module.chunk_sizes,
         head_output=head_output_section(module, {"main": module.io.logit_positions}),
         embeddings=embeddings,
-        deviations=deviations(scales, scaling, recipe.precision),
+        deviations=[*(assumed or []), *deviations(scales, scaling, recipe.precision)],
     )

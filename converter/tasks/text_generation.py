@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from converter.checkpoint import Checkpoint
+from converter.gguf_config import ConfigReads, assumed_values
+from converter.manifest import Deviation
 from converter.manifest_fields import write_npy, write_tokenizer
 from converter.progress import Steps
 from converter.publish import write_json_atomic
@@ -59,6 +61,8 @@ class Rewrite:
     batches: list[Batch]
     scales: list[NormScale]
     scaling: StreamScaling
+    # Config values a GGUF file did not carry (transformers' defaults): manifest deviations.
+    assumed: list[Deviation] = field(default_factory=list)
 
 
 @dataclass
@@ -123,7 +127,12 @@ def set_prescales(module: BC1LDecoder, batches: list[Batch]) -> list[NormScale]:
 
 def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
     """Adapt the checkpoint, build the BC1L module and set its scales from the fixtures."""
-    canonical = adapt(ckpt.config, ckpt.model.state_dict())
+    config = ConfigReads(ckpt.config)
+    canonical = adapt(config, ckpt.model.state_dict())
+    assumed = []
+    if ckpt.gguf_carried is not None:
+        gguf = ckpt.weight_files[0].name
+        assumed = assumed_values(ckpt.config, config.keys, ckpt.gguf_carried, gguf)
     io = decoder_io(recipe, canonical)
     fixtures = build_fixtures(
         recipe.fixtures.prompts,
@@ -136,7 +145,14 @@ def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
     batches = make_batches(fixtures, io.batch, io.length, pad_id(ckpt.tokenizer, ckpt.config))
     module, scaling, scales = choose_scales(canonical, io, batches)
     return Rewrite(
-        module.spec, module, module.host_embedding_table(), fixtures, batches, scales, scaling
+        module.spec,
+        module,
+        module.host_embedding_table(),
+        fixtures,
+        batches,
+        scales,
+        scaling,
+        assumed,
     )
 
 
@@ -230,8 +246,9 @@ def manifest(run: DecoderRun, advance: Advance) -> None:
         "its target's",
     )
     run.manifest = decoder_manifest(
-        run.job, ckpt, rw.module, rw.scales, rw.scaling, run.main, embeddings, tokenizer
-    )
+        run.job, ckpt, rw.module, rw.scales, rw.scaling, run.main, embeddings, tokenizer,
+        rw.assumed,
+    )  # fmt: skip
     write_json_atomic(directory / "manifest.json", run.manifest.model_dump(mode="json"))
 
 
