@@ -8,12 +8,13 @@ channel axis the NE prefers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from graph_passes.norms import HeadRMSNorm
-from graph_passes.rope import Rope
+from graph_passes.rope import Positions, Rope
 from graph_passes.spec import AttentionSpec
 
 
@@ -80,34 +81,98 @@ class Attention(nn.Module):
             self.rope = Rope(d, spec.rope_theta, positions, spec.rotary_dim, spec.rope_scaling)
 
     def project(
-        self, x: torch.Tensor
-    ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]:
-        """Per-head queries (already scaled) and keys, both normed and rotated, and values,
-        each (B, d, 1, L)."""
+        self, x: torch.Tensor, at: Positions | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Queries (already scaled) and keys, both normed and rotated, and values, each
+        (B, heads * d, 1, L), at the module's window positions or at ``at``. Without q/k norms
+        the queries and keys come as one tensor (the first; the second is None): one RoPE op
+        for both, and the `KeyValues` splits them as its layout needs."""
         s = self.spec
         d = s.head_dim
         widths = [(s.num_heads + s.num_kv_heads) * d, s.num_kv_heads * d]
         qk, v = self.qkv(x).split(widths, dim=1)
         if self.q_norm is None or self.k_norm is None:
-            # One RoPE op and one split for q and k together.
             if self.rope is not None:
-                qk = self.rope(qk, s.num_heads + s.num_kv_heads)
-            heads = qk.split(d, dim=1)
-            return heads[: s.num_heads], heads[s.num_heads :], v.split(d, dim=1)
+                qk = self.rope(qk, s.num_heads + s.num_kv_heads, at)
+            return qk, None, v
+        length = None if at is None else at.length
         q, k = qk.split([s.num_heads * d, s.num_kv_heads * d], dim=1)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q, length), self.k_norm(k, length)
         if self.rope is not None:
-            q, k = self.rope(q, s.num_heads), self.rope(k, s.num_kv_heads)
-        return q.split(d, dim=1), k.split(d, dim=1), v.split(d, dim=1)
+            q, k = self.rope(q, s.num_heads, at), self.rope(k, s.num_kv_heads, at)
+        return q, k, v
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, D, 1, L) normalised input; ``mask`` (B, L, 1, L) additive, key on axis 1."""
-        queries, keys, values = self.project(x)
+    def weights(self, score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention weights from scores ``score[b, key, 0, query]`` and an additive ``mask``
+        of the same layout: the softmax over the key axis (axis 1, the channel axis)."""
+        return torch.softmax(score + mask, dim=1)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, keys: KeyValues | None = None
+    ) -> torch.Tensor:
+        """``x`` (B, D, 1, L) normalised input; ``mask`` additive, key on axis 1: (B, L, 1, L)
+        over the window's own keys, or as ``keys`` lays its keys out (a cached decoder's)."""
+        source = WindowKeys() if keys is None else keys
+        q, k, v = self.project(x, source.positions)
+        return self.o(torch.cat(source.attend(self, q, k, v, mask), dim=1))
+
+
+class KeyValues(Protocol):
+    """Where one attention call's keys and values live, and at which positions its tokens
+    sit: what differs between a window (`WindowKeys`) and a cached call
+    (`graph_passes.cached_decoder.CachedKeys`). Everything else - projections, biases, q/k
+    norms, RoPE, the score scale, the softmax, the output projection - is `Attention`'s, the
+    same code for both."""
+
+    @property
+    def positions(self) -> Positions | None:
+        """The tokens' positions; None: the module's own window positions."""
+
+    def attend(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Each query head's output (B, d, 1, L) from `Attention.project`'s ``q, k, v``."""
+        ...
+
+
+class WindowKeys:
+    """The window's keys: its L tokens attend to each other (and to nothing else)."""
+
+    positions: Positions | None = None
+
+    def attend(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Per head: keys transposed once per kv head to (B, L, 1, d), scores
+        ``score[b, key, 0, query]``, weighted values."""
+        queries, keys, values = _heads(attn.spec, q, k, v)
         keys_t = [k.transpose(1, 3) for k in keys]  # (B, L, 1, d)
         outputs = []
         for h, q in enumerate(queries):
-            g = h // self.spec.group_size
+            g = h // attn.spec.group_size
             score = torch.einsum("bkhc,bchq->bkhq", keys_t[g], q)
-            weight = torch.softmax(score + mask, dim=1)
+            weight = attn.weights(score, mask)
             outputs.append(torch.einsum("bchk,bkhq->bchq", values[g], weight))
-        return self.o(torch.cat(outputs, dim=1))
+        return outputs
+
+
+def _heads(
+    s: AttentionSpec, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    """Per-head queries, keys and values (B, d, 1, L); queries and keys in one tensor split
+    in one op."""
+    d = s.head_dim
+    if k is None:
+        heads = q.split(d, dim=1)
+        return heads[: s.num_heads], heads[s.num_heads :], v.split(d, dim=1)
+    return q.split(d, dim=1), k.split(d, dim=1), v.split(d, dim=1)

@@ -1,10 +1,12 @@
 """The cached BC1L decoder: T new tokens at explicit positions against a KV cache of S slots.
 
-It runs the layers of a window module (`graph_passes.decoder.BC1LDecoder`) itself - the same
-Attention weights, norms (with their prescales), MLPs, final norm and LM head objects - so a
-change to the window module's weights or norms (the residual-stream scale, norm prescales set
-by name) is the cached module's too, and the weights are held once in memory. Only the
-attention differs: the T new keys and values are scored against the cache as well.
+It calls the layers of a window module (`graph_passes.decoder.BC1LDecoder`) - the same
+`Block` objects and their forward, final norm and LM head - so a change to the window module's
+weights or norms (the residual-stream scale, norm prescales set by name) is the cached
+module's too, a layer feature is written once for both, and the weights are held once in
+memory. Only where the keys and values live differs: each layer's attention gets a
+`CachedKeys` (`graph_passes.attention.KeyValues`), which scores the T new tokens against the
+cache as well and keeps the rows they write.
 
 Cache: one fp16 tensor ``kv_cache`` (2N, KV, S, d) for N layers of KV kv heads of d channels:
 row ``i`` holds layer i's keys, row ``N + i`` its values, slot ``s`` the token at position
@@ -44,7 +46,6 @@ same function and the state update does not sit between a layer's keys and its s
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,8 +55,7 @@ from torch import nn
 from graph_passes.attention import Attention
 from graph_passes.decoder import BC1LDecoder, InputKind
 from graph_passes.model import Block
-from graph_passes.norms import HeadRMSNorm
-from graph_passes.rope import inverse_frequencies, rope_tables, rotate
+from graph_passes.rope import Positions, inverse_frequencies, rope_tables
 from graph_passes.spec import AttentionSpec
 
 CacheStyle = Literal["state", "io"]
@@ -105,13 +105,6 @@ def rope_groups(specs: list[AttentionSpec]) -> tuple[list[RopeGroup], list[int]]
             groups.append(RopeGroup(s.rotary_channels, inv))
         index.append(keys.index(key))
     return groups, index
-
-
-def _with_length(norm: HeadRMSNorm, length: int) -> HeadRMSNorm:
-    """The same head norm (shared weights, prescale) reshaping ``length`` positions."""
-    twin = copy.copy(norm)
-    twin.length = length
-    return twin
 
 
 class CachedDecoder(nn.Module):
@@ -228,8 +221,10 @@ class CachedDecoder(nn.Module):
         n = self.num_layers
         for i, layer in enumerate(self.layers()):
             cos, sin = rope[self.group_of[self.start + i]]
-            mask = masks[layer.window]
-            h, k, v = self._layer(layer, h, mask, cos, sin, cache[i], cache[n + i])
+            # The window's own block, reading and writing the cache through `CachedKeys`.
+            slots = CachedKeys(cache[i], cache[n + i], Positions(cos, sin, t), self.io.cache_length)
+            h = layer(h, masks[layer.window], slots)
+            k, v = slots.written()
             keys.append(k)
             values.append(v)
         rows = torch.stack(keys + values)  # (2N, KV, T, d)
@@ -263,61 +258,51 @@ class CachedDecoder(nn.Module):
             out = out + slots[:, :, :, u : u + 1] * rows[:, :, u : u + 1, :]
         return out
 
-    def _layer(
-        self,
-        layer: Block,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One pre-norm layer (placement ``pre`` or ``both``, as `Block.forward`); returns the
-        stream and the layer's new key and value rows (KV, T, d)."""
-        normed = x if layer.attention_norm is None else layer.attention_norm(x)
-        branch, k, v = self._attention(layer.attention, normed, mask, cos, sin, cache_k, cache_v)
-        if layer.attention_out_norm is not None:
-            branch = layer.attention_out_norm(branch)
-        h = x + branch
-        branch = layer.mlp(layer.mlp_norm(h))
-        if layer.mlp_out_norm is not None:
-            branch = layer.mlp_out_norm(branch)
-        return h + branch, k, v
 
-    def _attention(
+class CachedKeys:
+    """One layer's keys and values in a cached call (`graph_passes.attention.KeyValues`): the
+    T new tokens at host `Positions` attend to the S cache slots, read, and to themselves;
+    their key and value rows (KV, T, d) are what the call writes (`written`)."""
+
+    def __init__(
+        self, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: Positions, slots: int
+    ) -> None:
+        self.cache_k, self.cache_v = cache_k, cache_v  # (KV, S, d), valid slots only
+        self.positions = positions
+        self.slots = slots  # S, a Python int (a traced shape read is an int cast)
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new key and value rows (KV, T, d), in the cache's layout."""
+        if self.rows is None:
+            raise RuntimeError("the layer's attention has not run on these keys")
+        return self.rows
+
+    def attend(
         self,
         attn: Attention,
-        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor,
         mask: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention of T queries over the S cached and T new keys; see the module docstring."""
-        s, t = attn.spec, self.io.tokens
-        d, kv, r, length = s.head_dim, s.num_kv_heads, s.rotary_channels, self.io.cache_length
-        qk, v = attn.qkv(x).split([(s.num_heads + kv) * d, kv * d], dim=1)
-        if attn.q_norm is None or attn.k_norm is None:
-            qk = rotate(qk, s.num_heads + kv, d, r, t, cos, sin)
-            q, k = qk.split([s.num_heads * d, kv * d], dim=1)
-        else:
-            q, k = qk.split([s.num_heads * d, kv * d], dim=1)
-            q = _with_length(attn.q_norm, t)(q)
-            k = _with_length(attn.k_norm, t)(k)
-            q = rotate(q, s.num_heads, d, r, t, cos, sin)
-            k = rotate(k, kv, d, r, t, cos, sin)
+    ) -> list[torch.Tensor]:
+        """Per query head: scores against the S cached and the T new keys, computed apart and
+        concatenated on the key axis (see the module docstring), and the weighted values."""
+        s, t, length = attn.spec, self.positions.length, self.slots
+        d, kv = s.head_dim, s.num_kv_heads
+        if k is None:  # queries and keys in one tensor
+            q, k = q.split([s.num_heads * d, kv * d], dim=1)
         # Rows (KV, T, d) in the cache's layout: what is written, and the new keys transposed.
         k_rows = k.reshape(kv, d, t).transpose(1, 2)
         v_rows = v.reshape(kv, d, t).transpose(1, 2)
+        self.rows = (k_rows, v_rows)
         queries = q.split(d, dim=1)
         values = v.split(d, dim=1)
         outputs = []
         for h, query in enumerate(queries):
             g = h // s.group_size
-            old_k = cache_k[g].reshape(1, length, 1, d)
-            old_v = cache_v[g].reshape(1, length, 1, d)
+            old_k = self.cache_k[g].reshape(1, length, 1, d)
+            old_v = self.cache_v[g].reshape(1, length, 1, d)
             new_k = k_rows[g].reshape(1, t, 1, d)
             score = torch.cat(
                 [
@@ -326,12 +311,12 @@ class CachedDecoder(nn.Module):
                 ],
                 dim=1,
             )
-            weight = torch.softmax(score + mask, dim=1)
+            weight = attn.weights(score, mask)
             w_old, w_new = weight.split([length, t], dim=1)
             out = torch.einsum("bkhc,bkhq->bchq", old_v, w_old)
             out = out + torch.einsum("bchk,bkhq->bchq", values[g], w_new)
             outputs.append(out)
-        return attn.o(torch.cat(outputs, dim=1)), k_rows, v_rows
+        return outputs
 
 
 def cached_functions(

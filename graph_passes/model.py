@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graph_passes.attention import Attention
+from graph_passes.attention import Attention, KeyValues
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.mlp import build_mlp
 from graph_passes.norms import RMSNorm
@@ -97,14 +97,18 @@ class Block(nn.Module):
                         named.append((f"{prefix}.attn.{qk}", head_norm))
         return named
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, keys: KeyValues | None = None
+    ) -> torch.Tensor:
+        """The layer on ``x`` (B, D, 1, L); ``mask`` and ``keys`` as `Attention.forward`
+        takes them (``keys``: a cached decoder's cache, None: the window's own keys)."""
         if self.placement == "post":
-            h = self.attention(x, mask) + x
+            h = self.attention(x, mask, keys) + x
             if self.attention_norm is not None:
                 h = self.attention_norm(h)
             return self.mlp_norm(self.mlp(h) + h)
         normed = x if self.attention_norm is None else self.attention_norm(x)
-        branch = self.attention(normed, mask)
+        branch = self.attention(normed, mask, keys)
         if self.attention_out_norm is not None:
             branch = self.attention_out_norm(branch)
         h = x + branch

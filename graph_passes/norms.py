@@ -84,9 +84,11 @@ class HeadRMSNorm(RMSNorm):
     def _shape_gamma(self, gamma: torch.Tensor) -> torch.Tensor:
         return gamma.reshape(1, 1, -1, 1).clone()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """``x`` (B, n*d, 1, L); ``length`` L where it is not the module's own (a cached
+        decoder's T tokens)."""
         # Python ints, not x.shape: traced shape reads become int casts coremltools rejects.
-        length = self.length
+        length = self.length if length is None else length
         heads = x.reshape(-1, self.heads, self.channels, length)
         if self.prescale != 1.0:
             heads = heads * self.inv_scale

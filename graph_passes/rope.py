@@ -10,6 +10,7 @@ rotated, split-half among themselves, and the rest pass through, as transformers
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,8 +65,20 @@ def rope_tables(
     )
 
 
+@dataclass(frozen=True)
+class Positions:
+    """The positions one call's tokens sit at, when they are not a module's own window: their
+    RoPE tables (1, 1, rotary_dim, length) as `rope_tables` makes them, host inputs of a
+    cached decoder, and their number."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    length: int
+
+
 class Rope(nn.Module):
-    """Apply RoPE to ``x[b, n*d, 0, l]`` holding ``n`` heads of ``d`` channels each."""
+    """Apply RoPE to ``x[b, n*d, 0, l]`` holding ``n`` heads of ``d`` channels each: at the
+    module's own positions (its tables, built once), or at a call's `Positions`."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -89,8 +102,12 @@ class Rope(nn.Module):
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
 
-    def forward(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        return rotate(x, num_heads, self.head_dim, self.rotary_dim, self.length, self.cos, self.sin)
+    def forward(self, x: torch.Tensor, num_heads: int, at: Positions | None = None) -> torch.Tensor:
+        if at is None:
+            return rotate(
+                x, num_heads, self.head_dim, self.rotary_dim, self.length, self.cos, self.sin
+            )
+        return rotate(x, num_heads, self.head_dim, self.rotary_dim, at.length, at.cos, at.sin)
 
 
 def rotate(

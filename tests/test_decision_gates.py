@@ -118,16 +118,8 @@ def test_marker_offset_by_one_fails_at_marker_rows(case: DecisionCase) -> None:
 class QueryAxisAttention(Attention):
     """Mutant: the softmax over the query axis (axis 3) instead of the key axis (axis 1)."""
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        queries, keys, values = self.project(x)
-        keys_t = [k.transpose(1, 3) for k in keys]
-        outputs = []
-        for h, q in enumerate(queries):
-            g = h // self.spec.group_size
-            score = torch.einsum("bkhc,bchq->bkhq", keys_t[g], q)
-            weight = torch.softmax(score + mask, dim=3)
-            outputs.append(torch.einsum("bchk,bkhq->bchq", values[g], weight))
-        return self.o(torch.cat(outputs, dim=1))
+    def weights(self, score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(score + mask, dim=3)
 
 
 def test_head_softmax_on_the_query_axis_fails_at_head_layer_0(case: DecisionCase) -> None:

@@ -2,7 +2,8 @@
 
 Prefill then sequential decode (and K-token extends) through the cache must give, at every
 position, the logits transformers computes by full recompute in fp32; stale and large
-entries beyond the position must change nothing.
+entries beyond the position must change nothing. A layer feature written once, in the block
+or its attention, changes the window module and the cached functions alike.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import pytest
 import torch
 from tiny_models import build_tiny, one_torch_thread, random_sequences
 
+from graph_passes.attention import Attention, KeyValues
 from graph_passes.cache_host import CallShape
 from graph_passes.cached_decoder import cached_functions
+from graph_passes.decoder import BC1LDecoder
+from graph_passes.masks import MASKED
+from graph_passes.model import Block
 from parity.kv_session import CacheSession, FunctionShape, rope_rows, torch_runner
 
 ARCHS = ("llama", "qwen3", "gemma3")
@@ -112,3 +117,58 @@ def test_rejected_drafts_and_large_stale_values_change_nothing(style: str) -> No
     for p in range(8, 16):
         logits = s.call("decode", [ids[p]])[:, -1]
         assert rel(logits, ref[p]) <= TOLERANCE, f"{style} position {p}"
+
+
+class SoftcappedAttention(Attention):
+    """A layer feature written once, in `Attention`: attention logit soft-capping (Gemma 2's
+    ``c * tanh(score / c)``), here with a cap low enough to change every layer."""
+
+    def weights(self, score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return super().weights(0.5 * torch.tanh(score / 0.5), mask)
+
+
+class LayerScaledBlock(Block):
+    """A layer feature written once, in `Block`: each layer's update to the stream halved."""
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, keys: KeyValues | None = None
+    ) -> torch.Tensor:
+        return x + 0.5 * (super().forward(x, mask, keys) - x)
+
+
+def softcap(layer: Block) -> None:
+    layer.attention.__class__ = SoftcappedAttention
+
+
+def layer_scale(layer: Block) -> None:
+    layer.__class__ = LayerScaledBlock
+
+
+def window_logits(module: BC1LDecoder, ids: list[int]) -> np.ndarray:
+    """The window module's logits (n, V) at every position of ``ids`` (left-padded to L),
+    read from the last stream through the final norm and LM head."""
+    pad = module.io.length - len(ids)
+    x = module.host_embedding_table()[[0] * pad + ids][None]
+    key_mask = torch.zeros(1, module.io.length)
+    key_mask[:, :pad] = MASKED
+    with torch.no_grad():
+        h = module.run_layers(x, key_mask)[-1]
+        logits = torch.cat(module.head(h), dim=1)  # (1, V, 1, L)
+    return logits[0, :, 0, pad:].T.numpy()
+
+
+@pytest.mark.parametrize("feature", [softcap, layer_scale])
+def test_a_layer_feature_written_once_reaches_the_window_and_the_cache(feature) -> None:
+    tiny = build_tiny("gemma3", "embeddings", batch=1)
+    ids = random_sequences(10, (12,))[0]
+    before = window_logits(tiny.module, ids)
+    for layer in tiny.module.decoder_layers():
+        feature(layer)
+    after = window_logits(tiny.module, ids)
+    assert rel(after, before) > 0.05  # the feature changes the function
+    s = session(tiny, "state")
+    got = {PREFILL - 1: s.call("prefill", ids[:PREFILL])[:, -1]}
+    for p in range(PREFILL, len(ids)):
+        got[p] = s.call("decode", [ids[p]])[:, -1]
+    for p, logits in got.items():
+        assert rel(logits, after[p]) <= TOLERANCE, f"position {p}"
