@@ -156,7 +156,7 @@ def token_texts(vocab: int) -> dict[str, list[list[int]]]:
 
 def recipe_text(case: str, checkpoint: Path, vocab: int) -> str:
     """The recipe of ``case``: the fp16 artifact and, unless ``fp16``, one variant."""
-    from converter.compress.config import CALIBRATED_METHODS
+    from converter.compress import methods
 
     texts = token_texts(vocab)
     recipe: dict[str, Any] = {
@@ -176,7 +176,7 @@ def recipe_text(case: str, checkpoint: Path, vocab: int) -> str:
     spec = VARIANTS[case]
     if spec is not None:
         compression: dict[str, Any] = {"held_out": texts["held_out"]}
-        if spec["method"] in CALIBRATED_METHODS:
+        if spec["method"] in methods.calibrated():
             compression["calibration"] = texts["calibration"]
         compression["variants"] = [{"suffix": case, **spec, "gates": VARIANT_GATES}]
         recipe["compression"] = compression

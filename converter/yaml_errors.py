@@ -16,6 +16,7 @@ import difflib
 import inspect
 import re
 import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -48,6 +49,30 @@ class StrictModel(BaseModel):
 def rule(reason: str) -> PydanticCustomError:
     """A validation error whose message is ``reason`` as written (raise it in a validator)."""
     return PydanticCustomError(RULE, "{reason}", {"reason": reason})
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Field metadata (``Annotated[str, OneOf(options)]``): the value must be one of
+    ``options()``, read when validating rather than when the schema is defined, so a registry
+    that gains an entry (a compression method) is accepted without editing the schema. Errors
+    read like a ``Literal``'s: ``expected one of a, b, got 'c'``."""
+
+    options: Callable[[], Sequence[str]]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        def check(value: Any) -> str:
+            allowed = tuple(self.options())
+            if not isinstance(value, str) or value not in allowed:
+                expected = ", ".join(repr(a) for a in allowed)
+                raise PydanticCustomError(
+                    "literal_error", "Input should be one of {expected}", {"expected": expected}
+                )
+            return value
+
+        return core_schema.no_info_plain_validator_function(check)
 
 
 def raise_rules(title: str, problems: list[tuple[Loc, str]], value: Any = None) -> None:
@@ -329,6 +354,9 @@ def expected_at(model: type[BaseModel], loc: Loc) -> str | None:
 def _describe(annotation: Any, metadata: list[Any]) -> str | None:
     """Say in words what a field accepts, from its type and constraints."""
     annotation, metadata = _unwrap(annotation, metadata)
+    choices = [m for m in metadata if isinstance(m, OneOf)]
+    if choices:
+        return "one of " + ", ".join(choices[0].options())
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(str(a) for a in get_args(annotation))
     if _is_model(annotation):

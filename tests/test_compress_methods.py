@@ -3,16 +3,18 @@ schema built from it (the accepted ``method:`` values and which method owns whic
 
 from __future__ import annotations
 
+import ast
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import get_args
 
 import pytest
 
 from converter.compress import methods
-from converter.compress.config import Variant
+from converter.compress.config import Compression, Variant
 from converter.compress.methods.base import CompressionMethod, Scheme
+from converter.errors import InputError
+from converter.yaml_errors import expected_at
 
 NEW_METHOD = """
 from converter.compress.methods.base import CompressionMethod, Scheme
@@ -43,7 +45,7 @@ def test_every_method_is_a_registered_module_and_a_recipe_value() -> None:
         "skm",
         "grid",
     )
-    assert get_args(Variant.model_fields["method"].annotation) == methods.names()
+    assert expected_at(Variant, ("method",)) == "one of " + ", ".join(methods.names())
     for name in methods.names():
         assert isinstance(methods.get(name), CompressionMethod) and methods.get(name).summary
     with pytest.raises(
@@ -104,3 +106,144 @@ def test_a_module_without_a_method_is_refused(demo_package: Path) -> None:
     (demo_package / "broken.py").write_text("METHOD = object()\n")
     with pytest.raises(TypeError, match="broken: expected METHOD"):
         methods.discover([str(demo_package)], "demo_methods")
+
+
+# A test-only method, as one file: int8 storage under its own name, listed first, searchable
+# and carried into a cached decoder. Nothing else is edited to make it available.
+DEMO_METHOD = """
+from converter.compress.methods.base import CompressionMethod, Scheme
+from converter.compress.methods.int8 import METHOD as INT8
+
+
+class Demo(CompressionMethod):
+    name = "demo8"
+    summary = "a method added as one file, end to end"
+    order = 5
+    kv_cache = True
+    records_symmetry = True
+    searchable = True
+    search_summary = "test-only int8 per row"
+    fields = {"symmetric": "weights have a zero point"}
+
+    def scheme(self, variant):
+        return Scheme(self.name, 8, "per-channel", None, variant.symmetric)
+
+    def describe(self, scheme):
+        return "demo " + INT8.describe(scheme)
+
+    def ct_config(self, scheme):
+        return INT8.ct_config(scheme)
+
+    def algorithm(self, scheme, site):
+        return "demo: " + INT8.algorithm(scheme, site)
+
+    def apply(self, mlmodel, op_configs):
+        return INT8.apply(mlmodel, op_configs)
+
+    def search_candidates(self, space, widths):
+        return [Scheme(self.name, 8, "per-channel", None, True)] if 8 in widths else []
+
+    def stored_bytes(self, site, scheme):
+        return site.elements + site.shape[0] * 2
+
+
+METHOD = Demo()
+"""
+GATES = {"min_top1_agreement": 0.5, "max_mean_kl": 0.5}
+
+
+@pytest.fixture
+def demo(demo_package: Path, monkeypatch: pytest.MonkeyPatch) -> CompressionMethod:
+    """The demo method registered beside the real ones (as discovery would, in order)."""
+    (demo_package / "demo8.py").write_text(DEMO_METHOD)
+    found = methods.discover([str(demo_package)], "demo_methods")
+    monkeypatch.setattr(methods, "METHODS", methods.ranked({**methods.METHODS, **found}))
+    return found["demo8"]
+
+
+def _demo_compression() -> Compression:
+    search = {"bits": [16, 8], "methods": ["demo8", "lut"], "budget": GATES}
+    return Compression.model_validate(
+        {
+            "held_out": [[1, 2, 3]],
+            "calibration": [[4, 5, 6]],  # read by mixed
+            "variants": [
+                {"suffix": "d", "method": "demo8", "granularity": "per-channel",
+                 "symmetric": False, "gates": GATES},
+                {"suffix": "m", "method": "mixed", "search": search, "gates": GATES},
+            ],
+        }
+    )  # fmt: skip
+
+
+def test_a_registered_method_is_available_end_to_end(
+    demo: CompressionMethod, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_compress_schemes import NAMES, _model
+
+    from converter.compress.candidates import candidates, fits, label, stored_bytes
+    from converter.compress.records import weight_records
+    from converter.compress.schemes import apply_plan, variant_scheme
+    from converter.compress.search import _summaries
+    from converter.compress.sites import weight_sites
+    from converter.compress.stateful import check_methods
+    from converter.recipe.cache import kv_method_problems
+
+    # the recipe accepts it (a variant, a search method), listed by its order
+    compression = _demo_compression()
+    assert methods.names()[0] == "demo8" and methods.search_methods()[0] == "demo8"
+    assert "demo8: test-only int8 per row" in _summaries()
+    # a cached decoder takes it (kv_cache), in its own variant and in a search
+    assert kv_method_problems(compression.variants) == []
+    check_methods(compression)
+    # the mixed search yields its candidates, labelled and sized by it
+    space = compression.variants[1].search
+    demo8 = Scheme("demo8", 8, "per-channel", None, True)
+    assert candidates(space) == [None, demo8, Scheme("lut", 8, "per-tensor")]
+    model = _model("iOS17")
+    sites = weight_sites(model._mil_program.functions["main"], NAMES)
+    assert label(demo8) == "demo88" and fits(sites[0], demo8)
+    assert stored_bytes(sites[0], demo8) == sites[0].elements + sites[0].shape[0] * 2
+    # its scheme is applied and recorded as its own (symmetry recorded: records_symmetry)
+    scheme = variant_scheme(compression.variants[0])
+    program = apply_plan(model, {"a.weight": scheme}, sites)._mil_program
+    records, _ = weight_records(program.functions["main"], sites, {"a.weight": scheme}, {})
+    a = next(r for r in records if r.weight == "a.weight")
+    assert (a.method, a.symmetric, a.op) == ("demo8", False, "constexpr_affine_dequantize")
+    assert a.scheme == "demo int8 per-channel asymmetric" and a.algorithm.startswith("demo:")
+    # KV support follows the attribute
+    monkeypatch.setattr(type(demo), "kv_cache", False)
+    refused = kv_method_problems(compression.variants)
+    assert [loc[-1] for loc, _ in refused] == ["method", "methods"]
+    assert "use one of lut, int8, mixed" in refused[0][1] and "use [lut]" in refused[1][1]
+    with pytest.raises(InputError, match=r"variants\[0\]\.method: demo8 variants of a cached"):
+        check_methods(compression)
+
+
+# MIL vocabulary, not method names: dtypes ("int8") and op inputs ("lut") of programs.
+NOT_METHOD_NAMES = ("converter/compress/methods/", "converter/plan/", "parity/mil/")
+
+
+def test_no_module_outside_methods_names_a_method() -> None:
+    """A method's facts live on its class: no string equal to a method name elsewhere (a
+    ``dtype=`` argument is a MIL dtype)."""
+    repo = Path(__file__).resolve().parent.parent
+    names = set(methods.names())
+    found = []
+    for root in ("converter", "graph_passes", "parity"):
+        for path in sorted((repo / root).rglob("*.py")):
+            rel = path.relative_to(repo).as_posix()
+            if rel.startswith(NOT_METHOD_NAMES):
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            dtypes = {id(k.value) for k in ast.walk(tree) if isinstance(k, ast.keyword)
+                      and k.arg == "dtype"}  # fmt: skip
+            found += [
+                f"{rel}:{node.lineno}: {node.value!r}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in names
+                and id(node) not in dtypes
+            ]
+    assert not found, found

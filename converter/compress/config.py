@@ -8,7 +8,7 @@ gates are never loosened for it.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,21 +16,16 @@ from converter.compress import methods
 from converter.compress.methods.base import LUT_BITS, SEARCH_BITS
 from converter.compress.smooth import ALPHA
 from converter.targets import Feature, check_feature
-from converter.yaml_errors import Loc, StrictModel, raise_rules
+from converter.yaml_errors import Loc, OneOf, StrictModel, raise_rules
 
-# The registered methods (converter/compress/methods/, one module each).
-if TYPE_CHECKING:
-    Method = str
-else:
-    Method = Literal[methods.names()]
-SearchMethod = Literal["lut", "skm", "gptq", "grid"]  # what the mixed search may choose per weight
+# The registered methods (converter/compress/methods/, one module each), read when a recipe
+# is validated; and those the mixed search may choose per weight (``searchable``).
+Method = Annotated[str, OneOf(methods.names)]
+SearchMethod = Annotated[str, OneOf(methods.search_methods)]
 # per-block: integers with a scale per block of group_size inputs (method grid)
 Granularity = Literal["per-tensor", "per-grouped-channel", "per-channel", "per-block"]
 
-# Methods that read compression.calibration (layer sensitivity, activation ranges): each
-# method module says so (``needs_calibration``).
-CALIBRATED_METHODS = tuple(n for n, m in methods.METHODS.items() if m.needs_calibration)
-__all__ = ["CALIBRATED_METHODS", "LUT_BITS", "SEARCH_BITS"]  # importable from here
+__all__ = ["LUT_BITS", "SEARCH_BITS"]  # importable from here
 
 _SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -106,7 +101,8 @@ class SearchSpace(StrictModel):
     (one candidate: each weight's own block grid of ``grid_block`` inputs, where it has one)."""
 
     bits: list[int] = Field(default_factory=lambda: [16, 8, 6, 4])
-    methods: list[SearchMethod] = Field(default_factory=lambda: list[SearchMethod](["lut"]))
+    # default: the first search method (registry order: k-means palettes)
+    methods: list[SearchMethod] = Field(default_factory=lambda: list(methods.search_methods()[:1]))
     group_sizes: list[Annotated[int, Field(ge=1, strict=True)]] = []
     # grid only: the block of consecutive inputs a weight's own grid is found on (GGUF: 32)
     grid_block: int = Field(default=32, ge=1, strict=True)
@@ -120,11 +116,16 @@ class SearchSpace(StrictModel):
             allowed = ", ".join(map(str, SEARCH_BITS))
             problems.append((("bits",), f"expected at least two distinct widths from {allowed}"))
         if len(set(self.methods)) != len(self.methods) or not self.methods:
-            problems.append((("methods",), "expected distinct methods from lut, skm, gptq, grid"))
-        if "gptq" in self.methods and not {4, 8} & set(self.bits):
-            problems.append((("methods",), "gptq is 4 or 8 bits: add 4 or 8 to bits"))
-        if "grid" not in self.methods and self.grid_block != 32:
-            problems.append((("grid_block",), "only when grid is in methods"))
+            known = ", ".join(methods.search_methods())
+            problems.append((("methods",), f"expected distinct methods from {known}"))
+        for method in methods.METHODS.values():
+            if method.name in self.methods:
+                problems += method.search_check(self)
+                continue
+            for name, why in method.search_fields.items():
+                default = type(self).model_fields[name].get_default(call_default_factory=True)
+                if getattr(self, name) != default:
+                    problems.append(((name,), why))
         if len(set(self.group_sizes)) != len(self.group_sizes):
             problems.append((("group_sizes",), "expected distinct group sizes"))
         raise_rules("SearchSpace", problems)
@@ -261,14 +262,15 @@ class Compression(StrictModel):
             problems.append(
                 (("calibration",), f"shares {len(overlap)} text(s) with held_out; keep them apart")
             )
-        needs_calibration = [v.suffix for v in self.variants if v.method in CALIBRATED_METHODS]
+        calibrated = methods.calibrated()
+        needs_calibration = [v.suffix for v in self.variants if v.method in calibrated]
         if needs_calibration and not self.calibration:
             problems.append(
                 (("calibration",), f"required by variant(s) {', '.join(needs_calibration)}")
             )
         elif self.calibration and not needs_calibration:
             # Read by the calibrated methods only: elsewhere it would be silently unused.
-            readers = f"{', '.join(CALIBRATED_METHODS[:-1])} and {CALIBRATED_METHODS[-1]}"
+            readers = f"{', '.join(calibrated[:-1])} and {calibrated[-1]}"
             problems.append(
                 (
                     ("calibration",),

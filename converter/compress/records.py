@@ -30,7 +30,7 @@ class WeightRecord:
     weight: str
     const: str
     shape: list[int]
-    method: str  # "fp16" (kept), "lut", "int8"
+    method: str  # "fp16" (kept), or the registered method that stores it
     scheme: str
     bits: int
     granularity: str | None
@@ -154,6 +154,7 @@ def weight_records(
         if tuple(value.shape) != site.shape:
             raise ValueError(f"{site.name}: decodes to {value.shape}, expected {site.shape}")
         decoded[site.name] = value
+        storage = methods.get(scheme.method)
         records.append(
             WeightRecord(
                 site.name,
@@ -164,8 +165,8 @@ def weight_records(
                 scheme.bits,
                 scheme.granularity,
                 scheme.group_size,
-                scheme.symmetric if scheme.method in ("int8", "grid") else None,
-                methods.get(scheme.method).algorithm(scheme, site),
+                scheme.symmetric if storage.records_symmetry else None,
+                storage.algorithm(scheme, site),
                 op.op_type,
                 fp16_bytes,
                 stored,

@@ -14,7 +14,6 @@ from typing import Any
 from converter.compress import methods
 from converter.compress.methods.base import (
     Scheme,
-    SchemeMethod,
     VariantFields,
     quiet_progress,
     split_sites,
@@ -23,7 +22,6 @@ from converter.compress.sites import WeightSite
 
 __all__ = [
     "Scheme",
-    "SchemeMethod",
     "apply_plan",
     "quiet_progress",
     "split_sites",

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.compress.candidates import palette  # noqa: F401  (tests import it from here)
 from converter.compress.config import SearchSpace
+from converter.compress.methods.lut import palette  # noqa: F401  (tests import it from here)
 from converter.compress.schemes import Scheme
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
@@ -293,9 +293,7 @@ def search_plan(
             "methods": list(space.methods),
             "group_sizes": list(space.group_sizes),
             "candidates": [label(c) for c in options],
-            "unit": "one candidate (method x bits x group) per weight tensor; lut: k-means "
-            "palettes (coremltools), skm: sensitive k-means, gptq: GPTQ integers per row, "
-            "grid: the weight's own block grid (exact)",
+            "unit": "one candidate (method x bits x group) per weight tensor; " + _summaries(),
             "weights": len(sites),
         },
         "budget": {
@@ -330,3 +328,10 @@ def search_plan(
         },
     }
     return plan, doc
+
+
+def _summaries() -> str:
+    """``lut: k-means palettes (coremltools), ...``: what each search method's candidate is."""
+    from converter.compress import methods
+
+    return ", ".join(f"{n}: {methods.get(n).search_summary}" for n in methods.search_methods())

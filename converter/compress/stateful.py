@@ -11,7 +11,7 @@ packages, so each variant is built function by function and then combined:
     blob that several functions hold byte for byte once) -> gates -> published
 
 Only methods whose stored values are a function of the weight and its scheme alone are
-allowed here (`converter.recipe.cache.KV_METHODS`): coremltools' k-means (kmeans1d, or
+allowed here (``kv_cache`` in ``compress/methods``): coremltools' k-means (kmeans1d, or
 scikit-learn with a fixed seed) and affine int8 give the same bytes for the same fp16 weight,
 so the one plan gives identical weights in every function. That is measured, not assumed:
 ``kv_weights_identical`` counts the weights whose stored payload differs between any function
@@ -138,13 +138,12 @@ def differing(
 def check_methods(compression: Compression) -> None:
     """Refuse, before anything is built, a method this module cannot carry into every
     function (the recipe rule says so at validate time too)."""
-    from converter.recipe.cache import KV_METHODS
-
+    kv = methods.kv_methods()
     for i, variant in enumerate(compression.variants):
-        if variant.method not in KV_METHODS:
+        if variant.method not in kv:
             raise InputError(
                 f"compression.variants[{i}].method: {variant.method} variants of a cached "
-                f"decoder are not implemented; use one of {', '.join(KV_METHODS)}"
+                f"decoder are not implemented; use one of {', '.join(kv)}"
             )
 
 

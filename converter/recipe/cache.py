@@ -12,15 +12,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from converter.compress import methods
 from converter.targets import Feature, check_feature
 from converter.yaml_errors import Loc, StrictModel, raise_rules
 
 CacheStyleName = Literal["none", "state", "io"]
-# Compression methods a cached decoder's variants may use: those whose stored values are a
-# function of the weight and its scheme alone, so every function's package compressed with
-# the same plan holds byte-identical weights (`converter.compress.stateful`). ``mixed``
-# searches its plan once, then stores lut / int8 schemes.
-KV_METHODS = ("lut", "int8", "mixed")
 # A cache's slots are one axis of the state; at most the NE's per-axis limit.
 MAX_CACHE = 16384
 
@@ -80,23 +76,35 @@ def cache_problems(
         problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
     if precision != "float16":
         problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
+    return problems + kv_method_problems(variants)
+
+
+def kv_method_problems(variants: list[Any]) -> list[tuple[Loc, str]]:
+    """Variants whose method a cached decoder cannot carry: the methods whose stored values are
+    a function of the weight and its scheme alone (``kv_cache`` in ``compress/methods``) make
+    every function's package, compressed with the same plan, hold byte-identical weights
+    (`converter.compress.stateful`)."""
+    kv = methods.kv_methods()
+    # a search method's values written into the window program before palettes are applied
+    # (skm, gptq, grid) would not reach the cached functions, which receive only the plan
+    searched = [n for n in methods.search_methods() if n in kv]
+    problems: list[tuple[Loc, str]] = []
     for i, variant in enumerate(variants):
-        if variant.method not in KV_METHODS:
+        if variant.method not in kv:
             problems.append(
                 (
                     ("compression", "variants", i, "method"),
                     f"{variant.method} variants of a cached decoder are not implemented (they "
                     "change the program beyond its weights, and those ops are not carried into "
-                    f"the cached functions); use one of {', '.join(KV_METHODS)}",
+                    f"the cached functions); use one of {', '.join(kv)}",
                 )
             )
-        elif variant.search is not None and set(variant.search.methods) - {"lut"}:
-            # skm / gptq / grid values are written into the window program before palettes
-            # are applied; the cached functions receive only the plan (compress.stateful)
+        elif variant.search is not None and set(variant.search.methods) - set(searched):
             problems.append(
                 (
                     ("compression", "variants", i, "search", "methods"),
-                    "a cached decoder's mixed search chooses palettes only; use [lut]",
+                    "a cached decoder's mixed search chooses palettes only; "
+                    f"use [{', '.join(searched)}]",
                 )
             )
     return problems

@@ -2,7 +2,9 @@
 
 Every module here but ``base`` defines ``METHOD``, an instance of
 `base.CompressionMethod`; it is found by name at import, so adding a method is adding one
-file. ``names()`` is the order recipes list them in (storing methods first, as they apply).
+file. Everything else asks the registry (the functions below) what a method is and does:
+no other module names one. ``names()`` is the order recipes list them in (each method's
+``order``: storing methods first, as they apply).
 """
 
 from __future__ import annotations
@@ -11,10 +13,6 @@ import importlib
 import pkgutil
 
 from converter.compress.methods.base import CompressionMethod
-
-# The order the methods are listed in messages and applied in (palettes, then int8); a new
-# method without a place here comes after them, by name.
-_ORDER = ("lut", "int8", "w8a8", "mixed", "outliers", "scaled", "gptq", "skm", "grid")
 
 
 def discover(path: list[str], package: str) -> dict[str, CompressionMethod]:
@@ -30,8 +28,12 @@ def discover(path: list[str], package: str) -> dict[str, CompressionMethod]:
         if method.name in found:
             raise TypeError(f"{module.__name__}: method {method.name!r} registered twice")
         found[method.name] = method
-    rank = {n: i for i, n in enumerate(_ORDER)}
-    return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+    return ranked(found)
+
+
+def ranked(found: dict[str, CompressionMethod]) -> dict[str, CompressionMethod]:
+    """``found`` in listing and applying order: each method's ``order``, then by name."""
+    return dict(sorted(found.items(), key=lambda kv: (kv[1].order, kv[0])))
 
 
 METHODS = discover(__path__, __name__)
@@ -60,3 +62,18 @@ def owners(field: str) -> list[str]:
 def optional_fields() -> list[str]:
     """Variant fields only some methods accept."""
     return sorted({f for m in METHODS.values() for f in m.fields})
+
+
+def calibrated() -> tuple[str, ...]:
+    """The methods that read ``compression.calibration``."""
+    return tuple(n for n, m in METHODS.items() if m.needs_calibration)
+
+
+def kv_methods() -> tuple[str, ...]:
+    """The methods a cached decoder's variants may use (``kv_cache``)."""
+    return tuple(n for n, m in METHODS.items() if m.kv_cache)
+
+
+def search_methods() -> tuple[str, ...]:
+    """The methods the mixed search may choose per weight (``searchable``)."""
+    return tuple(n for n, m in METHODS.items() if m.searchable)

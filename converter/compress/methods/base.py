@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from converter.compress.sites import WeightSite, keep_reason
 from converter.targets import Feature
@@ -26,11 +26,6 @@ from converter.targets import Feature
 Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]
 FeatureUse = tuple[Loc, Feature, str]  # the field that asks, the feature, the fix
-
-# How a weight is stored: a k-means palette or affine int8 (the coremltools constexpr ops),
-# values a calibrated method computed (GPTQ's integers, sensitive k-means' palettes), or the
-# integers of the block grid a weight already lies on (grid).
-SchemeMethod = Literal["lut", "int8", "gptq", "skm", "grid"]
 
 # Palette sizes coremltools' k-means palettizer and the constexpr ops accept.
 LUT_BITS = (1, 2, 3, 4, 6, 8)
@@ -67,9 +62,10 @@ class VariantFields(Protocol):
 
 @dataclass(frozen=True)
 class Scheme:
-    """How one weight is compressed; ``method`` names the method that stores it."""
+    """How one weight is compressed; ``method`` names the registered method that stores it
+    (a k-means palette, affine int8, values a calibrated method computed, a block grid)."""
 
-    method: SchemeMethod
+    method: str
     bits: int
     granularity: str  # per-tensor, per-grouped-channel, per-channel, per-block
     group_size: int | None = None
@@ -184,6 +180,21 @@ class Subject(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SearchData:
+    """What a search candidate's values may be computed from: the weights as the fp16 program
+    holds them (by name), the torch module, the calibration batches, embedding table, pad id."""
+
+    fp16: dict[str, Any]
+    module: Any
+    calibration: list[Any]
+    embed_table: Any
+    pad_id: int
+
+
+SiteValues = dict[str, tuple[Scheme, Any]]  # weight -> (its scheme, its fp16 values)
+
+
 @dataclass
 class BuildContext:
     """Everything a method's build steps may use."""
@@ -208,6 +219,20 @@ class CompressionMethod:
     # shown when another method sets it ("weights have a zero point" -> "only int8 and w8a8
     # weights have a zero point"; None -> "only for method: w8a8").
     fields: ClassVar[dict[str, str | None]] = {}
+    # Where it is listed (messages, ``names()``) and applied in a plan (palettes, then int8):
+    # lower first, ties by name.
+    order: ClassVar[int] = 1000
+    # Its stored values are a function of the weight and its scheme alone, so a cached decoder's
+    # functions compressed with the same plan hold byte-identical weights (compress.stateful).
+    kv_cache: ClassVar[bool] = False
+    # Its schemes choose symmetric or with an offset, and a weight's record says which.
+    records_symmetry: ClassVar[bool] = False
+    # The mixed search may choose it per weight (compress.candidates); ``search_*`` below.
+    searchable: ClassVar[bool] = False
+    search_summary: ClassVar[str] = ""  # what a candidate of it is, for the search report
+    # SearchSpace fields only this search method reads, each with the rest of the message
+    # shown when it is set without the method in ``search.methods``.
+    search_fields: ClassVar[dict[str, str]] = {}
 
     def check(self, variant: VariantFields) -> list[Problem]:
         """Rules on the variant's fields that this method owns."""
@@ -260,6 +285,38 @@ class CompressionMethod:
     def manifest(self, variant: VariantFields) -> dict[str, Any]:
         """Entries this method adds to the manifest's ``compression`` section."""
         return {}
+
+    # ---- the mixed search (searchable methods) ----
+
+    def search_check(self, space: Any) -> list[Problem]:
+        """Rules on a search space (``config.SearchSpace``) that lists this method."""
+        return []
+
+    def search_features(self, space: Any) -> list[FeatureUse]:
+        """Target features a search space listing this method needs."""
+        return []
+
+    def search_candidates(self, space: Any, widths: list[int]) -> list[Scheme]:
+        """This method's candidates in ``space`` at ``widths`` (largest first, 16 excluded)."""
+        raise ValueError(f"{self.name} is not a search method")
+
+    def search_label(self, scheme: Scheme) -> str:
+        """A candidate's label: ``lut4``, ``lut4g32``, ``gptq4``."""
+        return f"{scheme.method}{scheme.bits}" + (
+            f"g{scheme.group_size}" if scheme.group_size else ""
+        )
+
+    def fits(self, site: WeightSite, scheme: Scheme) -> bool:
+        """Whether ``site`` can take candidate ``scheme``: groups must divide its output rows."""
+        return not scheme.group_size or site.shape[0] % scheme.group_size == 0
+
+    def stored_bytes(self, site: WeightSite, scheme: Scheme) -> int:
+        """Bytes the program stores for ``site`` as candidate ``scheme``."""
+        raise ValueError(f"{self.name} is not a search method")
+
+    def search_values(self, c: Scheme, sites: list[WeightSite], data: SearchData) -> SiteValues:
+        """Every site's scheme and fp16 values as candidate ``c`` (``compress.candidates``)."""
+        raise ValueError(f"no search values for method {c.method!r}")
 
     # ---- weight storage (methods that store weights: lut, int8) ----
 

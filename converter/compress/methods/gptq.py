@@ -36,6 +36,8 @@ from converter.compress.methods.base import (
     FeatureUse,
     Problem,
     Scheme,
+    SearchData,
+    SiteValues,
     VariantFields,
 )
 from converter.compress.sites import WeightSite
@@ -57,6 +59,9 @@ class Gptq(CompressionMethod):
         {"text-generation", "feature-extraction", "sentence-similarity", "text-classification"}
     )
     needs_calibration = True
+    order = 70
+    searchable = True
+    search_summary = "GPTQ integers per row"
 
     def check(self, variant: VariantFields) -> list[Problem]:
         problems: list[Problem] = []
@@ -101,6 +106,33 @@ class Gptq(CompressionMethod):
 
     def apply(self, mlmodel: Any, op_configs: dict[str, Any]) -> Any:
         return mlmodel  # prepare() already holds the constexpr ops
+
+    def search_check(self, space: Any) -> list[Problem]:
+        if not {4, 8} & set(space.bits):
+            return [(("methods",), "gptq is 4 or 8 bits: add 4 or 8 to bits")]
+        return []
+
+    def search_features(self, space: Any) -> list[FeatureUse]:
+        if 4 in space.bits:
+            fix = "set target: macOS15 (or iOS18) or drop gptq or 4"
+            return [(("search", "methods"), Feature.BLOCKWISE_INT4, fix)]
+        return []
+
+    def search_candidates(self, space: Any, widths: list[int]) -> list[Scheme]:
+        """Per output channel, symmetric, at 8 and 4 bits only."""
+        return [Scheme(self.name, b, "per-channel", None, True) for b in widths if b in (4, 8)]
+
+    def stored_bytes(self, site: WeightSite, scheme: Scheme) -> int:
+        """Packed integers and one fp16 scale per output row."""
+        return (site.elements * scheme.bits + 7) // 8 + site.shape[0] * 2
+
+    def search_values(self, c: Scheme, sites: list[WeightSite], data: SearchData) -> SiteValues:
+        """Every site at ``c``'s width, layer by layer on the calibration text."""
+        bits = {s.name: c.bits for s in sites}
+        ints, scales = gptq_weights(
+            data.module, sites, bits, data.calibration, data.embed_table, data.pad_id
+        )
+        return {n: (c, decode(q, scales[n]).astype(np.float16)) for n, q in ints.items()}
 
     def prepare(
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]

@@ -20,13 +20,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from converter.compress.methods.base import (
     BuildContext,
     CompressionMethod,
     FeatureUse,
     Problem,
     Scheme,
+    SearchData,
     Selection,
+    SiteValues,
     VariantFields,
     split_sites,
 )
@@ -43,6 +47,11 @@ class GridMethod(CompressionMethod):
 
     name = "grid"
     summary = "each weight on the block grid it already lies on (de-quantized checkpoints)"
+    order = 90
+    records_symmetry = True
+    searchable = True
+    search_summary = "the weight's own block grid (exact)"
+    search_fields = {"grid_block": "only when grid is in methods"}
 
     def check(self, variant: VariantFields) -> list[Problem]:
         problems: list[Problem] = []
@@ -110,6 +119,42 @@ class GridMethod(CompressionMethod):
                 raise ValueError(f"{name}: the program's weight is not on the grid found for it")
             values[site.const] = found[1]
         return write_integers(mlmodel, values), None
+
+    def search_features(self, space: Any) -> list[FeatureUse]:
+        fix = "set target: macOS15 (or iOS18) or drop grid"
+        return [(("search", "methods"), Feature.BLOCKWISE_INT4, fix)]
+
+    def search_candidates(self, space: Any, widths: list[int]) -> list[Scheme]:
+        """One candidate: its width is each weight's own."""
+        return [Scheme(self.name, 0, "per-block", space.grid_block)]
+
+    def search_label(self, scheme: Scheme) -> str:
+        return self.name  # one candidate: the width is each weight's own
+
+    def fits(self, site: WeightSite, scheme: Scheme) -> bool:
+        """Blocks must divide its inputs (whether it lies on a grid is known from its values)."""
+        return not scheme.group_size or site.elements // site.shape[0] % scheme.group_size == 0
+
+    def stored_bytes(self, site: WeightSite, scheme: Scheme) -> int:
+        """Packed integers and an fp16 scale (and offset) per block."""
+        assert scheme.group_size is not None  # a grid scheme is per block
+        per_block = 2 if scheme.symmetric else 4
+        payload = (site.elements * scheme.bits + 7) // 8
+        return payload + site.elements // scheme.group_size * per_block
+
+    def search_values(self, c: Scheme, sites: list[WeightSite], data: SearchData) -> SiteValues:
+        """Only the sites on a grid, each with its own grid's scheme."""
+        from converter.compress.grids import find_grid
+
+        assert c.group_size is not None
+        out: SiteValues = {}
+        for s in sites:
+            found = find_grid(data.fp16[s.name].astype(np.float32), c.group_size)
+            if found is not None:
+                grid, integers = found
+                scheme = _scheme(grid, c.group_size)
+                out[s.name] = (scheme, integers.decode().astype(np.float16))
+        return out
 
     def describe(self, scheme: Scheme) -> str:
         kind = "symmetric" if scheme.symmetric else "affine"

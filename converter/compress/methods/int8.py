@@ -41,6 +41,9 @@ class Int8(CompressionMethod):
     name = "int8"
     summary = "int8 weights per output channel, symmetric or with a zero point per channel"
     fields = {"symmetric": "weights have a zero point"}
+    order = 20
+    kv_cache = True
+    records_symmetry = True
 
     def check(self, variant: VariantFields) -> list[Problem]:
         return int8_problems(variant)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from converter.compress.methods.base import (
     LUT_BITS,
     CompressionMethod,
     FeatureUse,
     Problem,
     Scheme,
+    SearchData,
+    SiteValues,
     VariantFields,
     quiet_progress,
 )
@@ -32,6 +36,10 @@ class Lut(CompressionMethod):
 
     name = "lut"
     summary = "k-means palettes of 2**bits entries, per tensor or per group of output channels"
+    order = 10
+    kv_cache = True
+    searchable = True
+    search_summary = "k-means palettes (coremltools)"
 
     def check(self, variant: VariantFields) -> list[Problem]:
         problems: list[Problem] = []
@@ -86,5 +94,53 @@ class Lut(CompressionMethod):
         with quiet_progress():
             return palettize_weights(mlmodel, OptimizationConfig(op_name_configs=op_configs))
 
+    def search_candidates(self, space: Any, widths: list[int]) -> list[Scheme]:
+        return palette_candidates(self.name, space, widths)
+
+    def stored_bytes(self, site: WeightSite, scheme: Scheme) -> int:
+        return palette_bytes(site, scheme)
+
+    def search_values(self, c: Scheme, sites: list[WeightSite], data: SearchData) -> SiteValues:
+        return {
+            s.name: (c, grouped_palette(data.fp16[s.name], c.bits, c.group_size)) for s in sites
+        }
+
 
 METHOD = Lut()
+
+
+def palette_candidates(method: str, space: Any, widths: list[int]) -> list[Scheme]:
+    """Palette candidates of ``method`` at each width: per tensor, then per group of each of
+    ``space.group_sizes`` output rows."""
+    out: list[Scheme] = []
+    for b in widths:
+        out.append(Scheme(method, b, "per-tensor"))
+        out += [Scheme(method, b, "per-grouped-channel", g) for g in space.group_sizes]
+    return out
+
+
+def palette_bytes(site: WeightSite, c: Scheme) -> int:
+    """Bytes of ``site`` as palette ``c``: packed indices and fp16 tables."""
+    payload = (site.elements * c.bits + 7) // 8
+    tables = site.shape[0] // c.group_size if c.group_size else 1
+    return payload + tables * (2**c.bits) * 2
+
+
+def palette(weight: np.ndarray, bits: int) -> np.ndarray:
+    """``weight`` through a per-tensor k-means palette of ``2**bits`` entries (fp16 values)."""
+    from coremltools.models.neural_network.quantization_utils import (
+        _get_kmeans_lookup_table_and_weight,
+    )
+
+    w = np.asarray(weight, np.float16)
+    lut, indices = _get_kmeans_lookup_table_and_weight(bits, w)
+    return np.asarray(lut, np.float16).reshape(-1)[np.asarray(indices)].reshape(w.shape)
+
+
+def grouped_palette(weight: np.ndarray, bits: int, group: int | None) -> np.ndarray:
+    """``weight`` through k-means palettes per ``group`` output rows (None: per tensor), as
+    coremltools' palettizer computes them."""
+    if group is None:
+        return palette(weight, bits)
+    rows = [palette(weight[i : i + group], bits) for i in range(0, weight.shape[0], group)]
+    return np.concatenate(rows)

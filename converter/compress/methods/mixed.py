@@ -30,6 +30,8 @@ class Mixed(CompressionMethod):
     tasks = frozenset({"text-generation"})
     needs_calibration = True
     fields = {"search": None}
+    order = 40
+    kv_cache = True  # the plan is searched once, then stored as palettes (kv_cache methods)
 
     def check(self, variant: VariantFields) -> list[Problem]:
         problems: list[Problem] = []
@@ -48,24 +50,27 @@ class Mixed(CompressionMethod):
         if space is not None and space.group_sizes:
             fix = "set target: macOS15 (or iOS18) or remove group_sizes"
             used.append((("search", "group_sizes"), Feature.GROUPED_PALETTE, fix))
-        if space is not None and "gptq" in space.methods and 4 in space.bits:
-            fix = "set target: macOS15 (or iOS18) or drop gptq or 4"
-            used.append((("search", "methods"), Feature.BLOCKWISE_INT4, fix))
-        elif space is not None and "grid" in space.methods:
-            fix = "set target: macOS15 (or iOS18) or drop grid"
-            used.append((("search", "methods"), Feature.BLOCKWISE_INT4, fix))
+        if space is not None:
+            from converter.compress import methods
+
+            # each feature asked once, by the first method (registry order) that needs it
+            for method in methods.METHODS.values():
+                if method.name in space.methods:
+                    for loc, feature, fix in method.search_features(space):
+                        if all((loc, feature) != (u[0], u[1]) for u in used):
+                            used.append((loc, feature, fix))
         return used
 
     def prepare(
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]
     ) -> tuple[Any, Any]:
-        """The model with the chosen weights that are written before ``apply_plan`` (skm
-        values, gptq integers, grid integers); ``lut`` weights are palettized by
-        ``apply_plan`` as usual."""
+        """The model with the chosen weights that are written before ``apply_plan`` (each
+        search method's own ``prepare``: skm values, gptq integers, grid integers); palettes
+        are applied by ``apply_plan`` as usual."""
         from converter.compress import methods
 
         model, seconds = mlmodel, 0.0
-        for name in ("skm", "gptq", "grid"):
+        for name in methods.search_methods():
             part = {n: s for n, s in plan.items() if s.method == name}
             if part:
                 start = time.perf_counter()

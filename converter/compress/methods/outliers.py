@@ -51,6 +51,7 @@ class Outliers(CompressionMethod):
         "k-means palettes plus each weight's outlier_columns largest-|w| input columns kept "
         "exact by a second fp16 conv on those inputs"
     )
+    order = 50
     tasks = frozenset({"text-generation"})
     fields = {"outlier_columns": None}
 

@@ -49,6 +49,7 @@ class Scaled(CompressionMethod):
         "rows divided by a power-of-two scale each (undone by a mul after the conv), then "
         "palettized"
     )
+    order = 60
     tasks = frozenset({"text-generation"})
 
     def check(self, variant: VariantFields) -> list[Problem]:

@@ -31,10 +31,13 @@ from converter.compress.methods.base import (
     FeatureUse,
     Problem,
     Scheme,
+    SearchData,
+    SiteValues,
     VariantFields,
     quiet_progress,
 )
 from converter.compress.methods.lut import METHOD as LUT
+from converter.compress.methods.lut import palette_bytes, palette_candidates
 from converter.compress.sites import WeightSite
 
 
@@ -45,6 +48,9 @@ class Skm(CompressionMethod):
     summary = "sensitive k-means palettes (coremltools SKMPalettizer) on the calibration text"
     tasks = frozenset({"text-generation"})
     needs_calibration = True
+    order = 80
+    searchable = True
+    search_summary = "sensitive k-means"
 
     def check(self, variant: VariantFields) -> list[Problem]:
         return LUT.check(variant)
@@ -84,6 +90,20 @@ class Skm(CompressionMethod):
 
         with quiet_progress():
             return palettize_weights(mlmodel, OptimizationConfig(op_name_configs=op_configs))
+
+    def search_candidates(self, space: Any, widths: list[int]) -> list[Scheme]:
+        return palette_candidates(self.name, space, widths)
+
+    def stored_bytes(self, site: WeightSite, scheme: Scheme) -> int:
+        return palette_bytes(site, scheme)
+
+    def search_values(self, c: Scheme, sites: list[WeightSite], data: SearchData) -> SiteValues:
+        """All sites at ``c`` in one SKMPalettizer run."""
+        plan = {s.name: c for s in sites}
+        values = skm_weights(
+            data.module, sites, plan, data.calibration, data.embed_table, data.pad_id
+        )
+        return {n: (c, v) for n, v in values.items()}
 
     def prepare(
         self, ctx: BuildContext, variant: VariantFields, mlmodel: Any, plan: dict[str, Scheme]

@@ -33,6 +33,7 @@ class W8A8(CompressionMethod):
 
     name = "w8a8"
     summary = "int8 weights and int8 inputs of the compressed projections (calibrated)"
+    order = 30
     tasks = frozenset({"text-generation"})
     needs_calibration = True
     fields = {
