@@ -96,52 +96,10 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
         + (f" &middot; recipe <code>{escape(str(doc['recipe']))}</code>" if "recipe" in doc else "")
         + "</p>",
     ]
-    levels = doc.get("levels", [])
-    if levels:
-        parts.append("<h2>Levels</h2>")
-        parts.append(
-            _table(
-                ["level", "implementation", "compared with", "status"],
-                [
-                    [_fmt(lv["level"]), _fmt(lv["implementation"]), _fmt(lv.get("against", "-"))]
-                    + [_fmt(lv["status"])]
-                    for lv in levels
-                ],
-            )
-        )
-    parts.append("<h2>Gates</h2>")
-    parts.append(
-        _table(
-            ["", "gate", "implementation", "value", "", "threshold", "worst at", "detail"],
-            [
-                [
-                    _verdict(g["passed"]),
-                    f"<span title='{escape(g.get('meaning', ''), quote=True)}'>"
-                    f"{_fmt(g['name'])}</span>",
-                    _fmt(g["implementation"]),
-                    _fmt(g["value"]),
-                    escape(g["comparison"]),
-                    _fmt(g["threshold"]),
-                    _fmt(g.get("where", "")),
-                    _fmt(g.get("detail", "")),
-                ]
-                for g in doc.get("gates", [])
-            ],
-        )
-    )
+    parts += _levels_section(doc.get("levels", []))
+    parts += _gates_section(doc.get("gates", []))
     series = _layer_series(doc)
-    if series:
-        thresholds = {
-            g["implementation"] + " gate": _num(g["threshold"])
-            for g in doc.get("gates", [])
-            if g["name"] in PER_LAYER_GATES
-        }
-        parts.append("<h2>Per-layer relative error</h2>")
-        parts.append(
-            "<p class='note'>||h' - h|| / ||h|| at real positions, worst over fixtures. "
-            "Hollow points are clamped to the axis (0, inf or NaN).</p>"
-        )
-        parts.append(layer_chart(series, thresholds, "per-layer relative error"))
+    parts += _layer_chart_section(series, doc.get("gates", []))
     if "stream" in doc:
         parts += _stream_section(doc["stream"])
     runs = [
@@ -149,66 +107,8 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
         for run in [*doc.get("conversion", {}).get("runs", []), doc.get("runtime", {})]
         if run.get("positions")
     ]
-    if runs:
-        parts.append("<h2>Logit error against margin</h2>")
-        parts.append(
-            "<p class='note'>Each point is one real position: the largest logit error delta "
-            "against the reference margin top1 - top2. Below the dashed line (margin > 2 delta) "
-            "the argmax is proven kept.</p>"
-        )
-        points = {
-            run["implementation"]: [
-                (_num(p["margin"]), _num(p["logit_error"])) for p in run["positions"]
-            ]
-            for run in runs
-        }
-        parts.append(margin_chart(points, "logit error against margin"))
-        parts.append("<h2>Slices</h2>")
-        header = [
-            "implementation",
-            "slice",
-            "positions",
-            "argmax agreement",
-            "max |dp|",
-            "max KL",
-            "mean KL",
-            "top-k overlap",
-            "max logit error",
-            "certified",
-            "uncertified positions",
-        ]
-        rows = []
-        for run in runs:
-            for name, s in run.get("slices", {}).items():
-                rows.append(
-                    [
-                        _fmt(run["implementation"]),
-                        _fmt(name),
-                        _fmt(s["positions"]),
-                        _fmt(s["argmax_agreement"]) if s["positions"] else "-",
-                        _fmt(s["max_abs_dprob"]) if s["positions"] else "-",
-                        _fmt(s["max_kl"]) if s["positions"] else "-",
-                        _fmt(s["mean_kl"]) if s["positions"] else "-",
-                        _fmt(s["mean_topk_overlap"]) if s["positions"] else "-",
-                        _fmt(s["max_logit_error"]) if s["positions"] else "-",
-                        _fmt(s["certified_share"]) if s["positions"] else "-",
-                        _fmt(s["uncertified"]),
-                    ]
-                )
-        parts.append(_table(header, rows))
-    if series:
-        names = list(series)
-        n = max(len(v) for v in series.values())
-        parts.append("<h2>Per-layer table</h2>")
-        parts.append(
-            _table(
-                ["layer", *names],
-                [
-                    [str(i)] + [_fmt(series[k][i]) if i < len(series[k]) else "-" for k in names]
-                    for i in range(n)
-                ],
-            )
-        )
+    parts += _runs_sections(runs)
+    parts += _layer_table_section(series)
     implementations = doc.get("implementations", {})
     if implementations:
         parts.append("<h2>Implementations</h2>")
@@ -216,3 +116,106 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
         parts.append(_table(["name", "what it is"], rows))
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _levels_section(levels: list[dict[str, Any]]) -> list[str]:
+    if not levels:
+        return []
+    rows = [
+        [_fmt(lv["level"]), _fmt(lv["implementation"]), _fmt(lv.get("against", "-"))]
+        + [_fmt(lv["status"])]
+        for lv in levels
+    ]
+    return ["<h2>Levels</h2>", _table(["level", "implementation", "compared with", "status"], rows)]
+
+
+def _gates_section(gates: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        [
+            _verdict(g["passed"]),
+            f"<span title='{escape(g.get('meaning', ''), quote=True)}'>{_fmt(g['name'])}</span>",
+            _fmt(g["implementation"]),
+            _fmt(g["value"]),
+            escape(g["comparison"]),
+            _fmt(g["threshold"]),
+            _fmt(g.get("where", "")),
+            _fmt(g.get("detail", "")),
+        ]
+        for g in gates
+    ]
+    header = ["", "gate", "implementation", "value", "", "threshold", "worst at", "detail"]
+    return ["<h2>Gates</h2>", _table(header, rows)]
+
+
+def _layer_chart_section(series: dict[str, list[float]], gates: list[dict[str, Any]]) -> list[str]:
+    if not series:
+        return []
+    thresholds = {
+        g["implementation"] + " gate": _num(g["threshold"])
+        for g in gates
+        if g["name"] in PER_LAYER_GATES
+    }
+    return [
+        "<h2>Per-layer relative error</h2>",
+        "<p class='note'>||h' - h|| / ||h|| at real positions, worst over fixtures. "
+        "Hollow points are clamped to the axis (0, inf or NaN).</p>",
+        layer_chart(series, thresholds, "per-layer relative error"),
+    ]
+
+
+def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
+    """The margin chart and the slice table of the runs compared per position."""
+    if not runs:
+        return []
+    parts = [
+        "<h2>Logit error against margin</h2>",
+        "<p class='note'>Each point is one real position: the largest logit error delta "
+        "against the reference margin top1 - top2. Below the dashed line (margin > 2 delta) "
+        "the argmax is proven kept.</p>",
+    ]
+    points = {
+        run["implementation"]: [
+            (_num(p["margin"]), _num(p["logit_error"])) for p in run["positions"]
+        ]
+        for run in runs
+    }
+    parts.append(margin_chart(points, "logit error against margin"))
+    parts.append("<h2>Slices</h2>")
+    header = [
+        "implementation",
+        "slice",
+        "positions",
+        "argmax agreement",
+        "max |dp|",
+        "max KL",
+        "mean KL",
+        "top-k overlap",
+        "max logit error",
+        "certified",
+        "uncertified positions",
+    ]
+    keys = ["argmax_agreement", "max_abs_dprob", "max_kl", "mean_kl", "mean_topk_overlap"]
+    keys += ["max_logit_error", "certified_share"]
+    rows = []
+    for run in runs:
+        for name, s in run.get("slices", {}).items():
+            cells = [_fmt(s[k]) if s["positions"] else "-" for k in keys]
+            rows.append(
+                [_fmt(run["implementation"]), _fmt(name), _fmt(s["positions"])]
+                + cells
+                + [_fmt(s["uncertified"])]
+            )
+    parts.append(_table(header, rows))
+    return parts
+
+
+def _layer_table_section(series: dict[str, list[float]]) -> list[str]:
+    if not series:
+        return []
+    names = list(series)
+    n = max(len(v) for v in series.values())
+    rows = [
+        [str(i)] + [_fmt(series[k][i]) if i < len(series[k]) else "-" for k in names]
+        for i in range(n)
+    ]
+    return ["<h2>Per-layer table</h2>", _table(["layer", *names], rows)]
