@@ -22,6 +22,15 @@ from converter.compress.integer_weights import Integers
 
 TOLERANCE = 2.0**-9
 
+# llama.cpp's K-quants (Q2_K .. Q8_K: the packaged Gemma 3 is Q4_K and Q6_K) scale each block
+# of 16 or 32 values by a 4-, 6- or 8-bit integer times the super-block's fp16 scale (and
+# Q4_K / Q5_K subtract a minimum built alike). That product needs up to 19 significant bits:
+# one fp16 scale per block cannot hold it, and their 4-bit blocks need not span levels 0..15
+# (measured on Gemma 3 270M's GGUF: its Q4_K and Q6_K weights lie on none of `GRIDS`, its Q5_0
+# and Q8_0 weights on int8 exactly; tests/test_gemma3_package.py). Method grid refuses a source
+# holding them.
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -106,3 +115,8 @@ def find_grid(weight: np.ndarray, block: int) -> tuple[Grid, Integers] | None:
         if np.all(np.abs(decoded - w) <= bound):
             return grid, ints
     return None
+
+
+def k_quant_tensors(tensor_types: dict[str, str]) -> dict[str, str]:
+    """The tensors (name -> GGML type) stored in a K-quant format, which no grid holds."""
+    return {name: kind for name, kind in tensor_types.items() if kind in K_QUANTS}

