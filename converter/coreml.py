@@ -70,14 +70,16 @@ def to_mlprogram(
     """Convert a traced module to an ML Program; returns a ``ct.models.MLModel`` (not loaded).
 
     ``states`` name registered buffers that become Core ML states (``ct.StateType``, macOS 15
-    / iOS 18); anec's own passes (`converter.mil_passes`) run after coremltools' defaults.
+    / iOS 18). anec's own passes (`converter.mil_passes`) run after coremltools' defaults,
+    and ``REPLACED_PASSES`` stand in for coremltools passes whose names were not reproducible.
     """
     import coremltools as ct
 
-    from converter.mil_passes import FOLD_WHOLE_SLICE_UPDATE
+    from converter.mil_passes import FOLD_WHOLE_SLICE_UPDATE, REPLACED_PASSES
 
     compute_precision = ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32
     pipeline = ct.PassPipeline.DEFAULT
+    pipeline.passes = [REPLACED_PASSES.get(name, name) for name in pipeline.passes]
     pipeline.append_pass(FOLD_WHOLE_SLICE_UPDATE)
     state_types = [
         ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=_NP[s.dtype]), name=s.name)
