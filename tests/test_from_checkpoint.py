@@ -17,6 +17,7 @@ import encoder_models
 import pytest
 import torch
 from click.testing import Result
+from tiny_gguf import write_decoder_gguf
 from tiny_models import one_torch_thread, run_anec, tiny_hf_model, write_tiny_gguf
 
 from converter.from_checkpoint import artifact_name, head_chunk
@@ -199,6 +200,16 @@ def test_checkpoint_references(tmp_path: Path) -> None:
     (tmp_path / "two.gguf").write_bytes(b"")
     with pytest.raises(Exception, match="2 .gguf files"):
         parse_ref(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_gguf_file_makes_a_recipe_on_the_gguf_source(arch: str, tmp_path: Path) -> None:
+    path = write_decoder_gguf(tiny_hf_model(arch), tmp_path / f"{arch}.gguf")
+    result = run_anec("recipes", "new", path, "--length", LENGTH, "-o", tmp_path / "r.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = load_recipe(tmp_path / "r.yaml")
+    assert (recipe.source.kind, recipe.source.path) == ("gguf", str(path))
+    assert recipe.task == "text-generation" and recipe.name == arch
 
 
 def test_a_sentence_transformers_package_gets_its_task_and_text_fixtures() -> None:
