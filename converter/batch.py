@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,13 @@ def convert_recipes(
     force: bool,
     allow_pickle: bool,
     as_json: bool,
+    flags: Mapping[str, Any] | None = None,
 ) -> int:
-    """Convert every recipe in ``refs``, print a summary per recipe, return the combined code.
-
-    Raises SystemExit(128 + signum) when interrupted.
+    """Convert every recipe (or checkpoint, with the recipe ``flags`` make for it:
+    `converter.from_checkpoint`) in ``refs``, print a summary per recipe, return the combined
+    code. Raises SystemExit(128 + signum) when interrupted.
     """
-    outcomes = [_convert_one(ref, out_dir, force, allow_pickle, as_json) for ref in refs]
+    outcomes = [_convert_one(ref, out_dir, force, allow_pickle, as_json, flags) for ref in refs]
     if len(outcomes) > 1 and not as_json:
         click.echo("\nrecipes:")
         for o in outcomes:
@@ -86,20 +88,25 @@ def convert_recipes(
 
 
 def _convert_one(
-    ref: str, out_dir: Path | None, force: bool, allow_pickle: bool, as_json: bool
+    ref: str,
+    out_dir: Path | None,
+    force: bool,
+    allow_pickle: bool,
+    as_json: bool,
+    flags: Mapping[str, Any] | None,
 ) -> Outcome:
     from converter.errors import report_error
+    from converter.from_checkpoint import recipe_for
     from converter.pipeline import convert
     from converter.progress import Steps
     from converter.publish import Interrupted
-    from converter.recipe import load_recipe, locate_recipe
     from converter.runlog import RunLog
     from converter.summary import failed_gate, print_summary, result_to_json
 
     outcome = Outcome(ref, None, INTERNAL_ERROR)
     with RunLog(ref):
         try:
-            recipe = load_recipe(locate_recipe(ref))
+            recipe = recipe_for(ref, flags or {})
             outcome.name = recipe.name
             with Steps(quiet=as_json) as steps:
                 result = convert(recipe, out_dir, force, allow_pickle, steps)

@@ -84,7 +84,7 @@ def weight_files(source: ResolvedSource, allow_pickle: bool) -> list[Path]:
 def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = False) -> Checkpoint:
     """Load config, model and tokenizer from a resolved source."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if task not in _CAUSAL_LM_TASKS and task not in _ENCODER_TASKS:
         supported = sorted(_CAUSAL_LM_TASKS | set(_ENCODER_TASKS))
@@ -97,14 +97,9 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     else:
         kwargs_model = {}
     files = weight_files(source, allow_pickle)
-    kwargs: dict[str, Any] = {"trust_remote_code": False}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
+    kwargs = _source_kwargs(source)
     with warnings_to_log("loading the checkpoint"):  # recorded in convert.log
-        try:
-            config = AutoConfig.from_pretrained(source.directory, **kwargs)
-        except Exception as e:  # transformers raises many types for a bad file
-            raise InputError(f"{files[0]}: cannot read the checkpoint's config: {e}") from None
+        config = load_config(source, files[0])
         _check_supported(config, files[0])
         try:
             if source.gguf_path is not None and gguf_weights.supported(source.gguf_path):
@@ -131,15 +126,7 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     if unused:
         log.info("%s: tensors task %s does not use: %s", files[0], task, ", ".join(unused))
     model.eval()
-    tokenizer = None
-    # transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer
-    # files; only a GGUF or real tokenizer files count. No tokenizer is allowed (token-id
-    # fixtures), a placeholder shipped as tokenizer.json would not be.
-    if has_tokenizer(source):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
-        except Exception as e:
-            raise InputError(f"{source.directory}: cannot load the tokenizer: {e}") from None
+    tokenizer = load_tokenizer(source)
     hashed = files + ([source.directory / "config.json"] if not source.gguf_file else [])
     digest = _combined_sha256([f for f in hashed if f.exists()])
     note = None
@@ -155,6 +142,42 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
         architecture = read_gguf_metadata(source.gguf_path, ["general.architecture"])
         carried = carried_keys(source.gguf_path, str(architecture.get("general.architecture")))
     return Checkpoint(model, config, tokenizer, files, digest, _license(source), note, carried)
+
+
+def _source_kwargs(source: ResolvedSource) -> dict[str, Any]:
+    """transformers' loading arguments for ``source``: never remote code; the GGUF file."""
+    kwargs: dict[str, Any] = {"trust_remote_code": False}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    return kwargs
+
+
+def load_config(source: ResolvedSource, where: Path | None = None) -> Any:
+    """The checkpoint's transformers config; InputError naming ``where`` (or the source)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.directory, **_source_kwargs(source))
+    except Exception as e:  # transformers raises many types for a bad file
+        at = where or source.gguf_path or source.directory
+        raise InputError(f"{at}: cannot read the checkpoint's config: {e}") from None
+
+
+def load_tokenizer(source: ResolvedSource) -> Any | None:
+    """The checkpoint's own tokenizer, or None when it ships none (`has_tokenizer`).
+
+    transformers 5 builds an empty placeholder tokenizer for a folder without tokenizer
+    files; only a GGUF or real tokenizer files count. No tokenizer is allowed (token-id
+    fixtures), a placeholder shipped as tokenizer.json would not be.
+    """
+    from transformers import AutoTokenizer
+
+    if not has_tokenizer(source):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, **_source_kwargs(source))
+    except Exception as e:
+        raise InputError(f"{source.directory}: cannot load the tokenizer: {e}") from None
 
 
 def _from_pretrained(

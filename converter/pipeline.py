@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from converter.fsops import write_text_atomic
 from converter.preflight import preflight
 from converter.progress import Steps
 from converter.publish import ArtifactStage, clean_leftovers, stage_artifact
 from converter.recipe import Recipe
+from converter.recipe.writer import RECIPE_FILE, artifact_recipe_yaml
 from converter.runlog import write_log_into
 from converter.steps import Stop, run_steps
 from converter.tasks import task_of
@@ -78,6 +80,8 @@ def convert(
         clean_leftovers(out_dir)
 
     with stage_artifact(out_dir, recipe.name, force=force) as stage:
+        # The recipe as converted, a file `anec convert` accepts (reports of a failed run too).
+        write_text_atomic(stage.path / RECIPE_FILE, artifact_recipe_yaml(recipe, source))
         run: TaskRun = task.start(Job(recipe, source, stage.path, allow_pickle))
         stop = run_steps(task.steps, run, progress)
         report = run.report or ParityReport([], [], [], None, {})

@@ -425,12 +425,12 @@ ROWS = [
     Row(
         "write-EACCES",
         _inject_write_error(errno.EACCES),
-        ("cannot write", "parity.json: Permission denied"),
+        ("cannot write", "recipe.yaml: Permission denied"),
     ),
     Row(
         "disk-full-ENOSPC",
         _inject_write_error(errno.ENOSPC),
-        ("cannot write", "parity.json: No space left on device"),
+        ("cannot write", "recipe.yaml: No space left on device"),
     ),
     Row(
         "disk-too-small-for-artifact",

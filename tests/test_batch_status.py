@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from tiny_models import run_anec
 
+import converter.from_checkpoint
 import converter.pipeline
-import converter.recipe
 from converter.batch import Outcome
 from converter.compress.emit import VariantResult
 from converter.pipeline import ConvertResult
@@ -64,8 +64,9 @@ def test_exit_code_1_without_a_result_is_a_gate_failure_of_unknown_kind() -> Non
 @pytest.fixture
 def stand_in_conversions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Recipe refs are names of RESULTS; converting one returns that result."""
-    monkeypatch.setattr(converter.recipe, "locate_recipe", lambda ref: ref)
-    monkeypatch.setattr(converter.recipe, "load_recipe", lambda ref: SimpleNamespace(name=ref))
+    monkeypatch.setattr(
+        converter.from_checkpoint, "recipe_for", lambda ref, flags: SimpleNamespace(name=ref)
+    )
     monkeypatch.setattr(converter.pipeline, "convert", lambda recipe, *_: RESULTS[recipe.name])
 
 

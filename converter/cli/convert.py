@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
+from converter.cli.checkpoint_flags import checkpoint_options
+
 
 @click.command("convert")
-@click.argument("recipe_refs", metavar="RECIPE...", nargs=-1, required=True)
+@click.argument("recipe_refs", metavar="RECIPE|CHECKPOINT...", nargs=-1, required=True)
 @click.option(
     "--out",
     "out_dir",
@@ -29,20 +32,41 @@ import click
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON summary per recipe instead of tables."
 )
+@checkpoint_options
 def convert_command(
     recipe_refs: tuple[str, ...],
     out_dir: Path | None,
     force: bool,
     allow_pickle: bool,
     as_json: bool,
+    **flags: Any,
 ) -> None:
-    """Convert each RECIPE (a file or a shipped recipe name) into a proven Core ML artifact.
+    """Convert each RECIPE or CHECKPOINT into a proven Core ML artifact.
+
+    \b
+    Each argument is, in this order:
+      recipe:NAME         the shipped recipe NAME (anec recipes list)
+      pkg:PACKAGE[/FILE]  a checkpoint in an installed Python package (import name); FILE
+                          (a .gguf file or a folder) when it holds more than one
+      a directory         a Hugging Face checkpoint (config.json, weights, tokenizer)
+      a .gguf file        a GGUF checkpoint
+      another file        a recipe file
+      NAME                a shipped recipe, when no such path exists
+    A path that is also a shipped recipe's name is an error: write ./NAME or recipe:NAME.
+
+    A checkpoint is converted with a recipe made from it: the flags below set their fields,
+    the rest is read from the checkpoint (task, inputs from tied embeddings, LM-head chunks
+    from the vocabulary, fixtures from anec's fixture text and its tokenizer) or the schema's
+    defaults; a choice anec cannot make exits 2 naming the flag. The flags apply to
+    checkpoints only. Every artifact holds its recipe as recipe.yaml; `anec recipes new
+    CHECKPOINT` writes one to edit.
 
     Steps: check the inputs, load the checkpoint, rewrite it into BC1L, run the parity gates
     in torch (fp32 per layer, fp16 end to end), trace, convert to an fp16 ML Program and
     publish OUT/<name>/ atomically: <name>.mlpackage, manifest.json, parity.json,
-    tokenizer.json, convert.log and, for host-side embeddings, embeddings.npy. A failed gate
-    publishes nothing under the final name and keeps its reports in OUT/<name>.failed/.
+    recipe.yaml, tokenizer.json, convert.log and, for host-side embeddings, embeddings.npy.
+    A failed gate publishes nothing under the final name and keeps its reports in
+    OUT/<name>.failed/.
 
     Several recipes are converted one after another; a failing one does not stop the rest.
     With --json, one JSON line per recipe.
@@ -59,6 +83,6 @@ def convert_command(
 
     # SIGINT too, so a Ctrl-C during a publishing rename is deferred like SIGTERM.
     with signals_as_interrupts((signal.SIGINT, signal.SIGTERM)):
-        code = convert_recipes(recipe_refs, out_dir, force, allow_pickle, as_json)
+        code = convert_recipes(recipe_refs, out_dir, force, allow_pickle, as_json, flags)
     if code:
         raise SystemExit(code)

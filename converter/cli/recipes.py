@@ -1,4 +1,4 @@
-"""The ``anec recipes`` group: ``validate`` recipe files, ``list`` the shipped ones."""
+"""The ``anec recipes`` group: ``validate`` recipe files, ``list`` the shipped ones, ``new``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from converter.cli.checkpoint_flags import checkpoint_options
 from converter.cli.group import AnecGroup
 from converter.errors import InputError
 from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
@@ -18,7 +19,7 @@ from converter.recipe import Recipe, RecipeError, load_recipe, shipped_recipes
 
 @click.group("recipes", cls=AnecGroup)
 def recipes_group() -> None:
-    """Check recipe files and list the recipes shipped with anec."""
+    """Check recipe files, list the recipes shipped with anec, make one from a checkpoint."""
 
 
 def _source_text(recipe: Recipe) -> str:
@@ -116,3 +117,49 @@ def list_recipes(as_json: bool) -> None:
         cells = (row[c] for c in ("name", "task", "source", "shapes", "target"))
         table.add_row(*(Text(c) for c in cells))
     Console(highlight=False).print(table)
+
+
+@recipes_group.command("new")
+@click.argument("checkpoint")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Where to write the recipe (default: NAME.yaml here; '-' prints it).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing file.")
+@checkpoint_options
+def new_recipe(checkpoint: str, output: Path | None, force: bool, **flags: Any) -> None:
+    """Write the recipe `anec convert CHECKPOINT [flags]` would use, commented, to edit.
+
+    CHECKPOINT is a Hugging Face directory, a .gguf file or pkg:PACKAGE[/FILE] (see `anec
+    convert --help`); the flags are convert's. Each choice read from the checkpoint is
+    explained in a comment above its key. Exits 2 when a choice cannot be made (naming the
+    flag to pass) or the file exists (without --force).
+    """
+    from converter.from_checkpoint import flags_text, make_recipe
+    from converter.fsops import write_text_atomic
+    from converter.recipe.refs import CheckpointRef, parse_ref
+    from converter.recipe.writer import recipe_data, recipe_yaml
+
+    ref = parse_ref(checkpoint)
+    if not isinstance(ref, CheckpointRef):
+        raise InputError(f"{checkpoint}: a recipe, not a checkpoint; copy it to edit it")
+    made = make_recipe(ref, flags)
+    command = " ".join(["anec recipes new", checkpoint, flags_text(flags)]).strip()
+    header = [
+        f"Made by `{command}` from the checkpoint and the schema's defaults.",
+        "Edit it, check it with `anec recipes validate FILE`, convert it with `anec convert FILE`.",
+        "",
+    ]
+    text = recipe_yaml(recipe_data(made.recipe), header, made.notes)
+    if output is not None and str(output) == "-":
+        click.echo(text, nl=False)
+        return
+    file = output or Path(f"{made.recipe.name}.yaml")
+    if file.exists() and not force:
+        raise InputError(f"{file}: exists; pass --force to replace it or -o to name another file")
+    write_text_atomic(file, text)
+    click.echo(f"wrote {file} ({made.recipe.name}, {made.recipe.task}, {made.recipe.target})")
