@@ -225,3 +225,27 @@ def test_head_chunks_and_names() -> None:
     assert head_chunk(151936) == 15194  # Qwen2.5: ten equal chunks within 16384
     assert artifact_name("My Model (v2)") == "My-Model-v2"
     assert artifact_name("..x") == "x"
+
+
+def test_an_artifacts_recipe_names_the_checkpoint_by_its_absolute_path(
+    tmp_path: Path, llama_dir: Path
+) -> None:
+    """A recipe with a relative source path still finds its checkpoint from the artifact."""
+    from converter.recipe.writer import artifact_recipe_yaml
+
+    shutil.copytree(llama_dir, tmp_path / "ckpt")
+    file = tmp_path / "r.yaml"
+    file.write_text(
+        "name: r\ntask: text-generation\nsource: {kind: hf-dir, path: ckpt}\n"
+        "fixtures: {token_ids: [[1, 2]]}\n"
+    )
+    recipe = load_recipe(file)
+    kept = tmp_path / "artifact" / "recipe.yaml"
+    kept.parent.mkdir()
+    kept.write_text(artifact_recipe_yaml(recipe, recipe.resolve_source()))
+    again = load_recipe(kept)
+    assert again.resolve_source().directory == (tmp_path / "ckpt").resolve()
+    assert recipe_data(again) == {
+        **recipe_data(recipe),
+        "source": again.source.model_dump(exclude_none=True),
+    }
