@@ -18,6 +18,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from converter.checkpoint_facts import CheckpointFacts, read_facts
+from converter.compress.methods.int8 import Int8
+from converter.compress.methods.lut import Lut
 from converter.errors import InputError
 from converter.recipe import (
     MAX_AXIS,
@@ -31,17 +33,25 @@ from converter.recipe.fixture_text import fixture_prompts, fixture_token_ids
 from converter.recipe.refs import CheckpointRef, RecipeRef, parse_ref
 from converter.targets import TARGETS
 
-# Compression presets: suffix -> (method, bits). Decoder gates are those of the shipped
-# SmolLM2 compressed recipe; encoders have shipped gates for 8-bit variants only.
-PRESETS: dict[str, tuple[str, int | None]] = {
-    "int8": ("int8", None),
-    "lut8": ("lut", 8),
-    "lut6": ("lut", 6),
-    "lut4": ("lut", 4),
+
+@dataclass(frozen=True)
+class Preset:
+    """A ``--compress`` choice: the variant's method and bits, and its gates. Decoder gates are
+    the shipped SmolLM2 compressed recipe's; encoders have shipped gates (MiniLM's min_cosine)
+    for 8-bit variants only."""
+
+    method: str
+    bits: int | None
+    decoder_gates: tuple[float, float]  # min_top1_agreement, max_mean_kl
+    encoder_min_cosine: float | None
+
+
+PRESETS: dict[str, Preset] = {
+    Int8.name: Preset(Int8.name, None, (0.97, 0.01), 0.999),
+    f"{Lut.name}8": Preset(Lut.name, 8, (0.97, 0.01), 0.999),
+    f"{Lut.name}6": Preset(Lut.name, 6, (0.93, 0.03), None),
+    f"{Lut.name}4": Preset(Lut.name, 4, (0.75, 0.25), None),
 }
-_DECODER_GATES = {"int8": (0.97, 0.01), "lut8": (0.97, 0.01), "lut6": (0.93, 0.03)}
-_DECODER_GATES["lut4"] = (0.75, 0.25)
-_ENCODER_MIN_COSINE = {"int8": 0.999, "lut8": 0.999}  # recipes/minilm-l6-embed-compressed.yaml
 CACHE_TARGET = "macOS15"  # the first macOS with states and multifunction packages
 
 
@@ -229,21 +239,25 @@ def _fixtures(facts: CheckpointFacts, length: int, notes: Any) -> dict[str, Any]
 def _compression(task: str, facts: CheckpointFacts, presets: Any, length: int) -> dict[str, Any]:
     decoder = task == "text-generation"
     variants = []
-    for preset in presets:
-        method, bits = PRESETS[preset]
-        variant: dict[str, Any] = {"suffix": preset, "method": method}
-        variant |= {"bits": bits} if bits else {"granularity": "per-channel", "symmetric": True}
+    for suffix in presets:
+        preset = PRESETS[suffix]
+        variant: dict[str, Any] = {"suffix": suffix, "method": preset.method}
+        if preset.bits:
+            variant["bits"] = preset.bits
+        else:
+            variant |= {"granularity": "per-channel", "symmetric": True}
         if decoder:
-            top1, kl = _DECODER_GATES[preset]
+            top1, kl = preset.decoder_gates
             variant["gates"] = {"min_top1_agreement": top1, "max_mean_kl": kl}
-        elif preset in _ENCODER_MIN_COSINE:
-            variant["gates"] = {"min_cosine": _ENCODER_MIN_COSINE[preset]}
+        elif preset.encoder_min_cosine is not None:
+            variant["gates"] = {"min_cosine": preset.encoder_min_cosine}
             if task == "text-classification":
                 variant["gates"]["min_top1_agreement"] = 1.0
         else:
+            eight = ", ".join(k for k, v in PRESETS.items() if v.encoder_min_cosine)
             raise InputError(
-                f"--compress {preset}: no preset gates for an encoder's {preset} variant (8-bit "
-                "only: int8, lut8); write its gates into a recipe (anec recipes new)"
+                f"--compress {suffix}: no preset gates for an encoder's {suffix} variant (only "
+                f"{eight}); write its gates into a recipe (anec recipes new)"
             )
         variants.append(variant)
     # The shipped compressed recipes' held-out slices (SmolLM2, MiniLM).
