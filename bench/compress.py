@@ -177,9 +177,9 @@ MINILM_VARIANTS: dict[str, dict[str, Any]] = {
 def cmd_minilm(args: argparse.Namespace) -> None:
     """``recipes/minilm-l6-embed-compressed.yaml`` through the conversion pipeline with the
     int8, lut8, lut6 and lut4 variants; figures from each variant's parity.json."""
-    from converter.compress.config import Variant
     from converter.pipeline import convert
     from converter.recipe import load_recipe, locate_recipe
+    from converter.recipe.compression import Variant
 
     recipe = load_recipe(locate_recipe("minilm-l6-embed-compressed"))
     assert recipe.compression is not None

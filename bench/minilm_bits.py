@@ -51,9 +51,9 @@ def main() -> None:
     )
 
     from converter.checkpoint import load_checkpoint
-    from converter.compress.config import Corpus
     from converter.compress.corpus import encoder_texts
     from converter.recipe import load_recipe
+    from converter.recipe.compression import Corpus
 
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE)

@@ -76,9 +76,9 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=1000, help="held-out positions")
     args = parser.parse_args()
     from converter.checkpoint import load_checkpoint
-    from converter.compress.config import Corpus
     from converter.compress.corpus import decoder_texts
     from converter.recipe import load_recipe
+    from converter.recipe.compression import Corpus
 
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE)

@@ -227,10 +227,10 @@ def test_encoder_variant_rules_name_the_field(tmp_path: Path) -> None:
 
 def test_emit_refuses_a_method_the_task_lacks(tmp_path: Path) -> None:
     """Programmatic callers get the schema's rule too, before anything is built."""
-    from converter.compress.config import Compression
     from converter.compress.emit import emit
     from converter.compress.encoder import EncoderSubject
     from converter.errors import InputError
+    from converter.recipe.compression import Compression
 
     compression = Compression.model_validate(
         {

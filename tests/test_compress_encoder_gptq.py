@@ -228,8 +228,8 @@ def test_encoder_calibration_shared_with_held_out_is_refused(tmp_path: Path) -> 
     """Literal sentences (token ids here) shared with the held-out list, and a sentence of the
     corpus's held-out part given as calibration, are refused; the corpus's two parts are
     disjoint by construction."""
-    from converter.compress.config import Compression
     from converter.compress.corpus import part_sentences
+    from converter.recipe.compression import Compression
 
     gptq = [VARIANTS[1]]
     held_out = random_sequences(11, (12, 7, 16), first=1)  # what _recipe writes

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from converter.compress import corpus
-from converter.compress.config import Corpus
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
+from converter.recipe.compression import Corpus
 from parity.compression_metrics import psnr_db, summarize_psnr
 
 DECODER = """\

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from converter.compress import methods
-from converter.compress.config import Compression, Variant
 from converter.compress.methods.base import CompressionMethod, Scheme
 from converter.errors import InputError
-from converter.yaml_errors import expected_at
+from converter.recipe.compression import Compression, Variant
+from converter.recipe.yaml_errors import expected_at
 
 NEW_METHOD = """
 from converter.compress.methods.base import CompressionMethod, Scheme

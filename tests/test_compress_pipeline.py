@@ -19,9 +19,9 @@ from tiny_models import (
     run_anec,
 )
 
-from converter.compress.config import DEFAULT_KEEP_FP16
 from converter.hashing import mlpackage_content_hash, sha256_file
 from converter.manifest import Manifest
+from converter.recipe.compression import DEFAULT_KEEP_FP16
 from graph_passes.logits_layout import join_logits
 
 # The variants, appended to the tiny recipe (tiny_models.tiny_recipe).

@@ -135,8 +135,8 @@ def test_the_same_plan_gives_identical_weight_bytes_in_every_function(
     program = load_package(out / "tkv-lut4" / "tkv-lut4.mlpackage")
     stored = {WINDOW: {r["weight"]: r["payload_sha256"] for r in records}}
     names = [r["weight"] for r in records]
-    from converter.compress.config import Variant
     from converter.compress.schemes import variant_scheme
+    from converter.recipe.compression import Variant
 
     variant = Variant.model_validate(manifest["compression"]["variant"])
     plan = {n: variant_scheme(variant) for n in planned}

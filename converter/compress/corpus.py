@@ -130,7 +130,7 @@ def resolve(
 ) -> tuple[list[str | list[int]], str]:
     """A held-out or calibration list as texts / token-id lists, and a line saying what it is
     (a recipe's own list: ``recipe``)."""
-    if isinstance(items, list | tuple):  # not a ``compress.config.Corpus``
+    if isinstance(items, list | tuple):  # not a ``recipe.compression.Corpus``
         return list(items), "the recipe's own texts"
     texts: list[str | list[int]] = (
         list(decoder_texts(items, part, tokenizer, length))

@@ -54,7 +54,7 @@ def prepare_held_out(
     pad_id: int,
     calibration: Any = None,
 ) -> HeldOut:
-    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here), run the
+    """Tokenize the held-out texts (a list, or a ``recipe.compression.Corpus`` cut here), run the
     original model on each, and cut MIL windows (``mil_positions`` "all": each whole text)."""
     fixtures, where = slice_fixtures(texts, "held_out", tokenizer, length, vocab_size, True)
     cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, length, vocab_size, True)

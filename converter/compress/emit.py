@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from converter.compress import methods
-from converter.compress.config import Compression, Variant
 from converter.compress.methods.base import BuildContext, Subject
 from converter.compress.records import WeightRecord, weight_records, with_extra_bytes
 from converter.compress.schemes import apply_plan
@@ -37,6 +36,7 @@ from converter.hashing import mlpackage_content_files, mlpackage_content_hash, s
 from converter.manifest import FileEntry, Manifest, PackageEntry
 from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic, write_text_atomic
+from converter.recipe.compression import Compression, Variant
 from converter.runlog import write_log_into
 from graph_passes.decoder import BC1LDecoder
 from parity.compression_gates import HeldOut

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from converter.compress.config import Compression
 from converter.compress.corpus import slice_fixtures
 from converter.compress.emit import VariantResult, emit
 from converter.compress.methods.base import Inspected, Scheme, VariantFields
 from converter.compress.sites import WeightSite
 from converter.errors import InputError
 from converter.progress import Steps
+from converter.recipe.compression import Compression
 from graph_passes.encoder import BC1LEncoder
 from parity.encoder_compression_gates import (
     EncoderHeldOut,
@@ -66,7 +66,7 @@ def prepare_encoder_held_out(
     pad_id: int,
     calibration: Any = None,
 ) -> EncoderHeldOut:
-    """Tokenize the held-out texts (a list, or a ``compress.config.Corpus`` cut here) and run
+    """Tokenize the held-out texts (a list, or a ``recipe.compression.Corpus`` cut here) and run
     the original model on each, alone and unpadded; tokenize the calibration sentences (a
     list, or the corpus's other part: disjoint from the held-out one by construction)."""
     io, vocab = module.io, module.spec.embedding.vocab_size

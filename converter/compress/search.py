@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.compress.config import SearchSpace
 from converter.compress.methods.lut import palette  # noqa: F401  (tests import it from here)
 from converter.compress.schemes import Scheme
 from converter.compress.sites import WeightSite
+from converter.recipe.compression import SearchSpace
 from graph_passes.decoder import BC1LDecoder
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Fixture, make_batches

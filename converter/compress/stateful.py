@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from converter.compress import methods
-from converter.compress.config import Compression, Variant
 from converter.compress.emit import (
     VariantResult,
     _manifest,
@@ -60,6 +59,7 @@ from converter.coreml import save_package
 from converter.errors import InputError
 from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic
+from converter.recipe.compression import Compression, Variant
 from converter.runlog import write_log_into
 
 # The cache gates that hold for a compressed variant exactly as for the fp16 package.

@@ -5,8 +5,11 @@
 * `sections`: shapes, I/O, gates, fixtures, encoder options;
 * `tasks`: which keys each task reads (a key its task does not read is an error);
 * `sources`: where the checkpoint comes from and where it is on this machine;
+* `compression`: the ``compression:`` section (variants, held-out slices, their gates);
 * `loader`: reading a recipe file with ``file:line: field: expectation`` errors, through the
-  error engine `converter.yaml_errors` that the compression config shares.
+  error engine `yaml_errors` that the compression section shares;
+* `refs`, `writer`, `fixture_text`: what an ``anec convert`` argument names, a recipe written
+  back as YAML, the fixtures of a recipe made from a checkpoint.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from converter.recipe.tasks import (
     TaskKey,
     misplaced_keys,
 )
-from converter.yaml_errors import MAX_NESTING
+from converter.recipe.yaml_errors import MAX_NESTING
 
 __all__ = [
     "DECODER_TASKS",

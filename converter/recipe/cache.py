@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from converter.compress import methods
+from converter.recipe.yaml_errors import Loc, StrictModel, raise_rules
 from converter.targets import Feature, check_feature
-from converter.yaml_errors import Loc, StrictModel, raise_rules
 
 CacheStyleName = Literal["none", "state", "io"]
 # A cache's slots are one axis of the state; at most the NE's per-axis limit.

@@ -20,7 +20,7 @@ from converter.recipe.schema import (
 )
 from converter.recipe.sections import Fixtures, Shapes
 from converter.recipe.tasks import misplaced_keys
-from converter.yaml_errors import (
+from converter.recipe.yaml_errors import (
     RULE,
     ConfigError,
     ConfigIssue,

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from converter.compress.config import Compression, compression_problems
 from converter.errors import InputError
 from converter.recipe.cache import CacheSpec, cache_problems
+from converter.recipe.compression import Compression, compression_problems
 from converter.recipe.sections import (
     MAX_AXIS,
     DecisionOptions,
@@ -42,8 +42,8 @@ from converter.recipe.tasks import (
     misplaced_keys,
     without_misplaced,
 )
+from converter.recipe.yaml_errors import Loc, StrictModel, got, raise_rules, rule
 from converter.targets import TARGETS, Feature, check_feature
-from converter.yaml_errors import Loc, StrictModel, got, raise_rules, rule
 
 MAX_NAME_LENGTH = 100
 

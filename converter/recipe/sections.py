@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from converter.yaml_errors import Loc, StrictModel, got, raise_rules, rule
+from converter.recipe.yaml_errors import Loc, StrictModel, got, raise_rules, rule
 
 MAX_AXIS = 16384  # the Neural Engine's per-axis limit
 

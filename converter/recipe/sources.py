@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from converter.errors import InputError
 from converter.recipe.chunked import assembled, listed_sha256
-from converter.yaml_errors import Loc, StrictModel, raise_rules
+from converter.recipe.yaml_errors import Loc, StrictModel, raise_rules
 
 SourceKind = Literal["hf-dir", "gguf", "python-package"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from converter.yaml_errors import Loc
+from converter.recipe.yaml_errors import Loc
 
 Task = Literal[
     "text-generation", "feature-extraction", "text-classification", "sentence-similarity",

@@ -34,7 +34,7 @@ SEARCH_BITS = (16, 8, 6, 4, 3, 2)
 
 
 class VariantFields(Protocol):
-    """The recipe fields of one variant a method reads (``compress.config.Variant``)."""
+    """The recipe fields of one variant a method reads (``recipe.compression.Variant``)."""
 
     @property
     def suffix(self) -> str: ...

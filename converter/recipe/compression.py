@@ -15,8 +15,8 @@ from pydantic import Field, model_validator
 from converter.compress import methods
 from converter.compress.methods.base import LUT_BITS, SEARCH_BITS
 from converter.compress.smooth import ALPHA
+from converter.recipe.yaml_errors import Loc, OneOf, StrictModel, raise_rules
 from converter.targets import Feature, check_feature
-from converter.yaml_errors import Loc, OneOf, StrictModel, raise_rules
 
 # The registered methods (converter/compress/methods/, one module each), read when a recipe
 # is validated; and those the mixed search may choose per weight (``searchable``).

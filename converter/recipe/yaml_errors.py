@@ -4,10 +4,6 @@ It reads a YAML file (YAML 1.2 floats, duplicate keys, nesting limits), turns py
 into ``file:line: dotted.field: what was expected`` issues, and lets schema validators raise
 their own readable rule violations, all at once. It knows no schema: the caller passes the
 root model, so the recipe and any other YAML-configured schema share it.
-
-It lives outside ``converter.recipe`` because ``converter.compress.config`` uses it and the
-recipe schema imports that config: inside the recipe package, importing the compression config
-first would run the recipe package's ``__init__`` and come back to the half-loaded config.
 """
 
 from __future__ import annotations
