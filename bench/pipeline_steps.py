@@ -44,8 +44,9 @@ def export_revision(rev: str, into: Path) -> Path:
 def run_side(label: str, tree: Path, recipe: Path, out: Path) -> dict[str, Any]:
     """``anec convert RECIPE --json`` with ``tree`` first on the path; figures of that run."""
     env = dict(os.environ, PYTHONPATH=str(tree), TQDM_DISABLE="1")
-    cmd = [sys.executable, "-m", "converter.cli", "convert", str(recipe)]
-    cmd += ["--out", str(out), "--force", "--json"]
+    meter = out.with_name(out.name + "-steps.json")
+    cmd = [sys.executable, str(REPO / "bench" / "step_meter.py"), str(meter), "convert"]
+    cmd += [str(recipe), "--out", str(out), "--force", "--json"]
     print(f"running {label} ({tree}) ...", file=sys.stderr, flush=True)
     load_before = os.getloadavg()
     start = time.perf_counter()
@@ -67,6 +68,11 @@ def run_side(label: str, tree: Path, recipe: Path, out: Path) -> dict[str, Any]:
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }
+    if meter.is_file():
+        metered = json.loads(meter.read_text())
+        result["steps"] = metered["steps"]
+        result["n_parameters"] = metered["n_parameters"]
+    result["content_sha256"] = package_hashes(out)
     summaries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if not summaries:
         result["error"] = "\n".join(errors.strip().splitlines()[-15:])
@@ -77,6 +83,49 @@ def run_side(label: str, tree: Path, recipe: Path, out: Path) -> dict[str, Any]:
     result["gates"] = summary["gates"]
     print(f"  exit {proc.returncode} in {wall:.0f} s", file=sys.stderr, flush=True)
     return result
+
+
+def package_hashes(out: Path) -> dict[str, str]:
+    """Each published artifact's package content hash (manifest ``package.content_sha256``),
+    by artifact directory name: equal bytes on both sides give equal hashes."""
+    hashes = {}
+    for manifest in sorted(out.glob("*/manifest.json")):
+        package = json.loads(manifest.read_text()).get("package") or {}
+        hashes[manifest.parent.name] = str(package.get("content_sha256"))
+    return hashes
+
+
+def step_table(sides: list[dict[str, Any]]) -> None:
+    """Each step's CPU time and the peak RSS when it ended, per side, beside the checkpoint's
+    fp32 size (4 bytes a parameter): the step whose peak rises is the one that set it."""
+    ok = [s for s in sides if s.get("steps")]
+    if not ok:
+        return
+    names = list(dict.fromkeys(r["step"] for s in ok for r in s["steps"]))
+    print(
+        f"\n{'step: CPU s / peak RSS GiB at its end':<36}"
+        + "".join(f"{s['label']:>24}" for s in ok)
+    )
+    for name in names:
+        cells = ""
+        for s in ok:
+            row = next((r for r in s["steps"] if r["step"] == name), None)
+            text = "-" if row is None else f"{row['cpu_s']:.1f} / {row['peak_rss_gib']:.2f}"
+            cells += f"{text:>24}"
+        print(f"{name[:35]:<36}{cells}")
+    for s in ok:
+        n = s.get("n_parameters")
+        if n:
+            fp32 = 4 * n / 2**30
+            print(
+                f"{s['label']}: {n / 1e6:.1f}M parameters, fp32 {fp32:.2f} GiB; peak "
+                f"{s['peak_rss_gib']:.2f} GiB = {s['peak_rss_gib'] / fp32:.2f} x fp32 "
+                f"(bound 3 x fp32 + 1 GiB = {3 * fp32 + 1:.2f} GiB)"
+            )
+    hashes = [s.get("content_sha256") for s in ok]
+    print(f"package content_sha256: {hashes[0]}")
+    same = all(h == hashes[0] for h in hashes)
+    print(f"same package bytes on every side: {'yes' if same else 'NO'}")
 
 
 def report(sides: list[dict[str, Any]]) -> None:
@@ -120,6 +169,7 @@ def report(sides: list[dict[str, Any]]) -> None:
             )
             cells += f"{text:>{width}}"
         print(f"{gate[:35]:<36}{cells}")
+    step_table(ok)
     same = all(set(s["gates"]) == set(ok[0]["gates"]) for s in ok)
     print(f"\nsame gate set on every side: {'yes' if same else 'NO'}")
     print(f"cpus: {os.cpu_count()}; times are wall clock on whatever else the machine runs")

@@ -15,7 +15,7 @@ from typing import Any
 from converter.evidence import MEANING, Evidence
 from converter.plan.chips import chips_for
 from converter.plan.gates import check_plan_gates
-from converter.plan.ops import op_table
+from converter.plan.ops import OpTable, op_table
 from converter.plan.render_text import summary_lines
 from converter.plan.static import static_report
 from parity.gate import GateResult
@@ -50,11 +50,12 @@ def plan_artifact(
     max_ne_segments: int | None,
     stage_dir: Path,
 ) -> ArtifactPlan:
-    """Predict placement of ``program`` (the package's MIL program), check the plan gates on
-    every chip of ``platform`` and write plan.json / plan.txt into ``stage_dir``."""
+    """Predict placement of ``program`` (the package's MIL program, or its `OpTable` made
+    beforehand), check the plan gates on every chip of ``platform`` and write plan.json /
+    plan.txt into ``stage_dir``."""
     from converter.publish import write_json_atomic, write_text_atomic
 
-    table = op_table(program)
+    table = program if isinstance(program, OpTable) else op_table(program)
     chips = chips_for(platform)
     reports = [
         static_report(table, package.name, content_sha256, c.name, other_chips=chips) for c in chips

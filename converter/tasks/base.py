@@ -19,6 +19,7 @@ from converter.coreml import TensorIO, live_ops, save_package, to_mlprogram, tra
 from converter.errors import InputError
 from converter.manifest import Manifest
 from converter.plan.artifact_gate import plan_artifact
+from converter.plan.ops import op_table
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import Recipe, ResolvedSource
 from converter.steps import Advance, Stop
@@ -63,6 +64,10 @@ class Program:
     path: Path
     mlmodel: Any = field(repr=False)
     ops: collections.Counter[str]
+    # The plan step's op table, made from the program when it was converted, so that a task
+    # can drop the in-memory program (its weights) before the MIL parity step loads the saved
+    # one (at Qwen2.5-0.5B size each holds 1 GB).
+    plan_table: Any = field(default=None, repr=False)
 
 
 @dataclass
@@ -126,7 +131,8 @@ def emit_program(
     mlmodel = to_mlprogram(traced, inputs, outputs, target.ct_target(), run.recipe.precision)
     path = run.job.directory / file
     save_package(mlmodel, path)
-    program = Program(piece, inputs, outputs, path, mlmodel, live_ops(mlmodel))
+    table = op_table(mlmodel._mil_program)
+    program = Program(piece, inputs, outputs, path, mlmodel, live_ops(mlmodel), table)
     run.programs.append(program)
     return program
 
@@ -135,7 +141,8 @@ def plan(run: TaskRun, advance: Advance) -> Stop | None:
     """The static placement prediction of the main package and the recipe's plan gates."""
     main = run.main
     result = plan_artifact(
-        main.mlmodel._mil_program,  # the program just saved, without reloading its weights
+        # the program just saved, without reloading its weights
+        main.plan_table if main.plan_table is not None else main.mlmodel._mil_program,
         main.path,
         need(run.manifest, "the manifest").package.content_sha256,
         TARGETS[run.recipe.target].platform,

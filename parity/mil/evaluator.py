@@ -2,8 +2,13 @@
 
 ``Evaluator`` prepares a function once (kernels looked up, constants and compressed weights
 decoded and stored as the profile says, each value's last use found) and then runs it on any
-number of inputs. Every float is held as an fp32 array; under fp16 storage its values are
+number of inputs. Every float an op reads is an fp32 array; under fp16 storage its values are
 fp16 values. Every result's shape is checked against the shape the program declares.
+
+An fp16 constant is held as the program's own fp16 array (its values are exactly fp16 values,
+so the fp32 array an op reads is made from it when the op runs): fp32 copies of every weight,
+kept for the evaluator's lifetime, were the largest single block of the MIL parity step's
+memory (Qwen2.5-0.5B shape: 2 GB beside the program's own 1 GB).
 """
 
 from __future__ import annotations
@@ -108,6 +113,36 @@ def coerce(value: Any, dtype: str, arith: Arithmetic) -> Any:
     return value  # strings and other non-tensor constants
 
 
+def _packed_fp16(value: Any, arith: Arithmetic) -> np.ndarray | None:
+    """An fp16 constant as the evaluator holds it: the program's fp16 array itself, or (a
+    profile that flushes subnormals, and the array holds one) a flushed fp16 copy; None for a
+    value that is not an fp16 array. Its fp32 widening (`_widen`) is exactly what ``coerce``
+    stores for it."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.float16:
+        return None
+    if arith.profile.flush_subnormals and has_fp16_subnormal(value):
+        return arith.store(value).astype(np.float16)  # flushed fp16 values: exact in fp16
+    return value
+
+
+def _pack_if_exact(value: Any) -> Any:
+    """A decoded (``constexpr_*``) fp16 weight held in fp16 when that is exact: under fp16
+    storage always; under fp32 storage only if every value is an fp16 value."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.size == 0:
+        return value
+    with np.errstate(over="ignore"):
+        packed = value.astype(np.float16)
+    return packed if np.array_equal(packed.astype(np.float32), value) else value
+
+
+def _widen(value: Any) -> Any:
+    """A value as ops read it: a packed fp16 constant as fp32 (exact), anything else as is
+    (no other value the evaluator holds is an fp16 array)."""
+    if isinstance(value, np.ndarray) and value.dtype == np.float16:
+        return value.astype(np.float32)
+    return value
+
+
 class Evaluator:
     """Evaluates one function of an ML Program under one numeric profile."""
 
@@ -191,8 +226,9 @@ class Evaluator:
                 # constexpr_* ops: compile-time decompression, done once here.
                 env = dict(self._constants)
                 self._execute(step, env)
-                for name, _, _ in step.outputs:
-                    self._constants[name] = env[name]
+                for name, dtype, _ in step.outputs:
+                    value = env[name]
+                    self._constants[name] = _pack_if_exact(value) if dtype == "fp16" else value
                 continue
             self._steps.append(step)
         self._plan_frees()
@@ -206,6 +242,10 @@ class Evaluator:
         is shared as it is; with flushing a copy is made only if it holds a subnormal.
         """
         dtype = dtype_name(var)
+        if dtype == "fp16":
+            packed = _packed_fp16(const_array(var), self.arith)
+            if packed is not None:
+                return packed
         if self._like is None or var.name not in self._like._constants:
             return coerce(const_array(var), dtype, self.arith)
         value = self._like._constants[var.name]
@@ -248,9 +288,9 @@ class Evaluator:
     # running
 
     def constant(self, name: str) -> Any:
-        """A constant as the evaluator holds it: decoded (``constexpr_*``) and stored under
-        the profile."""
-        return self._constants[name]
+        """A constant as an op reads it: decoded (``constexpr_*``) and stored under the
+        profile."""
+        return _widen(self._constants[name])
 
     def var_names(self) -> list[str]:
         """Names of every value the function computes, in program order."""
@@ -302,7 +342,7 @@ class Evaluator:
         if states is not None:
             for name, slot in slots.items():
                 states[name] = slot.value
-        outputs = {name: env[name] for name in self.output_names}
+        outputs = {name: _widen(env[name]) for name in self.output_names}
         return Evaluation(outputs, captured, non_finite)
 
     def _state_slots(self, states: dict[str, np.ndarray]) -> dict[str, StateSlot]:
@@ -326,9 +366,9 @@ class Evaluator:
         values: dict[str, Any] = {}
         for name, (kind, ref) in step.inputs.items():
             if kind == "var":
-                values[name] = env[ref]
+                values[name] = _widen(env[ref])
             elif kind == "list":
-                values[name] = [env[r] for r in ref]
+                values[name] = [_widen(env[r]) for r in ref]
             else:
                 values[name] = ref
         try:
