@@ -20,7 +20,6 @@ from converter.checkpoint import Checkpoint
 from converter.gguf_config import ConfigReads, assumed_values
 from converter.manifest import Deviation
 from converter.manifest_fields import write_npy, write_tokenizer
-from converter.memory import release_memory
 from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.recipe import DecoderRecipe, Recipe
@@ -40,6 +39,7 @@ from graph_passes.stream_scale import (
 from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversion
 from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
+from parity.memory import release_memory
 from parity.reference import ReferenceRun, run_reference
 from parity.report_files import merge
 from parity.result import Thresholds
