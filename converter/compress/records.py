@@ -154,7 +154,6 @@ def weight_records(
         if tuple(value.shape) != site.shape:
             raise ValueError(f"{site.name}: decodes to {value.shape}, expected {site.shape}")
         decoded[site.name] = value
-        storage = methods.get(scheme.method)
         records.append(
             WeightRecord(
                 site.name,
@@ -165,8 +164,8 @@ def weight_records(
                 scheme.bits,
                 scheme.granularity,
                 scheme.group_size,
-                scheme.symmetric if storage.records_symmetry else None,
-                storage.algorithm(scheme, site),
+                scheme.symmetric if methods.get(scheme.method).records_symmetry else None,
+                methods.get(scheme.method).algorithm(scheme, site),
                 op.op_type,
                 fp16_bytes,
                 stored,
