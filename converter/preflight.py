@@ -50,7 +50,7 @@ def preflight(
     tables = read_weight_tables(files)
     _check_architecture(source, tables, recipe.task)
     _check_tokenizer(recipe, source)
-    _check_grid_source(recipe, tables)
+    _check_sources(recipe, tables)
     if tables:
         n_parameters = sum(t.n_parameters for t in tables)
     else:
@@ -138,26 +138,14 @@ def _check_gguf_architecture(table: WeightTable, adapters: Collection[str], supp
         )
 
 
-def _check_grid_source(recipe: Recipe, tables: list[WeightTable]) -> None:
-    """Method grid re-encodes a block-quantized source exactly or not at all: a GGUF holding
-    K-quant tensors is refused by name (`converter.compress.grids.K_QUANTS`)."""
-    from converter.compress.grids import K_QUANTS, k_quant_tensors
+def _check_sources(recipe: Recipe, tables: list[WeightTable]) -> None:
+    """Each compression variant's method may refuse the source's weight tables by name (e.g.
+    method grid: a GGUF holding K-quant tensors)."""
+    from converter.compress import methods
 
     variants = recipe.compression.variants if recipe.compression is not None else []
-    grid = [v.suffix for v in variants if v.method == "grid"]
-    for table in tables if grid else []:
-        found = k_quant_tensors({name: t.dtype for name, t in table.tensors.items()})
-        if found:
-            kinds = sorted(set(found.values()))
-            listed = ", ".join(f"{n} ({k})" for n, k in list(found.items())[:4])
-            raise InputError(
-                f"compression variant {grid[0]}: method grid cannot re-encode {table.file.name} "
-                f"exactly: {len(found)} tensors are llama.cpp K-quants ({', '.join(kinds)}), "
-                f"e.g. {listed}; their block scales (an integer times the super-block's fp16 "
-                f"scale) do not fit one fp16 scale per block. Grids it holds exactly: "
-                f"Q4_0, Q4_1, Q5_0, Q8_0 ({', '.join(K_QUANTS)} refused); choose another method "
-                "(int8, lut, gptq) for this source"
-            )
+    for variant in variants:
+        methods.get(variant.method).check_source(variant, tables)
 
 
 def _check_tokenizer(recipe: Recipe, source: ResolvedSource) -> None:

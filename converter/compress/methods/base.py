@@ -282,6 +282,10 @@ class CompressionMethod:
         """What the built program holds beyond its weights (None: nothing)."""
         return None
 
+    def check_source(self, variant: VariantFields, tables: list[Any]) -> None:
+        """Refuse (``InputError``) a source whose weight tables (``checkpoint.WeightTable``)
+        this method cannot compress, before anything is built."""
+
     def manifest(self, variant: VariantFields) -> dict[str, Any]:
         """Entries this method adds to the manifest's ``compression`` section."""
         return {}

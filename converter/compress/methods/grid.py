@@ -120,6 +120,26 @@ class GridMethod(CompressionMethod):
             values[site.const] = found[1]
         return write_integers(mlmodel, values), None
 
+    def check_source(self, variant: VariantFields, tables: list[Any]) -> None:
+        """A block-quantized source is re-encoded exactly or not at all: a GGUF holding
+        K-quant tensors is refused by name (`converter.compress.grids.K_QUANTS`)."""
+        from converter.compress.grids import K_QUANTS, k_quant_tensors
+        from converter.errors import InputError
+
+        for table in tables:
+            found = k_quant_tensors({name: t.dtype for name, t in table.tensors.items()})
+            if found:
+                kinds = sorted(set(found.values()))
+                listed = ", ".join(f"{n} ({k})" for n, k in list(found.items())[:4])
+                raise InputError(
+                    f"compression variant {variant.suffix}: method grid cannot re-encode "
+                    f"{table.file.name} exactly: {len(found)} tensors are llama.cpp K-quants "
+                    f"({', '.join(kinds)}), e.g. {listed}; their block scales (an integer times "
+                    "the super-block's fp16 scale) do not fit one fp16 scale per block. Grids "
+                    f"it holds exactly: Q4_0, Q4_1, Q5_0, Q8_0 ({', '.join(K_QUANTS)} refused); "
+                    "choose another method (int8, lut, gptq) for this source"
+                )
+
     def search_features(self, space: Any) -> list[FeatureUse]:
         fix = "set target: macOS15 (or iOS18) or drop grid"
         return [(("search", "methods"), Feature.BLOCKWISE_INT4, fix)]
