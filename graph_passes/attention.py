@@ -156,11 +156,11 @@ class WindowKeys:
         """Per head: keys transposed once per kv head to (B, L, 1, d), scores
         ``score[b, key, 0, query]``, weighted values."""
         queries, keys, values = _heads(attn.spec, q, k, v)
-        keys_t = [k.transpose(1, 3) for k in keys]  # (B, L, 1, d)
+        keys_t = [key.transpose(1, 3) for key in keys]  # (B, L, 1, d)
         outputs = []
-        for h, q in enumerate(queries):
+        for h, query in enumerate(queries):
             g = h // attn.spec.group_size
-            score = torch.einsum("bkhc,bchq->bkhq", keys_t[g], q)
+            score = torch.einsum("bkhc,bchq->bkhq", keys_t[g], query)
             weight = attn.weights(score, mask)
             outputs.append(torch.einsum("bchk,bkhq->bchq", values[g], weight))
         return outputs

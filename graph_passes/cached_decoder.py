@@ -222,9 +222,9 @@ class CachedDecoder(nn.Module):
         for i, layer in enumerate(self.layers()):
             cos, sin = rope[self.group_of[self.start + i]]
             # The window's own block, reading and writing the cache through `CachedKeys`.
-            slots = CachedKeys(cache[i], cache[n + i], Positions(cos, sin, t), self.io.cache_length)
-            h = layer(h, masks[layer.window], slots)
-            k, v = slots.written()
+            kv = CachedKeys(cache[i], cache[n + i], Positions(cos, sin, t), self.io.cache_length)
+            h = layer(h, masks[layer.window], kv)
+            k, v = kv.written()
             keys.append(k)
             values.append(v)
         rows = torch.stack(keys + values)  # (2N, KV, T, d)
