@@ -163,6 +163,8 @@ def load_model(path: Path, config: Any, model_class: Any) -> tuple[Any, dict[str
     # profile on the loaded machine.
     with no_init_weights():
         model = model_class.from_config(config, dtype=torch.float32)
+    # init_weights ties the LM head to the embeddings, and no_init_weights skips it too.
+    model.tie_weights()
     expected = model.state_dict()
     mismatched = [
         (name, tuple(t.shape), tuple(expected[name].shape))
