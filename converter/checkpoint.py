@@ -21,7 +21,7 @@ from converter import gguf_weights
 from converter.errors import InputError
 from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
-from converter.runlog import warnings_to_log
+from converter.runlog import keep_libraries_off_terminal, warnings_to_log
 from converter.weightfiles import check_loading_info, read_gguf_metadata
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
     import transformers
     from transformers import AutoModelForCausalLM
 
+    keep_libraries_off_terminal()  # transformers' own stderr handler, added on import
     if task not in _CAUSAL_LM_TASKS and task not in _ENCODER_TASKS:
         supported = sorted(_CAUSAL_LM_TASKS | set(_ENCODER_TASKS))
         raise InputError(f"task: {task!r} is not supported yet; supported: {supported}")

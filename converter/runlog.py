@@ -12,7 +12,10 @@ the ``anec`` group before any command runs): the libraries' log records and Pyth
 (coremltools' notes on import, transformers' load report, warnings raised while loading,
 tracing or converting) are kept in the session and written into ``convert.log`` by a
 conversion, or into ``anec --log FILE`` by any command. Code that used to silence warnings
-wraps the call in ``warnings_to_log()`` instead, so nothing a library says is lost.
+wraps the call in ``warnings_to_log()`` instead, so nothing a library says is lost. A
+library that installs its own terminal handler when it is imported (transformers does) has it
+removed (``keep_libraries_off_terminal``), and ANSI escape codes (transformers colours its
+load report) are stripped from what is written.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import io
 import logging
 import os
 import platform
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -34,12 +38,21 @@ from converter.publish import write_text_atomic
 LOG_NAME = "convert.log"
 # Libraries whose records are kept off the terminal and recorded instead. transformers sets
 # propagate=False itself; route_library_output does the same for the rest.
-LIBRARY_LOGGERS = ("coremltools", "transformers", "torch", "py.warnings")
+LIBRARY_LOGGERS = (
+    "coremltools",
+    "transformers",
+    "torch",
+    "py.warnings",
+    "huggingface_hub",
+    "gguf",
+)
 _SESSION_LIMIT = 2000  # records kept for the session (a run that loops on a warning stays small)
 # anec's own packages log their steps at INFO; libraries are recorded from WARNING up.
 _OWN_LOGGERS = ("anec", "converter", "graph_passes", "parity")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DISTRIBUTIONS = ("anec", "torch", "transformers", "coremltools", "numpy")
+# Terminal control sequences (colours, bold) that libraries put into their messages.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 _active: RunLog | None = None
 
@@ -51,8 +64,17 @@ def _version(distribution: str) -> str:
         return "not installed"
 
 
+def plain(text: str) -> str:
+    """``text`` without ANSI escape sequences."""
+    return _ANSI.sub("", text)
+
+
 class _UTCFormatter(logging.Formatter):
-    """ISO-8601 UTC timestamps, so logs from CI runners in any time zone line up."""
+    """ISO-8601 UTC timestamps, so logs from CI runners in any time zone line up; no ANSI
+    escape sequences (a log file is read in an editor, not a terminal)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return plain(super().format(record))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         when = _dt.datetime.fromtimestamp(record.created, _dt.timezone.utc)
@@ -73,8 +95,8 @@ class _SessionHandler(logging.Handler):
             self.records.append(record)
         if _active is not None:
             _active.handle(record)
-        if record.levelno >= logging.ERROR and logging.lastResort is not None:
-            logging.lastResort.handle(record)  # a library's error stays visible
+        if record.levelno >= logging.ERROR:  # a library's error stays visible, as plain text
+            sys.stderr.write(plain(record.getMessage()) + "\n")
 
 
 _session: _SessionHandler | None = None
@@ -99,6 +121,26 @@ def route_library_output() -> None:
         logger.addHandler(_session)
         logger.propagate = False
     logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger
+    keep_libraries_off_terminal()
+
+
+def keep_libraries_off_terminal() -> None:
+    """Remove the handlers libraries attached to their own loggers, once they are imported.
+
+    transformers adds a stderr handler to its ``transformers`` logger when it is imported
+    (``transformers.utils.logging._configure_library_root_logger``), which is after
+    ``route_library_output`` ran: its load report reached the terminal through it, raw ANSI
+    codes included. Called by ``route_library_output`` and where anec imports such a library
+    (``converter.checkpoint``); does nothing before ``route_library_output`` (library use of
+    anec keeps the caller's logging as it is).
+    """
+    if _session is None:
+        return
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if handler is not _session:
+                logger.removeHandler(handler)
 
 
 def session_log_text() -> str:
