@@ -2,4 +2,6 @@
 
 from converter.cli import main
 
-main()
+# Guarded: the wheel check imports every module, and an import must not run the CLI.
+if __name__ == "__main__":
+    main()
