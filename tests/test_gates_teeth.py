@@ -123,9 +123,13 @@ def test_softmax_over_the_query_axis_fails_at_layer_0(
 # ---- 2. RoPE halves split across all heads ---------------------------------------------------
 
 
-def _rope_across_all_heads(self: Rope, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _rope_across_all_heads(
+    self: Rope, x: torch.Tensor, num_heads: int, at: object = None
+) -> torch.Tensor:
     """WRONG: rotate_half over all heads concatenated (first half of all channels with the
-    second half), with each head's cos/sin tables tiled across the heads."""
+    second half), with each head's cos/sin tables tiled across the heads. Window calls only
+    (``at`` is None: the module's own tables)."""
+    assert at is None, "this mutant covers the window path"
     d, length = self.head_dim, self.length
     half_cos = self.cos[:, :, d // 2 :, :]
     half_sin = self.sin[:, :, d // 2 :, :]  # the unsigned sin (the table folds -sin into half 1)
