@@ -130,7 +130,7 @@ def keep_libraries_off_terminal() -> None:
     transformers adds a stderr handler to its ``transformers`` logger when it is imported
     (``transformers.utils.logging._configure_library_root_logger``), which is after
     ``route_library_output`` ran: its load report reached the terminal through it, raw ANSI
-    codes included. Called by ``route_library_output`` and where anec imports such a library
+    codes included; with ``CI=true`` in the environment it also makes its logger propagate. Called by ``route_library_output`` and where anec imports such a library
     (``converter.checkpoint``); does nothing before ``route_library_output`` (library use of
     anec keeps the caller's logging as it is).
     """
@@ -138,6 +138,9 @@ def keep_libraries_off_terminal() -> None:
         return
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
+        # transformers also sets propagate=True when CI=true is in the environment, which
+        # sends its records to the root logger and from there to logging's stderr fallback.
+        logger.propagate = False
         for handler in list(logger.handlers):
             if handler is not _session:
                 logger.removeHandler(handler)
