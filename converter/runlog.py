@@ -130,7 +130,8 @@ def keep_libraries_off_terminal() -> None:
     transformers adds a stderr handler to its ``transformers`` logger when it is imported
     (``transformers.utils.logging._configure_library_root_logger``), which is after
     ``route_library_output`` ran: its load report reached the terminal through it, raw ANSI
-    codes included; with ``CI=true`` in the environment it also makes its logger propagate. Called by ``route_library_output`` and where anec imports such a library
+    codes included; with ``CI=true`` in the environment it also makes its logger propagate.
+    Called by ``route_library_output`` and where anec imports such a library
     (``converter.checkpoint``); does nothing before ``route_library_output`` (library use of
     anec keeps the caller's logging as it is).
     """
