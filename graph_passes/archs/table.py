@@ -73,7 +73,7 @@ def map_weights(
     num_layers: int,
     prefix: str = "",
 ) -> dict[str, torch.Tensor]:
-    """Canonical weights for every row of ``table`` (fp32 copies), checked against their
+    """Canonical weights for every row of ``table`` (fp32, read-only), checked against their
     shapes; skipped tensors are marked handled. Call ``reader.finish()`` afterwards."""
     weights: dict[str, torch.Tensor] = {}
     for row in table:
