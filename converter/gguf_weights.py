@@ -175,9 +175,14 @@ def load_model(path: Path, config: Any, model_class: Any) -> tuple[Any, dict[str
     if mismatched or unexpected:
         info = {"missing_keys": set(), "unexpected_keys": set(unexpected)}
         return model, info | {"mismatched_keys": set(mismatched), "error_msgs": []}
-    result = model.load_state_dict(state, strict=False)
-    loaded = {expected[name].data_ptr() for name in state}
+    # assign: the model takes the de-quantized tensors themselves, so its own (never
+    # touched, so never resident) parameters are dropped instead of being filled with a copy:
+    # one fp32 checkpoint in memory, not two.
+    result = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # the LM head follows the embeddings it was tied to
+    loaded = {t.data_ptr() for t in state.values()}
+    after = model.state_dict()
     # A tied parameter (lm_head.weight = embed_tokens.weight) is loaded through its twin.
-    missing = {n for n in result.missing_keys if expected[n].data_ptr() not in loaded}
+    missing = {n for n in result.missing_keys if after[n].data_ptr() not in loaded}
     info = {"missing_keys": missing, "unexpected_keys": set(), "mismatched_keys": set()}
     return model, info | {"error_msgs": []}

@@ -67,20 +67,6 @@ KV_LAYERS = 2
 CHUNKED = CACHE + "  package_budget_mb: 0.12\n"
 
 
-def convert_in_process_of_its_own(recipe: str | Path, out: Path, hash_seed: int) -> Path:
-    """``anec convert RECIPE --out OUT`` in a new Python process; the artifact directory."""
-    done = subprocess.run(
-        _command([recipe], out),
-        env=_env(hash_seed),
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    return Path(json.loads(done.stdout.splitlines()[-1])["artifact"])
-
-
 def _command(recipes: list[str | Path] | list[Path], out: Path) -> list[str]:
     return [sys.executable, "-m", "converter.cli", "convert", *map(str, recipes)] + [
         "--out",
@@ -269,17 +255,6 @@ def test_artifact_is_the_same_in_two_processes(
 ) -> None:
     first, second = _pair(converted_twice, name)
     assert_same_bytes(first, second, packages)
-
-
-@pytest.mark.slow
-def test_smollm2_converted_again_in_another_process_gives_the_same_content_hash(
-    smollm2_artifact: Path, tmp_path: Path
-) -> None:
-    """One extra conversion: the session's shared artifact is the other side."""
-    seed = int(os.environ.get("PYTHONHASHSEED") or 0) + 1  # differs from this process's
-    again = convert_in_process_of_its_own("smollm2-135m-draft", tmp_path / "out", seed)
-    assert spec_bytes(again) == spec_bytes(smollm2_artifact)
-    assert content_hash(again) == content_hash(smollm2_artifact)
 
 
 def test_a_conversion_does_not_depend_on_what_the_process_built_before(tmp_path: Path) -> None:
