@@ -462,6 +462,10 @@ def test_a_rewrite_leaves_the_loaded_model_as_it_was(arch: str) -> None:
     io = build_module(canonical, "embeddings").io
     module, scaling, _ = choose_scales(canonical, io, batches)
     assert scaling.identity is (arch == "llama")
+    if scaling.identity:  # unscaled matrices are the checkpoint's own storage, not copies
+        down = model.model.layers[0].mlp.down_proj.weight
+        assert module.layers[0].mlp.down.weight.data_ptr() == down.data_ptr()
+        assert module.lm_head[0].weight.data_ptr() == model.lm_head.weight.data_ptr()
     references = {f.name: run_reference(model, f.token_ids) for f in fixtures}
     check_decoder(module, batches, references, module.host_embedding_table(), Thresholds())
     for k, v in model.state_dict().items():
