@@ -12,8 +12,9 @@ its metadata, so the spec is rewritten canonically and the date moved to ``conve
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -86,7 +87,7 @@ def to_mlprogram(
         for s in states
     ]
     _restart_mil_names()
-    with warnings_to_log("ct.convert"):
+    with warnings_to_log("ct.convert"), _validated_once():
         return ct.convert(
             traced,
             inputs=[ct.TensorType(name=i.name, shape=i.shape, dtype=_NP[i.dtype]) for i in inputs],
@@ -98,6 +99,34 @@ def to_mlprogram(
             skip_model_load=True,
             pass_pipeline=pipeline,
         )
+
+
+@contextlib.contextmanager
+def _validated_once() -> Iterator[None]:
+    """Validate each program once, after coremltools' pass pipeline, not after every pass.
+
+    ``PassPipelineManager.apply_pipeline`` re-checks the whole program (every op's inputs
+    against its producers' consumers) after each of its ~90 passes: in a profile of
+    tests/test_kv_pipeline.py that was 81 of the pipeline's 151 s. The checks only read the
+    program, so running them once on the final program finds the same invalid state, at the
+    end rather than after the pass that caused it.
+    """
+    from coremltools.converters.mil.mil.program import Program
+
+    check = Program.validate
+    programs: list[Any] = []
+
+    def record(self: Any, check_essential_scope: bool | None = False) -> None:
+        if not any(p is self for p in programs):
+            programs.append(self)
+
+    Program.validate = record
+    try:
+        yield
+    finally:
+        Program.validate = check
+    for program in programs:
+        check(program)
 
 
 def _restart_mil_names() -> None:

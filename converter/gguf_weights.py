@@ -145,8 +145,10 @@ def read_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
             weights = _unpermute(weights, kv_heads)
         if layout.norm_offset and "norm.weight" in name:
             weights = weights - layout.norm_offset
-        # A copy, as transformers makes: no tensor keeps the file mapped.
-        state[name] = torch.from_numpy(np.copy(weights)).to(torch.float32)
+        weights = np.asarray(weights, dtype=np.float32)
+        if np.may_share_memory(weights, file):  # an fp32 tensor stored as it is
+            weights = np.copy(weights)  # no tensor keeps the file mapped
+        state[name] = torch.from_numpy(weights)
     return state
 
 

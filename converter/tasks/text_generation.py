@@ -118,6 +118,7 @@ def choose_scales(
     # The unscaled module goes before the scaled one is built: two whole modules at once
     # were the rewrite step's peak on Gemma 3 270M.
     del module, norms
+    release_memory()
     canonical, scaling = apply_stream_scaling(canonical, scaling)
     module = BC1LDecoder(canonical, io).eval()
     return module, scaling, set_prescales(module, batches)
