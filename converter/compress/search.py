@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -135,63 +136,171 @@ def search_plan(
 ) -> tuple[dict[str, Scheme], dict[str, Any]]:
     """Search a per-weight plan; returns it and the report (sensitivities, path, frontier).
     ``advance`` is called after each of the len(sites) x candidates sensitivity measurements."""
-    from converter.compress.candidates import (
-        candidate_values,
-        candidates,
-        fits,
-        label,
-        stored_bytes,
-    )
+    from converter.compress.candidates import candidates, label
 
     start = time.perf_counter()
-    by_name = {s.name: s for s in sites}
     options = candidates(space)
     lowered = [c for c in options if c is not None]
-    # fp16-rounded weights, as the fp16 program holds them (fp32 arithmetic)
-    fp16 = {s.name: module.get_parameter(s.name).detach().half().numpy() for s in sites}
+    tried = _quantize(module, sites, lowered, calibration, embed_table, pad_id)
+    quantize_seconds = time.perf_counter() - start
+    # the fp16 model (fp16-rounded weights, fp32 arithmetic) every candidate is judged against
     work = copy.deepcopy(module).eval()
     params = dict(work.named_parameters())
     with torch.no_grad():
-        for name, value in fp16.items():
+        for name, value in tried.fp16.items():
             params[name].copy_(torch.from_numpy(value.astype(np.float32)))
+    calib = Scorer(work, calibration, embed_table, pad_id)
+    tried.sensitivity = _sensitivities(calib, sites, [label(c) for c in lowered], tried, advance)
+    log(f"sensitivity: {len(sites)} weights x {len(lowered)} candidates measured")
+
+    path = _greedy_path(sites, [label(c) for c in options], tried)
+    scorer = Scorer(work, held_out, embed_table, pad_id)
+    points = _measure_path(scorer, path, tried, space.budget, log)
+    uniform, plans = _measure_uniform(scorer, sites, lowered, tried, space.budget, log)
+    pick = smallest_meeting([*points.values(), *uniform.values()])
+    if pick.uniform is not None:
+        chosen = plans[pick.uniform]
+    else:
+        assert pick.step is not None  # a path point
+        chosen = path[pick.step]
+    plan = {n: tried.scheme_of[(n, c)] for n, c in chosen.items() if c != "fp16"}
+    explored = sorted([*points.values(), *uniform.values()], key=lambda p: p.weight_bytes)
+    doc = {
+        **_space_doc(space, [label(c) for c in options], len(sites)),
+        "sensitivity": {
+            "measured_on": "calibration text, every real position; one weight quantized, the "
+            "rest fp16; mean KL(p_fp16 || p_quantized), nats",
+            "table": tried.sensitivity,
+        },
+        "path_length": len(path),
+        "explored": [vars(p) for p in explored],
+        "frontier": [vars(p) for p in _frontier(explored)],
+        "uniform": {
+            tag: {"weight_bytes": u.weight_bytes, "mean_kl": u.mean_kl, "top1": u.top1}
+            for tag, u in uniform.items()
+        },
+        "chosen": {
+            "step": pick.step,
+            "uniform": pick.uniform,
+            "weight_bytes": tried.size(chosen),
+            "counts": dict(Counter(chosen.values())),
+            "bits": chosen,
+            "meets_budget": pick.meets_budget,
+        },
+        "seconds": {
+            "palettes": round(quantize_seconds, 1),
+            "total": round(time.perf_counter() - start, 1),
+        },
+    }
+    return plan, doc
+
+
+def _space_doc(space: SearchSpace, tags: list[str], weights: int) -> dict[str, Any]:
+    """The report's search space and budget: what was searched, judged against what."""
+    return {
+        "search_space": {
+            "bits": list(space.bits),
+            "methods": list(space.methods),
+            "group_sizes": list(space.group_sizes),
+            "candidates": tags,
+            "unit": "one candidate (method x bits x group) per weight tensor; " + _summaries(),
+            "weights": weights,
+        },
+        "budget": {
+            "against": "the fp16 model (torch fp32 arithmetic, fp16-rounded weights) on the "
+            "held-out slice",
+            "min_top1_agreement": space.budget.min_top1_agreement,
+            "max_mean_kl": space.budget.max_mean_kl,
+        },
+    }
+
+
+@dataclass
+class _Tried:
+    """Every weight's values under each candidate that fits it (keyed by weight name and
+    candidate label), their schemes and stored bytes, and (once measured) their sensitivity."""
+
+    fp16: dict[str, np.ndarray]
+    quantized: dict[tuple[str, str], np.ndarray]
+    scheme_of: dict[tuple[str, str], Scheme]  # a grid candidate's scheme is per weight
+    size_of: dict[tuple[str, str], int]
+    sensitivity: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def values(self, name: str, tag: str) -> np.ndarray:
+        return self.fp16[name] if tag == "fp16" else self.quantized[(name, tag)]
+
+    def size(self, plan: dict[str, str]) -> int:
+        return sum(self.size_of[(n, c)] for n, c in plan.items())
+
+    def predicted(self, plan: dict[str, str]) -> float:
+        return sum(self.sensitivity[n][c] for n, c in plan.items())
+
+
+def _quantize(
+    module: BC1LDecoder,
+    sites: list[WeightSite],
+    lowered: list[Any],
+    calibration: list[Fixture],
+    embed_table: torch.Tensor,
+    pad_id: int,
+) -> _Tried:
+    """Every site's values under every candidate that fits it."""
+    from converter.compress.candidates import candidate_values, fits, label, stored_bytes
+
+    by_name = {s.name: s for s in sites}
+    # fp16-rounded weights, as the fp16 program holds them (fp32 arithmetic)
+    fp16 = {s.name: module.get_parameter(s.name).detach().half().numpy() for s in sites}
     quantized: dict[tuple[str, str], np.ndarray] = {}
-    scheme_of: dict[tuple[str, str], Scheme] = {}  # a grid candidate's scheme is per weight
+    scheme_of: dict[tuple[str, str], Scheme] = {}
     for c in lowered:
         fitting = [s for s in sites if fits(s, c)]
         values = candidate_values(c, fitting, fp16, module, calibration, embed_table, pad_id)
         for n, (scheme, v) in values.items():
             quantized[(n, label(c))] = v
             scheme_of[(n, label(c))] = scheme
-    quantize_seconds = time.perf_counter() - start
+    size_of = {(s.name, "fp16"): stored_bytes(s, None) for s in sites}
+    size_of |= {(n, tag): stored_bytes(by_name[n], c) for (n, tag), c in scheme_of.items()}
+    return _Tried(fp16, quantized, scheme_of, size_of)
 
-    calib = Scorer(work, calibration, embed_table, pad_id)
+
+def _sensitivities(
+    calib: Scorer,
+    sites: list[WeightSite],
+    tags: list[str],
+    tried: _Tried,
+    advance: Callable[[], None],
+) -> dict[str, dict[str, float]]:
+    """Mean KL on the calibration text with one weight at a candidate, the rest fp16."""
     sensitivity: dict[str, dict[str, float]] = {}
     for site in sites:
         sensitivity[site.name] = {"fp16": 0.0}
-        for c in lowered:
-            if (site.name, label(c)) in quantized:
-                calib.set(site.name, quantized[(site.name, label(c))])
-                sensitivity[site.name][label(c)] = calib.compare(_layer_of(site.name))[0]
+        for tag in tags:
+            if (site.name, tag) in tried.quantized:
+                calib.set(site.name, tried.quantized[(site.name, tag)])
+                sensitivity[site.name][tag] = calib.compare(_layer_of(site.name))[0]
             advance()
-        calib.set(site.name, fp16[site.name])
-    log(f"sensitivity: {len(sites)} weights x {len(lowered)} candidates measured")
+        calib.set(site.name, tried.fp16[site.name])
+    return sensitivity
 
-    size_of = {(s.name, "fp16"): stored_bytes(s, None) for s in sites}
-    size_of |= {(n, tag): stored_bytes(by_name[n], c) for (n, tag), c in scheme_of.items()}
 
-    def ladder(site: WeightSite) -> list[str]:
-        """The site's candidates from largest to smallest, dominated ones left out (a
+def _greedy_path(sites: list[WeightSite], tags: list[str], tried: _Tried) -> list[dict[str, str]]:
+    """Plans from every weight at its largest candidate to every weight at its smallest,
+    moving one weight a step at a time: the one whose next step costs the least sensitivity
+    per byte saved."""
+    sensitivity, size_of = tried.sensitivity, tried.size_of
+
+    def ladder(name: str) -> list[str]:
+        """The weight's candidates from largest to smallest, dominated ones left out (a
         candidate no smaller and no less sensitive than another never helps)."""
-        mine = [c for c in options if label(c) in sensitivity[site.name]]
-        mine.sort(key=lambda c: (-size_of[(site.name, label(c))], sensitivity[site.name][label(c)]))
+        mine = [t for t in tags if t in sensitivity[name]]
+        mine.sort(key=lambda t: (-size_of[(name, t)], sensitivity[name][t]))
         kept: list[str] = []
-        for c in reversed(mine):  # smallest first: keep what beats every smaller one
-            sens = sensitivity[site.name][label(c)]
-            if not kept or sens < min(sensitivity[site.name][k] for k in kept):
-                kept.append(label(c))
+        for t in reversed(mine):  # smallest first: keep what beats every smaller one
+            if not kept or sensitivity[name][t] < min(sensitivity[name][k] for k in kept):
+                kept.append(t)
         return kept[::-1]
 
-    ladders = {s.name: ladder(s) for s in sites}
+    ladders = {s.name: ladder(s.name) for s in sites}
     choice = {n: steps[0] for n, steps in ladders.items()}
     path = [dict(choice)]
     while True:
@@ -208,37 +317,32 @@ def search_plan(
             if best is None or cost < best[0]:
                 best = (cost, name, nxt)
         if best is None:
-            break
+            return path
         choice[best[1]] = best[2]
         path.append(dict(choice))
 
-    def size(plan: dict[str, str]) -> int:
-        return sum(size_of[(n, c)] for n, c in plan.items())
 
-    def predicted(plan: dict[str, str]) -> float:
-        return sum(sensitivity[n][c] for n, c in plan.items())
-
-    def values_of(name: str, c: str) -> np.ndarray:
-        return fp16[name] if c == "fp16" else quantized[(name, c)]
-
-    scorer = Scorer(work, held_out, embed_table, pad_id)
+def _measure_path(
+    scorer: Scorer, path: list[dict[str, str]], tried: _Tried, budget: Any, log: Any
+) -> dict[int, Point]:
+    """Binary search along the path for the last step that meets the budget on the held-out
+    text (step 0, all fp16, always does), then a few more points for the report's frontier."""
     points: dict[int, Point] = {}
-    budget = space.budget
 
     def measure(step: int) -> Point:
         if step not in points:
             for name, c in path[step].items():
-                scorer.set(name, values_of(name, c))
+                scorer.set(name, tried.values(name, c))
             kl, top1 = scorer.compare()
             ok = kl <= budget.max_mean_kl and top1 >= budget.min_top1_agreement
-            points[step] = Point(step, size(path[step]), predicted(path[step]), kl, top1, ok)
+            plan = path[step]
+            points[step] = Point(step, tried.size(plan), tried.predicted(plan), kl, top1, ok)
             log(
                 f"  step {step:>4}: {points[step].weight_bytes / 2**20:7.2f} MiB  "
                 f"KL {kl:.4f}  top-1 {top1:.3f}  {'meets' if ok else 'misses'} the budget"
             )
         return points[step]
 
-    # binary search for the last step that meets the budget (step 0, all fp16, always does)
     lo, hi = 0, len(path) - 1
     if measure(hi).meets_budget:
         lo = hi
@@ -249,85 +353,53 @@ def search_plan(
         else:
             hi = mid
     measure(0)
-    # a few more points spread along the path, for the frontier the report shows
     for frac in (0.25, 0.5, 0.75):
         measure(int(frac * (len(path) - 1)))
+    return points
+
+
+def _measure_uniform(
+    scorer: Scorer,
+    sites: list[WeightSite],
+    lowered: list[Any],
+    tried: _Tried,
+    budget: Any,
+    log: Any,
+) -> tuple[dict[str, Point], dict[str, dict[str, str]]]:
+    """Every weight at one candidate, for each candidate every weight can take."""
+    from converter.compress.candidates import label
+
     uniform: dict[str, Point] = {}
     plans: dict[str, dict[str, str]] = {}
     for c in lowered:
         tag = label(c)
-        if not all((s.name, tag) in quantized for s in sites):
+        if not all((s.name, tag) in tried.quantized for s in sites):
             continue  # a group size some weight cannot take: no uniform plan
         plans[tag] = {s.name: tag for s in sites}
         for name in plans[tag]:
-            scorer.set(name, quantized[(name, tag)])
+            scorer.set(name, tried.quantized[(name, tag)])
         kl, top1 = scorer.compare()
         ok = kl <= budget.max_mean_kl and top1 >= budget.min_top1_agreement
         width = c.bits or None  # grid: each weight's own
-        point = Point(None, size(plans[tag]), predicted(plans[tag]), kl, top1, ok, width, tag)
+        plan = plans[tag]
+        point = Point(None, tried.size(plan), tried.predicted(plan), kl, top1, ok, width, tag)
         uniform[tag] = point
         log(
             f"  uniform {tag:>9}: {point.weight_bytes / 2**20:7.2f} MiB  KL {kl:.4f}  "
             f"top-1 {top1:.3f}  {'meets' if ok else 'misses'} the budget"
         )
-    pick = smallest_meeting([*points.values(), *uniform.values()])
-    if pick.uniform is not None:
-        chosen = plans[pick.uniform]
-    else:
-        assert pick.step is not None  # a path point
-        chosen = path[pick.step]
-    plan = {n: scheme_of[(n, c)] for n, c in chosen.items() if c != "fp16"}
-    explored = sorted([*points.values(), *uniform.values()], key=lambda p: p.weight_bytes)
+    return uniform, plans
+
+
+def _frontier(explored: list[Point]) -> list[Point]:
+    """Pareto frontier (bytes vs KL) of points sorted by bytes: a plan stays if every smaller
+    plan has a higher KL."""
     frontier, best_kl = [], float("inf")
-    # Pareto frontier (bytes vs KL): a plan stays if every smaller plan has a higher KL
     for p in explored:
         if p.mean_kl < best_kl:
             best_kl = p.mean_kl
             frontier.append(p)
-    counts: dict[str, int] = {}
-    for tag in chosen.values():
-        counts[tag] = counts.get(tag, 0) + 1
-    doc = {
-        "search_space": {
-            "bits": list(space.bits),
-            "methods": list(space.methods),
-            "group_sizes": list(space.group_sizes),
-            "candidates": [label(c) for c in options],
-            "unit": "one candidate (method x bits x group) per weight tensor; " + _summaries(),
-            "weights": len(sites),
-        },
-        "budget": {
-            "against": "the fp16 model (torch fp32 arithmetic, fp16-rounded weights) on the "
-            "held-out slice",
-            "min_top1_agreement": budget.min_top1_agreement,
-            "max_mean_kl": budget.max_mean_kl,
-        },
-        "sensitivity": {
-            "measured_on": "calibration text, every real position; one weight quantized, the "
-            "rest fp16; mean KL(p_fp16 || p_quantized), nats",
-            "table": sensitivity,
-        },
-        "path_length": len(path),
-        "explored": [vars(p) for p in explored],
-        "frontier": [vars(p) for p in frontier],
-        "uniform": {
-            tag: {"weight_bytes": u.weight_bytes, "mean_kl": u.mean_kl, "top1": u.top1}
-            for tag, u in uniform.items()
-        },
-        "chosen": {
-            "step": pick.step,
-            "uniform": pick.uniform,
-            "weight_bytes": size(chosen),
-            "counts": counts,
-            "bits": chosen,
-            "meets_budget": pick.meets_budget,
-        },
-        "seconds": {
-            "palettes": round(quantize_seconds, 1),
-            "total": round(time.perf_counter() - start, 1),
-        },
-    }
-    return plan, doc
+    return frontier
 
 
 def _summaries() -> str:
