@@ -109,73 +109,49 @@ def weight_records(
     records: list[WeightRecord] = []
     decoded: dict[str, np.ndarray] = {}
     for site in sites:
-        fp16_bytes = site.elements * 2
         scheme = plan.get(site.name)
         if scheme is None:
             op = consts.get(site.const)
             if op is None:
                 raise KeyError(f"{site.name}: constant {site.const!r} not in the program")
-            stored, payload = _stored(op)
-            value = np.asarray(op.outputs[0].val).astype(np.float16)
-            records.append(
-                WeightRecord(
-                    site.name,
-                    site.const,
-                    list(site.shape),
-                    "fp16",
-                    "fp16",
-                    16,
-                    None,
-                    None,
-                    None,
-                    "none",
-                    "const",
-                    fp16_bytes,
-                    stored,
-                    16.0,
-                    kept.get(site.name, "not in the plan"),
-                    payload,
-                    hashlib.sha256(value.tobytes()).hexdigest(),
-                )  # fmt: skip
-            )
+            records.append(_fp16_record(site, op, kept.get(site.name, "not in the plan")))
             continue
-        op = next(
-            (
-                by_output[site.const + s]
-                for s in _COMPRESSED_SUFFIXES
-                if site.const + s in by_output
-            ),
-            None,
-        )
+        names = (site.const + s for s in _COMPRESSED_SUFFIXES)
+        op = next((by_output[n] for n in names if n in by_output), None)
         if op is None:
             raise KeyError(f"{site.name}: no compressed op for {site.const!r} in the program")
-        stored, payload = _stored(op)
         value = _decode(op)
         if tuple(value.shape) != site.shape:
             raise ValueError(f"{site.name}: decodes to {value.shape}, expected {site.shape}")
         decoded[site.name] = value
-        records.append(
-            WeightRecord(
-                site.name,
-                site.const,
-                list(site.shape),
-                scheme.method,
-                scheme.describe(),
-                scheme.bits,
-                scheme.granularity,
-                scheme.group_size,
-                scheme.symmetric if methods.get(scheme.method).records_symmetry else None,
-                methods.get(scheme.method).algorithm(scheme, site),
-                op.op_type,
-                fp16_bytes,
-                stored,
-                stored * 8 / site.elements,
-                None,
-                payload,
-                hashlib.sha256(value.tobytes()).hexdigest(),
-            )  # fmt: skip
-        )
+        records.append(_compressed_record(site, op, scheme, value))
     return records, decoded
+
+
+def _fp16_record(site: WeightSite, op: Any, why: str) -> WeightRecord:
+    """A weight the plan keeps in fp16, stored as a plain constant."""
+    stored, payload = _stored(op)
+    value = np.asarray(op.outputs[0].val).astype(np.float16)
+    return WeightRecord(
+        site.name, site.const, list(site.shape), "fp16", "fp16", 16, None, None, None, "none",
+        "const", site.elements * 2, stored, 16.0, why, payload,
+        hashlib.sha256(value.tobytes()).hexdigest(),
+    )  # fmt: skip
+
+
+def _compressed_record(
+    site: WeightSite, op: Any, scheme: Scheme, value: np.ndarray
+) -> WeightRecord:
+    """A compressed weight: its scheme, the op that stores it and the values it decodes to."""
+    stored, payload = _stored(op)
+    method = methods.get(scheme.method)
+    return WeightRecord(
+        site.name, site.const, list(site.shape), scheme.method, scheme.describe(), scheme.bits,
+        scheme.granularity, scheme.group_size,
+        scheme.symmetric if method.records_symmetry else None,
+        method.algorithm(scheme, site), op.op_type, site.elements * 2, stored,
+        stored * 8 / site.elements, None, payload, hashlib.sha256(value.tobytes()).hexdigest(),
+    )  # fmt: skip
 
 
 def with_extra_bytes(records: list[WeightRecord], extra: dict[str, int]) -> list[WeightRecord]:
