@@ -104,20 +104,10 @@ def adapt(config: object, state_dict: Mapping[str, torch.Tensor]) -> EncoderMode
             )
         )
     prefix = model_prefix(state_dict, "embeddings.tok_embeddings.weight", ("", "model."))
-    classifier = None
     dims = {"D": d_model, "3D": 3 * d_model, "V": int(config_value(config, "vocab_size")),
             "I": inter, "2I": 2 * inter}  # fmt: skip
-    if "classifier.weight" in state_dict:
-        require_exact_gelu(config, "classifier_activation")
-        classifier = ClassifierSpec(
-            pooling=config_value(config, "classifier_pooling"),
-            dense_bias=bool(config_value(config, "classifier_bias", False)),
-            activation="gelu",
-            norm=norm,
-            labels=label_names(config),
-        )
-        if classifier.pooling not in ("cls", "mean"):
-            raise InputError(f"config.classifier_pooling = {classifier.pooling!r}")
+    classifier = _classifier(config, norm) if "classifier.weight" in state_dict else None
+    if classifier is not None:
         dims["labels"] = classifier.num_labels
     spec = EncoderSpec(
         architecture="modernbert",
@@ -151,6 +141,21 @@ def adapt(config: object, state_dict: Mapping[str, torch.Tensor]) -> EncoderMode
     )
     reader.finish()
     return EncoderModel(spec=spec, weights=weights)
+
+
+def _classifier(config: object, norm: NormSpec) -> ClassifierSpec:
+    """The sequence-classification head ``ModernBertForSequenceClassification`` adds."""
+    require_exact_gelu(config, "classifier_activation")
+    classifier = ClassifierSpec(
+        pooling=config_value(config, "classifier_pooling"),
+        dense_bias=bool(config_value(config, "classifier_bias", False)),
+        activation="gelu",
+        norm=norm,
+        labels=label_names(config),
+    )
+    if classifier.pooling not in ("cls", "mean"):
+        raise InputError(f"config.classifier_pooling = {classifier.pooling!r}")
+    return classifier
 
 
 ARCH = Architecture(
