@@ -364,96 +364,122 @@ def _input_vars(op: Any) -> Iterable[tuple[str, Any]]:
             yield key, value
 
 
+@dataclass
+class _Reads:
+    """What one op reads: every input tensor by argument, the constant ones, small constant
+    values as attributes, the weight bytes it streams, its producers and their formats."""
+
+    data: dict[str, Tensor] = field(default_factory=dict)
+    consts: dict[str, Tensor] = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    weight_bytes: int = 0
+    producers: list[int] = field(default_factory=list)
+    formats: list[str] = field(default_factory=list)
+    reads_input: bool = False
+
+
+@dataclass
+class _TableBuilder:
+    """The state of a walk over one function: constants seen, what a reader of each var
+    streams, which row produced each var, and the weight tallies."""
+
+    input_names: set[str]
+    const_vars: dict[str, Tensor] = field(default_factory=dict)
+    const_charge: dict[str, int] = field(default_factory=dict)  # bytes a reader streams
+    const_format: dict[str, str] = field(default_factory=dict)  # constexpr output: rule id
+    producer_of: dict[str, int] = field(default_factory=dict)
+    streamed: dict[str, dict[str, int]] = field(default_factory=dict)
+    stored: int = 0
+
+    def add_const(self, mil_op: Any) -> None:
+        t = tensor_of(mil_op.outputs[0])
+        self.const_vars[t.name] = t
+        self.const_charge[t.name] = _const_bytes(t)
+        self.stored += self.const_charge[t.name]
+
+    def reads(self, mil_op: Any) -> _Reads:
+        r = _Reads()
+        for key, var in _input_vars(mil_op):
+            t = tensor_of(var)
+            r.data[key] = t
+            if var.name in self.const_vars:
+                r.consts[key] = t
+                r.weight_bytes += self.const_charge.get(var.name, 0)
+                small = _small_value(var)
+                if small is not None:
+                    r.attrs[key] = small
+            elif var.name in self.producer_of:
+                r.producers.append(self.producer_of[var.name])
+                r.weight_bytes += self.const_charge.get(var.name, 0)  # a constexpr's output
+                if var.name in self.const_format:
+                    r.formats.append(self.const_format[var.name])
+            elif var.name in self.input_names:
+                r.reads_input = True
+        return r
+
+    def charge_constexpr(
+        self, mil_op: Any, consts: dict[str, Tensor], outputs: list[Tensor]
+    ) -> None:
+        """A constexpr is stored weight: its readers stream what it stores when the format
+        stays compressed in NE memory, else the dense weight it expands to at load
+        (plan.streamed: a prediction from published sources)."""
+        rule = rule_for(mil_op.op_type, consts)
+        held = sum(_const_bytes(t) for t in consts.values())
+        dense = sum(_const_bytes(t) for t in outputs)
+        charge = held if rule.stays_compressed else dense
+        for out in outputs:
+            self.const_charge[out.name] = charge
+            self.const_format[out.name] = rule.id
+        tally = self.streamed.setdefault(rule.id, {"weights": 0, "stored": 0, "streamed": 0})
+        tally["weights"] += 1
+        tally["stored"] += held
+        tally["streamed"] += charge
+
+
 def function_table(name: str, function: Any) -> Function:
     """The op rows of one MIL function, with producer/consumer links and weight bytes."""
     inputs = [tensor_of(v) for v in function.inputs.values()]
-    input_names = {t.name for t in inputs}
-    const_vars: dict[str, Tensor] = {}
-    const_charge: dict[str, int] = {}  # bytes a reader of this var streams
-    const_format: dict[str, str] = {}  # a constexpr output's plan.streamed rule id
-    stored = 0
-    streamed: dict[str, dict[str, int]] = {}
+    table = _TableBuilder({t.name for t in inputs})
     ops: list[Op] = []
-    producer_of: dict[str, int] = {}
-
     for mil_op, parent in _walk(function, None):
         if mil_op.op_type == "const":
-            t = tensor_of(mil_op.outputs[0])
-            const_vars[t.name] = t
-            const_charge[t.name] = _const_bytes(t)
-            stored += const_charge[t.name]
+            table.add_const(mil_op)
             continue
-        data: dict[str, Tensor] = {}
-        consts: dict[str, Tensor] = {}
-        attrs: dict[str, Any] = {}
-        weight_bytes = 0
-        producers: list[int] = []
-        formats: list[str] = []
-        reads_input = False
-        for key, var in _input_vars(mil_op):
-            t = tensor_of(var)
-            data[key] = t
-            if var.name in const_vars:
-                consts[key] = t
-                weight_bytes += const_charge.get(var.name, 0)
-                small = _small_value(var)
-                if small is not None:
-                    attrs[key] = small
-            elif var.name in producer_of:
-                producers.append(producer_of[var.name])
-                weight_bytes += const_charge.get(var.name, 0)  # a constexpr's output
-                if var.name in const_format:
-                    formats.append(const_format[var.name])
-            elif var.name in input_names:
-                reads_input = True
+        r = table.reads(mil_op)
         outputs = [tensor_of(v) for v in mil_op.outputs]
-        runtime_inputs = [t for k, t in data.items() if k not in consts]
         row = Op(
             function=name,
             index=len(ops),
             op_type=mil_op.op_type,
             name=mil_op.name,
             outputs=outputs,
-            inputs=runtime_inputs,
-            consts=consts,
-            attrs=attrs,
+            inputs=[t for k, t in r.data.items() if k not in r.consts],
+            consts=r.consts,
+            attrs=r.attrs,
             weight_bytes=0,
-            flops=op_flops(mil_op.op_type, data, outputs, attrs),
+            flops=op_flops(mil_op.op_type, r.data, outputs, r.attrs),
             in_block_of=parent,
-            producers=sorted(set(producers)),
-            reads_function_input=reads_input,
-            weight_formats=tuple(formats),
+            producers=sorted(set(r.producers)),
+            reads_function_input=r.reads_input,
+            weight_formats=tuple(r.formats),
         )
         if not row.dispatchable:
-            # A constexpr is stored weight: its readers stream what it stores when the format
-            # stays compressed in NE memory, else the dense weight it expands to at load
-            # (plan.streamed: a prediction from published sources).
-            rule = rule_for(mil_op.op_type, consts)
-            held = sum(_const_bytes(t) for t in consts.values())
-            dense = sum(_const_bytes(t) for t in outputs)
-            charge = held if rule.stays_compressed else dense
-            for out in outputs:
-                const_charge[out.name] = charge
-                const_format[out.name] = rule.id
-            tally = streamed.setdefault(rule.id, {"weights": 0, "stored": 0, "streamed": 0})
-            tally["weights"] += 1
-            tally["stored"] += held
-            tally["streamed"] += charge
+            table.charge_constexpr(mil_op, r.consts, outputs)
         else:
-            row.weight_bytes = weight_bytes
+            row.weight_bytes = r.weight_bytes
         for p in row.producers:
             ops[p].consumers.append(row.index)
         for out in outputs:
-            producer_of[out.name] = row.index
+            table.producer_of[out.name] = row.index
         ops.append(row)
 
     assign_layers(ops)
     output_names = [v.name for v in function.outputs]
     outs = [tensor_of(v) for v in function.outputs]
     for out_name in output_names:
-        if out_name in producer_of:
-            ops[producer_of[out_name]].writes_function_output = True
-    return Function(name, inputs, ops, output_names, outs, stored, streamed)
+        if out_name in table.producer_of:
+            ops[table.producer_of[out_name]].writes_function_output = True
+    return Function(name, inputs, ops, output_names, outs, table.stored, table.streamed)
 
 
 def op_table(program: Any) -> OpTable:
