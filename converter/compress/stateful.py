@@ -262,6 +262,47 @@ class _KvVariant:
             ops.append(decode_ops(combined))
         return stored, ops
 
+    def combine(
+        self,
+        built: dict[str, Path],
+        programs: dict[str, tuple[int, str, Path]],
+        directory: Path,
+        vname: str,
+    ) -> tuple[list[Path], list[dict[str, Any]]]:
+        """The compressed functions combined into the variant's packages (one per chunk) in
+        ``directory``, with the fp16 artifact's host files beside them; packages and sizes."""
+        packages, sizes = [], []
+        for i in range(1 + max(i for i, _, _ in programs.values())):
+            functions = {f: built[label] for label, (j, f, _) in programs.items() if j == i}
+            packages.append(directory / self.build.package_file(vname, i))
+            sizes.append(self.build.combine(functions, packages[-1]))
+        for host in HOST_FILES:
+            if (self.fp16_dir / host).is_file():
+                shutil.copyfile(self.fp16_dir / host, directory / host)
+        return packages, sizes
+
+    def write_manifest(
+        self,
+        directory: Path,
+        vname: str,
+        packages: list[Path],
+        ops: list[dict[str, int]],
+        sizes: list[dict[str, Any]],
+        records: list[WeightRecord],
+        size: Any,
+        extra: dict[str, Any],
+    ) -> None:
+        """The variant's manifest: the fp16 artifact's, with this variant's packages, weights
+        and compression, and its chunk section."""
+        manifest = _manifest(
+            self.fp16_dir, directory, vname, self.variant, packages[0], ops[0], records, size,
+            extra, self.ctx.subject.not_compressed,
+        )  # fmt: skip
+        fp16_doc = json.loads((self.fp16_dir / "manifest.json").read_text(encoding="utf-8"))
+        function = fp16_doc["package"]["function"]  # the packages' default function
+        manifest = with_chunks(manifest, packages, ops, sizes, function)
+        write_json_atomic(directory / "manifest.json", manifest.model_dump(mode="json"))
+
     def emit(
         self,
         models: dict[str, Any],
@@ -288,14 +329,7 @@ class _KvVariant:
             with steps.step(f"{variant.suffix}: compress window + {len(models) - 1} functions"):
                 start = time.perf_counter()
                 built = self.compress_all(models, plan, sites, fsites)
-                packages, sizes = [], []
-                for i in range(count):
-                    functions = {f: built[label] for label, (j, f, _) in programs.items() if j == i}
-                    packages.append(stage.path / self.build.package_file(vname, i))
-                    sizes.append(self.build.combine(functions, packages[-1]))
-                for host in HOST_FILES:
-                    if (self.fp16_dir / host).is_file():
-                        shutil.copyfile(self.fp16_dir / host, stage.path / host)
+                packages, sizes = self.combine(built, programs, stage.path, vname)
                 seconds["compress"] = time.perf_counter() - start
             with steps.step(f"{variant.suffix}: records and size"):
                 program = load_package(built[WINDOW])
@@ -332,14 +366,8 @@ class _KvVariant:
             )
             write_reports(stage.path, doc | {"variant": vname}, text)
             write_json_atomic(stage.path / "kv_parity.json", kv_json(kv, sizes, odd))
-            manifest = _manifest(
-                self.fp16_dir, stage.path, vname, variant, packages[0], ops[0], records, size,
-                method.manifest(variant) | selection.doc, subject.not_compressed,
-            )  # fmt: skip
-            fp16_doc = json.loads((self.fp16_dir / "manifest.json").read_text(encoding="utf-8"))
-            function = fp16_doc["package"]["function"]  # the packages' default function
-            manifest = with_chunks(manifest, packages, ops, sizes, function)
-            write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
+            extra = method.manifest(variant) | selection.doc
+            self.write_manifest(stage.path, vname, packages, ops, sizes, records, size, extra)
             shutil.rmtree(self.scratch)
             peak = _peak_rss_mib()
             if not parity.passed:
