@@ -5,13 +5,13 @@ that runs out of disk fails while saving. Both are estimated from the checkpoint
 count (read from the weight files' headers) and checked before any work starts.
 
 Memory model: a base (the interpreter with torch, transformers and coremltools loaded) plus
-a multiple of the fp32 weights, because the transformers reference model, the canonical
-weights, the BC1L module and its fp16 copy exist side by side during the rewrite and parity
-steps. Fitted to two peaks of ``anec convert`` measured with ``/usr/bin/time -v`` (README,
-"Recipes"): SmolLM2-135M (134.5M parameters) 2.65 GiB, Qwen2.5-0.5B-shaped random weights
-(494.0M) 8.00 GiB; the fit through both is 0.64 GiB + 4.0 x fp32, rounded up here to leave
-room for run-to-run variation (estimates 2.85 and 8.48 GiB). Since the rewrite stopped keeping
-the canonical weights the Qwen-shaped peak is 7.13 GiB, so the estimate errs on the safe side.
+a multiple of the fp32 weights: the loaded model (whose tensors the canonical weights and the
+BC1L module's convs share), the module's fused and scaled matrices, its fp16 copy for the
+torch parity level and the converted program's fp16 constants. Peaks of the fp16 artifact
+measured after those stopped copying the checkpoint (bench/README.md, issue 22): SmolLM2-135M
+1.86 GiB (0.50 GiB of fp32 weights), Gemma 3 270M 3.58 GiB (1.00), Qwen2.5-0.5B-shaped random
+weights 5.27 GiB (1.84). 0.75 GiB + 3.0 x fp32 lies above all three (estimates 2.25, 3.75 and
+6.27 GiB), the tightest round multiple that does (2.9 leaves Gemma 0.07 GiB).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 from converter.errors import InputError
 
 GIB = 1 << 30
-# A 130k-parameter model peaked at 0.40 GiB (measured); the fit's intercept is 0.64 GiB.
+# A 130k-parameter model peaked at 0.40 GiB (measured); the base leaves room above that.
 BASE_BYTES = int(0.75 * GIB)
-# Peak bytes per byte of fp32 weights, above the base (the fit's slope is 4.0).
-FP32_MULTIPLE = 4.2
+# Peak bytes per byte of fp32 weights, above the base (see the module docstring).
+FP32_MULTIPLE = 3.0
 MEMORY_LIMIT_ENV = "ANEC_MEMORY_LIMIT"
 _UNLIMITED = 1 << 60  # cgroup files report "no limit" as a huge number
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
