@@ -56,7 +56,8 @@ def preflight(
     else:
         size = sum(f.stat().st_size for f in files)
         n_parameters = size // _PICKLE_BYTES_PER_PARAMETER
-    memory = estimate_peak_memory(n_parameters)
+    variants = recipe.compression is not None and bool(recipe.compression.variants)
+    memory = estimate_peak_memory(n_parameters, variants)
     check_memory(memory, recipe.name)
     artifact = artifact_bytes(tables, n_parameters)
     check_disk(out_dir, artifact, recipe.name)

@@ -31,6 +31,11 @@ GIB = 1 << 30
 BASE_BYTES = int(0.75 * GIB)
 # Peak bytes per byte of fp32 weights, above the base (see the module docstring).
 FP32_MULTIPLE = 3.0
+# More for a recipe with compressed variants, whose parity step holds the variant's models
+# beside the fp16 ones: measured +3.66 GiB for int8 at the Qwen2.5-0.5B shape (8.93 against
+# 5.27 GiB, 2.0 x its 1.84 GiB of fp32 weights) and +1.89 GiB for SmolLM2's four variants
+# (4.70 against 2.81 GiB before the rewrite's copies were cut, 3.8 x 0.50 GiB).
+VARIANT_MULTIPLE = 4.0
 MEMORY_LIMIT_ENV = "ANEC_MEMORY_LIMIT"
 _UNLIMITED = 1 << 60  # cgroup files report "no limit" as a huge number
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -43,6 +48,7 @@ class MemoryEstimate:
 
     n_parameters: int
     peak_bytes: int
+    multiple: float = FP32_MULTIPLE  # of the fp32 weights, above the base
 
     @property
     def fp32_bytes(self) -> int:
@@ -54,7 +60,8 @@ class MemoryEstimate:
         return (
             f"{self.n_parameters / 1e6:.1f}M parameters ({gib(self.fp32_bytes)} as fp32) need "
             f"about {gib(self.peak_bytes)} at the peak ({gib(BASE_BYTES)} + "
-            f"{FP32_MULTIPLE:g} x the fp32 weights)"
+            f"{self.multiple:g} x the fp32 weights"
+            + (", compressed variants included)" if self.multiple != FP32_MULTIPLE else ")")
         )
 
 
@@ -63,9 +70,11 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def estimate_peak_memory(n_parameters: int) -> MemoryEstimate:
-    """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size."""
-    return MemoryEstimate(n_parameters, BASE_BYTES + int(FP32_MULTIPLE * 4 * n_parameters))
+def estimate_peak_memory(n_parameters: int, variants: bool = False) -> MemoryEstimate:
+    """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size,
+    with or without compressed variants after the fp16 artifact."""
+    multiple = FP32_MULTIPLE + (VARIANT_MULTIPLE if variants else 0.0)
+    return MemoryEstimate(n_parameters, BASE_BYTES + int(multiple * 4 * n_parameters), multiple)
 
 
 def parse_size(text: str) -> int:

@@ -483,6 +483,15 @@ def test_memory_estimate_covers_the_peaks_the_readme_records() -> None:
         assert estimate / GIB == pytest.approx(base + multiple * 4 * parameters / GIB, abs=0.01)
 
 
+def test_a_recipe_with_variants_is_estimated_above_its_measured_peak() -> None:
+    """Qwen2.5-0.5B shape with an int8 variant peaked at 8.93 GiB (`python bench/compress.py
+    methods --method int8 --layers 24`), its fp16 artifact alone at 5.27 GiB."""
+    alone, with_variant = (estimate_peak_memory(QWEN_PARAMETERS, v) for v in (False, True))
+    assert alone.peak_bytes >= 5.27 * GIB and with_variant.peak_bytes >= 8.93 * GIB
+    assert "compressed variants included" in with_variant.describe()
+    assert "compressed variants" not in alone.describe()
+
+
 def test_memory_limit_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "off")
     assert memory_budget() is None
