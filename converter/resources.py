@@ -47,13 +47,22 @@ class MemoryEstimate:
     """The expected peak resident memory of converting a checkpoint."""
 
     n_parameters: int
-    peak_bytes: int
-    multiple: float = FP32_MULTIPLE  # of the fp32 weights, above the base
+    variants: bool = False  # compressed variants after the fp16 artifact
 
     @property
     def fp32_bytes(self) -> int:
         """The weights as fp32 tensors, as transformers holds the reference model."""
         return 4 * self.n_parameters
+
+    @property
+    def multiple(self) -> float:
+        """Peak bytes per byte of fp32 weights, above the base."""
+        return FP32_MULTIPLE + (VARIANT_MULTIPLE if self.variants else 0.0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The estimated peak."""
+        return BASE_BYTES + int(self.multiple * self.fp32_bytes)
 
     def describe(self) -> str:
         """One sentence that shows where the figure comes from."""
@@ -61,7 +70,7 @@ class MemoryEstimate:
             f"{self.n_parameters / 1e6:.1f}M parameters ({gib(self.fp32_bytes)} as fp32) need "
             f"about {gib(self.peak_bytes)} at the peak ({gib(BASE_BYTES)} + "
             f"{self.multiple:g} x the fp32 weights"
-            + (", compressed variants included)" if self.multiple != FP32_MULTIPLE else ")")
+            + (", compressed variants included)" if self.variants else ")")
         )
 
 
@@ -73,8 +82,7 @@ def gib(n: float) -> str:
 def estimate_peak_memory(n_parameters: int, variants: bool = False) -> MemoryEstimate:
     """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size,
     with or without compressed variants after the fp16 artifact."""
-    multiple = FP32_MULTIPLE + (VARIANT_MULTIPLE if variants else 0.0)
-    return MemoryEstimate(n_parameters, BASE_BYTES + int(multiple * 4 * n_parameters), multiple)
+    return MemoryEstimate(n_parameters, variants)
 
 
 def parse_size(text: str) -> int:

@@ -320,7 +320,6 @@ class _KvVariant:
         subject = ctx.subject
         method = methods.get(variant.method)
         vname = f"{self.name}-{variant.suffix}"
-        count = 1 + max(i for i, _, _ in programs.values())
         seconds: dict[str, float] = {}
         with stage_artifact(out_dir, vname, force=force) as stage:
             selection = method.select(ctx, variant)  # once: a searched plan is searched once
@@ -337,7 +336,8 @@ class _KvVariant:
                 stored, ops = self.stored(records, packages, programs, fsites, plan, kept)
                 odd = differing(stored, {label: i for label, (i, _, _) in programs.items()})
                 fp16_packages = [
-                    self.fp16_dir / self.build.package_file(self.name, i) for i in range(count)
+                    self.fp16_dir / self.build.package_file(self.name, i)
+                    for i in range(len(packages))
                 ]
                 size = size_report(records, fp16_packages, packages)
                 fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
