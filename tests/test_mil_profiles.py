@@ -12,10 +12,18 @@ from parity.mil.profiles import FP16, FP16_ACC, FP32
 
 
 def test_round_fp16_is_ieee_round_to_nearest_even() -> None:
-    x = np.concatenate(
-        [rand(1000, seed=70) * 1e3, [65504.0, 65520.0, 1e-7, -6e-8, 2.0**-25, 3 * 2.0**-25]]
-    ).astype(np.float32)
-    np.testing.assert_array_equal(round_fp16(x), torch.from_numpy(x).half().float().numpy())
+    # Ties at fp16 midpoints, the overflow threshold (65520 rounds to inf), subnormals.
+    edges = [65504.0, 65519.99, 65520.0, 1e-7, -6e-8, 2.0**-25, 3 * 2.0**-25, 1 + 2.0**-11]
+    x = np.concatenate([rand(1000, seed=70) * 1e3, edges]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)  # numpy's conversion, independently
+    np.testing.assert_array_equal(round_fp16(x), want)
+    readonly = x.copy()
+    readonly.flags.writeable = False  # a program's memory-mapped weights
+    np.testing.assert_array_equal(round_fp16(readonly), want)
+    np.testing.assert_array_equal(round_fp16(x[::-3]), want[::-3])  # negative strides
+    # fp64 rounds to fp16 directly: through fp32 first, 1 + 2^-11 + 2^-40 would tie to 1.
+    assert round_fp16(np.array([1 + 2.0**-11 + 2.0**-40]))[0] == np.float32(1 + 2.0**-10)
 
 
 def test_fp16_storage_overflows_between_ops_but_not_inside_one() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import parity.mil.kernels  # noqa: F401  (registers every kernel)
 from parity.mil.errors import MILError, OpEvaluationError, UnsupportedOpError
 from parity.mil.kernels.state import StateSlot
-from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16
+from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16, widen_fp16
 from parity.mil.profiles import Profile, get_profile
 from parity.mil.program import const_array, dtype_name, is_constant
 from parity.mil.registry import KERNELS, Call, KernelSpec, unsupported
@@ -139,7 +139,7 @@ def _widen(value: Any) -> Any:
     """A value as ops read it: a packed fp16 constant as fp32 (exact), anything else as is
     (no other value the evaluator holds is an fp16 array)."""
     if isinstance(value, np.ndarray) and value.dtype == np.float16:
-        return value.astype(np.float32)
+        return widen_fp16(value)
     return value
 
 

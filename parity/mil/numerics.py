@@ -6,7 +6,10 @@ representable in fp16 (``round_fp16``), so an op reads what the NE would have st
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import torch
 
 from parity.mil.profiles import Profile
 
@@ -18,13 +21,49 @@ def round_fp16(x: np.ndarray, flush: bool = False) -> np.ndarray:
 
     With ``flush``, fp16 subnormal results become zero of the same sign.
     """
-    with np.errstate(over="ignore"):
-        half = np.asarray(x).astype(np.float16)
+    half = to_fp16(x)
     if flush:
         bits = half.view(np.uint16)
         subnormal = (bits & 0x7C00) == 0  # exponent field 0: zero or subnormal
         bits[subnormal] &= 0x8000  # keep the sign, clear the magnitude
+    return widen_fp16(half)
+
+
+def to_fp16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to fp16 (ties to even, overflow to inf), as a new fp16 array.
+
+    An fp32 array goes through torch's conversion, 4-15x faster than numpy's on this
+    machine's CPU and bit-identical to it for every fp32 value but NaN payloads (checked
+    over all 2^32 bit patterns). Any other dtype is rounded by numpy directly, never through
+    fp32 first, which could round twice."""
+    x = np.asarray(x)
+    if _torch_readable(x, np.float32):
+        return _as_torch(x).to(torch.float16).numpy()
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16)
+
+
+def widen_fp16(half: np.ndarray) -> np.ndarray:
+    """An fp16 array as fp32 (exact), as a new array; torch's conversion where it can read
+    the array, being faster than numpy's."""
+    if _torch_readable(half, np.float16):
+        return _as_torch(half).to(torch.float32).numpy()
     return half.astype(np.float32)
+
+
+def _torch_readable(x: np.ndarray, dtype: type[np.floating]) -> bool:
+    """Whether torch can take ``x`` as it is: that dtype and no negative strides."""
+    return x.dtype == dtype and all(s >= 0 for s in x.strides)
+
+
+def _as_torch(x: np.ndarray) -> torch.Tensor:
+    """``x`` as a tensor sharing its memory, only ever read here: torch warns that it does
+    not support a read-only array (a program's memory-mapped weights), which a read is not."""
+    if x.flags.writeable:
+        return torch.from_numpy(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(x)
 
 
 def has_fp16_subnormal(x: np.ndarray) -> bool:
@@ -53,7 +92,7 @@ class Arithmetic:
         """A float result as the profile stores it between ops (fp32 array)."""
         x = np.asarray(x)
         if x.dtype == np.float16 and not self.profile.flush_subnormals:
-            return x.astype(np.float32)  # fp16 values already: nothing to round
+            return widen_fp16(x)  # fp16 values already: nothing to round
         x = x.astype(np.float32, copy=False)
         if self.profile.fp16_storage:
             x = round_fp16(x, self.profile.flush_subnormals)
