@@ -85,3 +85,13 @@ def test_a_bad_checkpoint_names_its_tensors_and_the_load_report_goes_to_the_log(
     assert "WARNING transformers.modeling_utils: LlamaForCausalLM LOAD REPORT" in text
     assert "MISSING" in text and "UNEXPECTED" in text and "MISMATCH" in text
     assert "\x1b" not in text
+
+
+def test_the_cli_imports_no_library_that_prints_progress_before_routing_its_output() -> None:
+    # tqdm reads TQDM_DISABLE when it is imported: imported with the CLI (through torch),
+    # coremltools' pass-pipeline bars reached the terminal during every conversion.
+    code = "import sys, converter.cli; print(sorted({'torch', 'tqdm'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -7,11 +7,14 @@ representable in fp16 (``round_fp16``), so an op reads what the NE would have st
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from parity.mil.profiles import Profile
+
+if TYPE_CHECKING:
+    import torch
 
 FP16_MIN_NORMAL = 2.0**-14
 
@@ -38,7 +41,7 @@ def to_fp16(x: np.ndarray) -> np.ndarray:
     fp32 first, which could round twice."""
     x = np.asarray(x)
     if _torch_readable(x, np.float32):
-        return _as_torch(x).to(torch.float16).numpy()
+        return _as_torch(x).half().numpy()
     with np.errstate(over="ignore"):
         return x.astype(np.float16)
 
@@ -47,7 +50,7 @@ def widen_fp16(half: np.ndarray) -> np.ndarray:
     """An fp16 array as fp32 (exact), as a new array; torch's conversion where it can read
     the array, being faster than numpy's."""
     if _torch_readable(half, np.float16):
-        return _as_torch(half).to(torch.float32).numpy()
+        return _as_torch(half).float().numpy()
     return half.astype(np.float32)
 
 
@@ -59,6 +62,10 @@ def _torch_readable(x: np.ndarray, dtype: type[np.floating]) -> bool:
 def _as_torch(x: np.ndarray) -> torch.Tensor:
     """``x`` as a tensor sharing its memory, only ever read here: torch warns that it does
     not support a read-only array (a program's memory-mapped weights), which a read is not."""
+    # Imported here: the CLI imports the evaluator's modules, and importing torch there made
+    # every command 2 s slower and imported tqdm before TQDM_DISABLE was set (runlog).
+    import torch
+
     if x.flags.writeable:
         return torch.from_numpy(x)
     with warnings.catch_warnings():
