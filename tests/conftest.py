@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,19 +31,44 @@ def stand_in_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(STAND_IN_ENV, "1")
 
 
+# CI's artifact job converts the shipped SmolLM2 recipe before the tests run (.ci/run); naming
+# its output here lets the tests examine that artifact instead of converting it a second time.
+SHARED_SMOLLM2 = "ANEC_TEST_SMOLLM2_ARTIFACT"
+
+
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Convert the shipped SmolLM2 recipe once, through the CLI, for every test that needs it."""
+    """The shipped SmolLM2 recipe converted once through the CLI, for every test that needs
+    it: here, or the artifact named by ``ANEC_TEST_SMOLLM2_ARTIFACT`` (which must hold that
+    recipe, converted by this anec)."""
     from click.testing import CliRunner
 
     from converter.cli import main
 
+    given = os.environ.get(SHARED_SMOLLM2)
+    if given:
+        return _shared_smollm2(Path(given))
     out = tmp_path_factory.mktemp("artifacts")
     result = CliRunner().invoke(
         main, ["convert", "smollm2-135m-draft", "--out", str(out), "--json"]
     )
     assert result.exit_code == 0, result.output
     return out / "smollm2-135m-draft"
+
+
+def _shared_smollm2(artifact: Path) -> Path:
+    """``artifact`` checked to be the shipped recipe's, converted by the installed anec."""
+    from importlib.metadata import version
+
+    from converter.manifest import Manifest
+    from converter.recipe import load_recipe, locate_recipe
+
+    shipped = load_recipe(locate_recipe("smollm2-135m-draft")).model_dump()
+    held = load_recipe(artifact / "recipe.yaml").model_dump()
+    assert held == shipped, f"{SHARED_SMOLLM2}={artifact} holds another recipe"
+    manifest = Manifest.model_validate_json((artifact / "manifest.json").read_text())
+    assert manifest.tools["anec"] == version("anec"), f"{artifact}: made by another anec"
+    return artifact
 
 
 @pytest.fixture(scope="session")
