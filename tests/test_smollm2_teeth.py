@@ -66,8 +66,9 @@ def test_changed_norm_epsilon_is_caught_by_the_per_layer_gate(setup: tuple) -> N
         for _, norm in norms:
             norm.eps *= 10
             norm.scaled_eps.mul_(10)
+        # One batch is enough to see layer 0 move (all of them took 44 s in CI).
         report = check_decoder(
-            rewrite.module, rewrite.batches, references, rewrite.embed_table, thresholds
+            rewrite.module, rewrite.batches[:1], references, rewrite.embed_table, thresholds
         )
     finally:
         for (scaled, eps), (_, norm) in zip(saved, norms, strict=True):
