@@ -9,6 +9,17 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker (the README's command runs one per core), run torch on one
+    thread, and the ``anec`` processes tests start too: a worker's second thread fights the
+    other worker for its core (parity/threads.py: 14x the wall time under such load)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def write_file(tmp_path: Path) -> Callable[[str, str], Path]:
     """Return a function that writes text to `tmp_path / name` (folders created) and returns it."""
