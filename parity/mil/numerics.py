@@ -35,10 +35,10 @@ def round_fp16(x: np.ndarray, flush: bool = False) -> np.ndarray:
 def to_fp16(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to fp16 (ties to even, overflow to inf), as a new fp16 array.
 
-    An fp32 array goes through torch's conversion, 4-15x faster than numpy's on this
-    machine's CPU and bit-identical to it for every fp32 value but NaN payloads (checked
-    over all 2^32 bit patterns). Any other dtype is rounded by numpy directly, never through
-    fp32 first, which could round twice."""
+    An fp32 array goes through torch's conversion: on this machine's CPU 16x faster than
+    numpy's (4M values: 1.4 ms against 22.8 ms), and bit-identical to it for every fp32
+    value but NaN payloads (checked over all 2^32 bit patterns). Any other dtype is rounded
+    by numpy directly, never through fp32 first, which could round twice."""
     x = np.asarray(x)
     if _torch_readable(x, np.float32):
         return _as_torch(x).half().numpy()
@@ -48,7 +48,7 @@ def to_fp16(x: np.ndarray) -> np.ndarray:
 
 def widen_fp16(half: np.ndarray) -> np.ndarray:
     """An fp16 array as fp32 (exact), as a new array; torch's conversion where it can read
-    the array, being faster than numpy's."""
+    the array (4M values: 8 ms against numpy's 11)."""
     if _torch_readable(half, np.float16):
         return _as_torch(half).float().numpy()
     return half.astype(np.float32)
