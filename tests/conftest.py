@@ -45,6 +45,7 @@ def stand_in_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
 # CI's artifact job converts the shipped SmolLM2 recipe before the tests run (.ci/run); naming
 # its output here lets the tests examine that artifact instead of converting it a second time.
 SHARED_SMOLLM2 = "ANEC_TEST_SMOLLM2_ARTIFACT"
+SMOLLM2_RECIPE = "smollm2-135m-draft"
 
 
 @pytest.fixture(scope="session")
@@ -60,11 +61,9 @@ def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if given:
         return _shared_smollm2(Path(given))
     out = tmp_path_factory.mktemp("artifacts")
-    result = CliRunner().invoke(
-        main, ["convert", "smollm2-135m-draft", "--out", str(out), "--json"]
-    )
+    result = CliRunner().invoke(main, ["convert", SMOLLM2_RECIPE, "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    return out / "smollm2-135m-draft"
+    return out / SMOLLM2_RECIPE
 
 
 def _shared_smollm2(artifact: Path) -> Path:
@@ -74,7 +73,7 @@ def _shared_smollm2(artifact: Path) -> Path:
     from converter.manifest import Manifest
     from converter.recipe import load_recipe, locate_recipe
 
-    shipped = load_recipe(locate_recipe("smollm2-135m-draft")).model_dump()
+    shipped = load_recipe(locate_recipe(SMOLLM2_RECIPE)).model_dump()
     held = load_recipe(artifact / "recipe.yaml").model_dump()
     assert held == shipped, f"{SHARED_SMOLLM2}={artifact} holds another recipe"
     manifest = Manifest.model_validate_json((artifact / "manifest.json").read_text())

@@ -23,7 +23,13 @@ import numpy as np
 import parity.mil.kernels  # noqa: F401  (registers every kernel)
 from parity.mil.errors import MILError, OpEvaluationError, UnsupportedOpError
 from parity.mil.kernels.state import StateSlot
-from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16, widen_fp16
+from parity.mil.numerics import (
+    Arithmetic,
+    has_fp16_subnormal,
+    round_fp16,
+    to_fp16,
+    widen_fp16,
+)
 from parity.mil.profiles import Profile, get_profile
 from parity.mil.program import const_array, dtype_name, is_constant
 from parity.mil.registry import KERNELS, Call, KernelSpec, unsupported
@@ -121,7 +127,7 @@ def _packed_fp16(value: Any, arith: Arithmetic) -> np.ndarray | None:
     if not isinstance(value, np.ndarray) or value.dtype != np.float16:
         return None
     if arith.profile.flush_subnormals and has_fp16_subnormal(value):
-        return arith.store(value).astype(np.float16)  # flushed fp16 values: exact in fp16
+        return to_fp16(arith.store(value))  # flushed fp16 values: exact in fp16
     return value
 
 
@@ -130,9 +136,8 @@ def _pack_if_exact(value: Any) -> Any:
     storage always; under fp32 storage only if every value is an fp16 value."""
     if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.size == 0:
         return value
-    with np.errstate(over="ignore"):
-        packed = value.astype(np.float16)
-    return packed if np.array_equal(packed.astype(np.float32), value) else value
+    packed = to_fp16(value)
+    return packed if np.array_equal(widen_fp16(packed), value) else value
 
 
 def _widen(value: Any) -> Any:
