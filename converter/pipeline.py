@@ -24,6 +24,7 @@ from converter.runlog import write_log_into
 from converter.steps import Stop, run_steps
 from converter.tasks import task_of
 from converter.tasks.base import Job, TaskRun
+from parity.fp16_conv import fast_fp16_convs
 from parity.memory import release_memory
 from parity.result import ParityReport
 
@@ -92,7 +93,8 @@ def convert(
 
     run.release_programs()
     release_memory()
-    variants = task.compress(run, final, out_dir, force, progress)
+    with fast_fp16_convs():  # the variants' torch-fp16 levels
+        variants = task.compress(run, final, out_dir, force, progress)
     ops = sum(sum(p.ops.values()) for p in run.programs)
     return ConvertResult(
         final.name,

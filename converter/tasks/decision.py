@@ -60,7 +60,7 @@ from parity.gate import Worst, gate
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
 from parity.result import Runner, Thresholds
-from parity.threads import with_torch_threads
+from parity.torch_settings import with_parity_torch
 
 PARTITIONED = "partitioned-fp16"
 
@@ -334,11 +334,11 @@ def _fixture_count(run: DecisionRun) -> int:
 
 CONVERT_STEPS: tuple[Step[DecisionRun], ...] = (
     Step("load checkpoint and head", load_with_head),
-    Step("rewrite to BC1L (encoder + decision head)", with_torch_threads(rewrite)),
-    Step("reference (original model and head)", with_torch_threads(references), _fixture_count),
-    Step("parity (torch fp32, fp16, partitioned)", with_torch_threads(torch_parity)),
+    Step("rewrite to BC1L (encoder + decision head)", with_parity_torch(rewrite)),
+    Step("reference (original model and head)", with_parity_torch(references), _fixture_count),
+    Step("parity (torch fp32, fp16, partitioned)", with_parity_torch(torch_parity)),
     Step("convert island and tail", convert),
-    Step("parity (MIL: fp32, fp16)", with_torch_threads(mil_parity)),
+    Step("parity (MIL: fp32, fp16)", with_parity_torch(mil_parity)),
     Step("write manifest", manifest),
     Step("plan (static)", plan),
 )

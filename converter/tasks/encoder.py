@@ -66,7 +66,7 @@ from parity.gate import Worst, gate
 from parity.mil.errors import MILError
 from parity.report import report_to_json, report_to_text
 from parity.result import OUTPUT, Runner, Thresholds
-from parity.threads import with_torch_threads
+from parity.torch_settings import with_parity_torch
 
 OUTPUTS: dict[str, EncoderOutput] = {
     "feature-extraction": "last-hidden-state",
@@ -382,11 +382,11 @@ def _fixture_count(run: EncoderRun) -> int:
 
 CONVERT_STEPS: tuple[Step[EncoderRun], ...] = (
     Step("load checkpoint", load),
-    Step("rewrite to BC1L", with_torch_threads(rewrite)),
-    Step("reference (original model)", with_torch_threads(references), _fixture_count),
-    Step("parity (torch fp32, fp16)", with_torch_threads(torch_parity)),
+    Step("rewrite to BC1L", with_parity_torch(rewrite)),
+    Step("reference (original model)", with_parity_torch(references), _fixture_count),
+    Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity)),
     Step("convert to ML Program", convert),
-    Step("parity (MIL: fp32, fp16)", with_torch_threads(mil_parity)),
+    Step("parity (MIL: fp32, fp16)", with_parity_torch(mil_parity)),
     Step("write manifest", manifest),
     Step("plan (static)", plan),
 )

@@ -43,7 +43,7 @@ from parity.memory import release_memory
 from parity.reference import ReferenceRun, run_reference
 from parity.report_files import merge
 from parity.result import Thresholds
-from parity.threads import with_torch_threads
+from parity.torch_settings import with_parity_torch
 
 MIL_PROFILES = DEFAULT_PROFILES  # fp32 per layer, fp16 gated, fp16-acc reported
 
@@ -287,13 +287,13 @@ def _batch_count(run: DecoderRun) -> int:
 
 CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step("load checkpoint", load),
-    Step("rewrite to BC1L", with_torch_threads(rewrite)),
-    Step("reference (original model)", with_torch_threads(references), _fixture_count),
-    Step("parity (torch fp32, fp16)", with_torch_threads(torch_parity), _batch_count),
+    Step("rewrite to BC1L", with_parity_torch(rewrite)),
+    Step("reference (original model)", with_parity_torch(references), _fixture_count),
+    Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity), _batch_count),
     Step("convert to ML Program", convert),
     Step(
         "parity (MIL evaluator)",
-        with_torch_threads(mil_parity),
+        with_parity_torch(mil_parity),
         lambda run: len(run.profiles) * _batch_count(run),
     ),
     Step("write manifest", manifest),

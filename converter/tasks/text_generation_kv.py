@@ -51,7 +51,7 @@ from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import CacheSession, MilFunctions, rope_rows, session_for
-from parity.threads import with_torch_threads
+from parity.torch_settings import with_parity_torch
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
 WEIGHTS = Path("Data") / "com.apple.CoreML" / "weights" / "weight.bin"
@@ -427,16 +427,16 @@ def _continuation_count(run: KvRun) -> int:
 
 CONVERT_STEPS: tuple[Step[KvRun], ...] = (
     Step("load checkpoint", load),
-    Step("rewrite to BC1L", with_torch_threads(window_task.rewrite)),
-    Step("reference continuations (original model)", with_torch_threads(cache_reference),
+    Step("rewrite to BC1L", with_parity_torch(window_task.rewrite)),
+    Step("reference continuations (original model)", with_parity_torch(cache_reference),
          _continuation_count),
-    Step("reference (original model)", with_torch_threads(window_task.references),
+    Step("reference (original model)", with_parity_torch(window_task.references),
          window_task._fixture_count),
-    Step("parity (torch fp32, fp16)", with_torch_threads(window_task.torch_parity),
+    Step("parity (torch fp32, fp16)", with_parity_torch(window_task.torch_parity),
          window_task._batch_count),
     Step("split into packages (weight budget)", split_packages),
     Step("convert prefill, decode, extend", convert_functions, lambda run: 3 * len(run.split)),
-    Step("parity through the cache (MIL evaluator)", with_torch_threads(kv_parity),
+    Step("parity through the cache (MIL evaluator)", with_parity_torch(kv_parity),
          lambda run: 3 * _continuation_count(run)),
     Step("write manifest", manifest),
     Step("plan (static)", plan),

@@ -1,4 +1,5 @@
-"""How many threads torch uses while the parity steps run the models (fixtures, references).
+"""How torch runs while the parity steps run the models (fixtures, references): on one thread,
+and with fp16 1x1 convolutions through `parity.fp16_conv` (torch's own bits, faster).
 
 The parity steps issue tens of thousands of small tensor ops (one attention head of a 64-token
 window at a time, norms over a few hundred channels). Measured on SmolLM2 on the 2-core machine
@@ -16,6 +17,8 @@ from functools import wraps
 from typing import ParamSpec, TypeVar
 
 import torch
+
+from parity.fp16_conv import fast_fp16_convs
 
 PARITY_THREADS = 1
 
@@ -37,12 +40,19 @@ def torch_threads(count: int | None = PARITY_THREADS) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def with_torch_threads(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` run inside ``torch_threads()`` (for a pipeline step that runs the models)."""
+@contextmanager
+def parity_torch() -> Iterator[None]:
+    """Torch as the parity steps run it: `torch_threads()` and `fast_fp16_convs()`."""
+    with torch_threads(), fast_fp16_convs():
+        yield
+
+
+def with_parity_torch(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` run inside ``parity_torch()`` (for a pipeline step that runs the models)."""
 
     @wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        with torch_threads():
+        with parity_torch():
             return fn(*args, **kwargs)
 
     return run

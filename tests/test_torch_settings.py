@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.threads import PARITY_THREADS, torch_threads
+from parity.torch_settings import PARITY_THREADS, torch_threads
 
 
 def test_torch_threads_sets_the_count_inside_and_restores_it_after() -> None:
