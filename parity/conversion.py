@@ -16,6 +16,7 @@ marked not run.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,8 @@ from parity.mil.program import dtype_name
 from parity.model_copies import program_constants
 from parity.reference import ReferenceRun
 from parity.result import Thresholds
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROFILES = ("fp32", "fp16", "fp16-acc")
 # What mil-fp32 is compared with: the same function, computed more exactly than fp32.
@@ -222,6 +225,8 @@ def check_conversion(
             profile.description
         )
         runs.append(run)
+        # In convert.log, not the reports: a time would make them differ run to run.
+        log.info("MIL evaluator, profile %s: %.1f s, %d batches", name, run.seconds, len(batches))
         del evaluator
     gates += _gates(runs, thresholds, bool(markers))
     runtime_level = _runtime_level(package, module, batches, references, embed_table, specs)

@@ -24,7 +24,6 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
             "baseline": run.baseline,
             "description": run.description,
             "status": "run",
-            "seconds": round(run.seconds, 3),
             "finite": run.finite,
             "layer_rel_error": [num(v) for v in run.layer_rel_error],
             "logits_rel_error": num(run.logits_rel_error),
@@ -85,7 +84,6 @@ def conversion_to_text(report: ConversionReport) -> str:
         line = (
             f"  {run.implementation:<13} worst layer {max(run.layer_rel_error, default=0):.3g}"
             f"  logits {run.logits_rel_error:.3g}  finite {'yes' if run.finite else 'NO'}"
-            f"  {run.seconds:.1f} s"
         )
         if summary.positions:
             line += (

@@ -98,15 +98,29 @@ def package_files(artifact: Path) -> dict[str, str]:
     return files
 
 
+def report_files(artifact: Path) -> dict[str, str]:
+    """``relative path -> sha256`` of every file outside the packages but convert.log (times
+    and dates): reports, host files and anec's manifest.json."""
+    skip = ("convert.log",)
+    return {
+        rel: sha
+        for rel, sha in tree_files(artifact).items()
+        if not rel.split("/")[0].endswith(".mlpackage") and rel not in skip
+    }
+
+
 def assert_same_bytes(first: Path, second: Path, packages: int) -> None:
-    """Both artifacts hold ``packages`` packages with the same files byte for byte, and their
-    manifests the same content hash. (The window decoder's parity.json records how long the
-    MIL evaluator ran, so its reports, and the manifest listing their hashes, differ.)"""
+    """Both artifacts hold ``packages`` packages with the same files byte for byte, their
+    manifests the same content hash, and the same reports and host files byte for byte."""
     a, b = package_files(first), package_files(second)
     assert len({name.split("/")[0] for name in a}) == packages, sorted(a)
     differ = sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
     assert not differ, f"{first.name}: these package files differ between processes: {differ}"
     assert content_hash(first) == content_hash(second)
+    a, b = report_files(first), report_files(second)
+    assert {"parity.json", "manifest.json"} <= a.keys()
+    differ = sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+    assert not differ, f"{first.name}: these files differ between processes: {differ}"
 
 
 # ---- the recipes: one per artifact kind, tiny models ------------------------------------
@@ -232,7 +246,10 @@ def test_window_artifact_is_the_same_in_two_processes(
     assert_same_bytes(first, second, packages=1)
     # No day in the package (it would differ tomorrow); convert.log records it instead.
     assert CONVERSION_DATE_KEY.encode() not in spec_bytes(first)
-    assert "coremltools conversion date" in (first / "convert.log").read_text()
+    log = (first / "convert.log").read_text()
+    assert "coremltools conversion date" in log
+    # How long the evaluator ran is recorded there, not in the reports.
+    assert "MIL evaluator, profile fp16:" in log
 
 
 # Every other kind: artifact name -> packages in it. The KV decoder's decode function named
