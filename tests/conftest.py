@@ -12,12 +12,37 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     """In a pytest-xdist worker (the README's command runs one per core), run torch on one
     thread, and the ``anec`` processes tests start too: a worker's second thread fights the
-    other worker for its core (parity/threads.py: 14x the wall time under such load)."""
+    other worker for its core (parity/torch_settings.py: 14x the wall time under such load)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)
+
+
+def _rank(item: pytest.Item) -> int:
+    """0: a slow test; 1: a test using a module- or session-scoped fixture of its own file
+    (a conversion its file's tests share); 2: the rest."""
+    if item.get_closest_marker("slow"):
+        return 0
+    own = item.nodeid.split("::")[0]
+    for defs in item._fixtureinfo.name2fixturedefs.values():  # type: ignore[attr-defined]
+        if defs[-1].scope in ("module", "session") and defs[-1].baseid == own:
+            return 1
+    return 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files that take minutes first, each file's tests kept in order: files with a slow
+    test, then files sharing a conversion between their tests, then the rest. With one worker
+    per core, the long files start early and the quick ones fill the end, instead of one
+    worker starting a 4-minute file while the other runs out of work. (The README's command
+    turns off pytest-xdist's own order, most tests first, which put the long files, with
+    their one or two tests, last.)"""
+    ranks: dict[Path, int] = {}
+    for item in items:
+        ranks[item.path] = min(ranks.get(item.path, 2), _rank(item))
+    items.sort(key=lambda item: ranks[item.path])  # stable: order kept within a rank
 
 
 @pytest.fixture
