@@ -120,7 +120,7 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
     import coremltools as ct
     import torch
 
-    from converter.coreml import live_ops, load_program, to_mlprogram, trace
+    from converter.coreml import live_ops, to_mlprogram, trace
     from converter.plan.chips import chips_for
     from converter.plan.cost import floor
     from converter.plan.ops import op_table
@@ -131,6 +131,7 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
     from graph_passes.archs import adapt
     from graph_passes.cached_decoder import cached_functions
     from graph_passes.decoder import BC1LDecoder, DecoderIO
+    from parity.mil.program import load_package
 
     torch.set_num_threads(1)
     started = time.time()
@@ -147,7 +148,7 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
     folder = out / case
     folder.mkdir(parents=True)
     emitted = emit_functions(functions, "float16", "float16", target, folder / f"{case}.mlpackage")
-    program = load_program(emitted.package)
+    program = load_package(emitted.package)
     n = spec.num_layers
     decode_ops = sum(1 for op in program.functions["decode"].operations if op.op_type != "const")
     chunks = window.chunk_sizes

@@ -203,15 +203,3 @@ def live_ops(mlmodel: Any) -> collections.Counter[str]:
             if op.op_type != "const":
                 counts[op.op_type] += 1
     return counts
-
-
-def load_program(package: Path) -> Any:
-    """The MIL program of a saved ``.mlpackage`` (readable on Linux; weights included)."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load as load_milproto
-
-    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
-    weights = package / "Data" / "com.apple.CoreML" / "weights"
-    return load_milproto(
-        spec, specification_version=spec.specificationVersion, file_weights_dir=str(weights)
-    )

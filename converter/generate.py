@@ -125,15 +125,15 @@ def chunk_of(entry: dict[str, Any], layers: int) -> ChunkMeta:
 def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:
     """Sessions run by the MIL evaluator (functions prepared once, a fresh state each); a
     chunked decoder's chunks run as one chain (`parity.kv_chain`)."""
-    from converter.coreml import load_program
+    from parity.mil.program import load_package
 
     mil: MilFunctions | MilChain
     if runtime.chunks:
-        programs = [load_program(p) for p in runtime.packages]
+        programs = [load_package(p) for p in runtime.packages]
         mil = MilChain(programs, profile, list(runtime.functions), runtime.chunks)
     else:
         mil = MilFunctions(
-            load_program(runtime.package), profile, list(runtime.functions),
+            load_package(runtime.package), profile, list(runtime.functions),
             tuple(runtime.kv["cache"]["shape"]),
         )  # fmt: skip
 

@@ -28,18 +28,54 @@ class Continuation:
         return self.logits[position - (len(self.prompt) - 1)]
 
 
+# transformers' top-1 minus top-2 logit below this is a near tie: past it, fp16 arithmetic
+# (or any other valid order of additions) may pick either token (issue 22).
+NEAR_TIE = 0.05
+
+
 @torch.no_grad()
-def greedy_ids(model: nn.Module, prompt: tuple[int, ...], steps: int) -> list[int]:
+def greedy_steps(model: nn.Module, prompt: tuple[int, ...], steps: int) -> list[tuple[int, float]]:
     """``steps`` greedy tokens after ``prompt`` by the original model with transformers' own
-    KV cache (the gates compare against a full recompute of the whole sequence afterwards;
-    which tokens are fed only has to be the same for both)."""
+    KV cache, each with its top-1 minus top-2 logit gap (the gates compare against a full
+    recompute of the whole sequence afterwards; which tokens are fed only has to be the same
+    for both)."""
     out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-    chosen: list[int] = []
+    chosen: list[tuple[int, float]] = []
     for _ in range(steps):
-        token = int(out.logits[0, -1].argmax())
-        chosen.append(token)
+        top2 = out.logits[0, -1].float().topk(2)
+        token = int(top2.indices[0])
+        chosen.append((token, float(top2.values[0] - top2.values[1])))
         out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return chosen
+
+
+def greedy_ids(model: nn.Module, prompt: tuple[int, ...], steps: int) -> list[int]:
+    """``greedy_steps``' tokens alone."""
+    return [token for token, _ in greedy_steps(model, prompt, steps)]
+
+
+@dataclass(frozen=True)
+class GreedyCheck:
+    """A greedy continuation against the reference's, step by step."""
+
+    steps: int
+    matched: int  # steps equal before the first difference
+    first_near_tie: int | None  # the first step whose reference gap is below NEAR_TIE
+
+    @property
+    def passed(self) -> bool:
+        """Every step before the first near tie matched (every step, without one)."""
+        return self.matched >= (self.steps if self.first_near_tie is None else self.first_near_tie)
+
+
+def check_greedy(new_ids: list[int], reference: list[tuple[int, float]]) -> GreedyCheck:
+    """``new_ids`` against ``greedy_steps``' output of the same length."""
+    if len(new_ids) != len(reference):
+        raise ValueError(f"{len(new_ids)} generated steps against {len(reference)} reference")
+    pairs = zip(new_ids, reference, strict=True)
+    matched = next((i for i, (a, (b, _)) in enumerate(pairs) if a != b), len(reference))
+    near = next((i for i, (_, gap) in enumerate(reference) if gap < NEAR_TIE), None)
+    return GreedyCheck(len(reference), matched, near)
 
 
 @torch.no_grad()

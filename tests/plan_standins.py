@@ -111,9 +111,9 @@ def ne_except(*cpu_outputs: str) -> Callable[[str, str], str | None]:
 
 
 def recorded(package: Path, policy: Callable[[str, str], str | None]) -> RecordedPlan:
-    from converter.coreml import load_program
+    from parity.mil.program import load_package
 
-    plan = FakePlan(structure_of(load_program(package)), policy)
+    plan = FakePlan(structure_of(load_package(package)), policy)
     return RecordedPlan(
         content_sha256=mlpackage_content_hash(package),
         package=package.name,

@@ -75,11 +75,11 @@ def test_the_manifest_says_how_the_host_combines_the_chunks(artifact: Path) -> N
 
 
 def test_plan_inspect_places_the_argmax_off_the_ne_and_says_so(artifact: Path) -> None:
-    from converter.coreml import load_program
     from converter.plan.ops import op_table
     from converter.plan.static import static_report
+    from parity.mil.program import load_package
 
-    table = op_table(load_program(artifact / "tiny-argmax.mlpackage"))
+    table = op_table(load_package(artifact / "tiny-argmax.mlpackage"))
     report = static_report(table, "tiny-argmax.mlpackage", "-", "M1")
     decode = next(f for f in report.functions if f.name == "decode")
     argmax = [r for r in decode.rows if r.op_type == "reduce_argmax"]

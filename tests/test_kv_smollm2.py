@@ -71,4 +71,5 @@ def test_generate_matches_transformers_step_for_step(kv_artifact: Path) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     doc = json.loads(out[out.index('{"backend"') :])  # after the loaders' progress bars
-    assert doc["steps_matched"] == doc["steps"] == 64
+    assert doc["steps_matched"] == doc["steps"] == 64 and doc["passed"]
+    assert "first_near_tie" in doc and len(doc["reference_gaps"]) == 64

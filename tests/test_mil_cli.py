@@ -139,9 +139,9 @@ def test_the_window_returns_logits_with_the_vocabulary_last(artifact: Path) -> N
     """Manifest schema 3: each chunk (B, n, 1, V_k); the plan's output bytes are the dense
     rows (one 64-byte row per position and chunk, not one per logit) and the transposes that
     produce the outputs stay in the program's one NE segment."""
-    from converter.coreml import load_program
     from converter.plan.ops import op_table
     from converter.plan.static import static_report
+    from parity.mil.program import load_package
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["schema_version"] == 4  # 4: chunked cached decoders (one package here)
@@ -149,7 +149,7 @@ def test_the_window_returns_logits_with_the_vocabulary_last(artifact: Path) -> N
     assert [o["shape"] for o in manifest["outputs"]] == [[1, 1, 1, 128], [1, 1, 1, 128],
                                                          [1, 1, 1, 44]]  # fmt: skip
     assert "[batch, position, 0, token]" in manifest["conventions"]["logits"]
-    table = op_table(load_program(artifact / "tiny.mlpackage"))
+    table = op_table(load_package(artifact / "tiny.mlpackage"))
     report = static_report(table, "tiny.mlpackage", "-", "M1")
     function = report.functions[0]
     # (vocabulary on axis 1 would be 300 rows of 64 bytes: 19,200 bytes)

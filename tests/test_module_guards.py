@@ -133,6 +133,17 @@ def test_graph_passes_imports_nothing_from_converter_or_parity() -> None:
     )
 
 
+def test_parity_imports_nothing_from_converter() -> None:
+    """parity measures what graph_passes builds and the pipeline hands it; it never reaches
+    back into the pipeline (lazy imports included)."""
+    upward = {
+        name: sorted(t for t in targets if t.split(".")[0] == "converter")
+        for name, targets in import_graph().items()
+        if name.split(".")[0] == "parity"
+    }
+    assert not {n: t for n, t in upward.items() if t}, "parity imports from converter"
+
+
 def test_the_walk_finds_lazy_relative_and_from_package_imports(tmp_path: Path) -> None:
     """The checker itself: a cycle through a function-level, a relative and a
     ``from package import module`` import is found; a parent-package import is not a cycle."""

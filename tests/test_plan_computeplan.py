@@ -111,9 +111,9 @@ def test_resave_makes_another_function_the_default(multifunction: Path, tmp_path
 
 
 def test_every_function_is_planned_as_the_default_of_its_own_compile(multifunction: Path) -> None:
-    from converter.coreml import load_program
+    from parity.mil.program import load_package
 
-    structure = structure_of(load_program(multifunction))
+    structure = structure_of(load_package(multifunction))
     compiled: list[str] = []
 
     def compile_fn(package: Path) -> str:

@@ -116,10 +116,10 @@ def test_summary_counts_segments_transitions_and_crossing_bytes() -> None:
 
 
 def test_the_table_reads_a_saved_package(tmp_path: Path) -> None:
-    from converter.coreml import load_program
+    from parity.mil.program import load_package
 
     package = pp.save(pp.bc1l_block(), tmp_path / "b.mlpackage")
-    table = op_table(load_program(package))
+    table = op_table(load_package(package))
     types_ = [op.op_type for op in table.functions[0].ops]
     assert types_.count("conv") == 3 and types_.count("einsum") == 2
     assert sum(op.weight_bytes for op in table.ops()) == 3 * 64 * 64 * 2

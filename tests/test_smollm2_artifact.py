@@ -27,9 +27,9 @@ def manifest(smollm2_artifact: Path) -> Manifest:
 
 @pytest.fixture(scope="module")
 def program_ops(smollm2_artifact: Path) -> list[Any]:
-    from converter.coreml import load_program
+    from parity.mil.program import load_package
 
-    program = load_program(smollm2_artifact / "smollm2-135m-draft.mlpackage")
+    program = load_package(smollm2_artifact / "smollm2-135m-draft.mlpackage")
     return [op for op in program.functions["main"].operations if op.op_type != "const"]
 
 

@@ -26,18 +26,19 @@ def artifact_source(directory: Path) -> tuple[Any, str]:
     return source, recipe.task
 
 
-def reference_ids(directory: Path, prompt_ids: list[int], steps: int) -> list[int]:
-    """transformers' greedy continuation (fp32) of the checkpoint the manifest names."""
+def reference_steps(directory: Path, prompt_ids: list[int], steps: int) -> list[tuple[int, float]]:
+    """transformers' greedy continuation (fp32) of the checkpoint the manifest names, with
+    each step's top-1 minus top-2 logit gap."""
     from converter.checkpoint import load_checkpoint
     from converter.errors import InputError
-    from parity.kv_reference import greedy_ids
+    from parity.kv_reference import greedy_steps
 
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     source, task = artifact_source(directory)
     ckpt = load_checkpoint(source, task)
     if ckpt.sha256 != manifest["checkpoint"]["sha256"]:
         raise InputError(f"{source.directory}: not the checkpoint the artifact was made from")
-    return greedy_ids(ckpt.model.float().eval(), tuple(prompt_ids), steps)
+    return greedy_steps(ckpt.model.float().eval(), tuple(prompt_ids), steps)
 
 
 @click.command("generate")
@@ -57,8 +58,9 @@ def reference_ids(directory: Path, prompt_ids: list[int], steps: int) -> list[in
 @click.option(
     "--check",
     is_flag=True,
-    help="Also run transformers' greedy continuation (fp32) of the original checkpoint and "
-    "report how many steps match.",
+    help="Also run transformers' greedy continuation (fp32) of the original checkpoint, report "
+    "how many steps match and the first step where its top-1 and top-2 logits are within "
+    "0.05 (a near tie, where either token is a valid pick); every step before it must match.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def generate_command(
@@ -67,8 +69,8 @@ def generate_command(
     """Greedy generation from ARTIFACT (a cached decoder: recipe cache.style state or io),
     driven by its manifest alone: prefill the prompt, then one decode call per token.
 
-    Exit codes: 0 generated (with --check: and every step matched), 1 --check found a
-    divergence, 2 bad input.
+    Exit codes: 0 generated (with --check: and every step before the first near tie
+    matched), 1 --check found a divergence before it, 2 bad input.
     """
     from converter.errors import InputError
     from converter.generate import Runtime, coreml_backend, greedy, mil_backend
@@ -86,21 +88,31 @@ def generate_command(
         "text": result.text(runtime.tokenizer),
         "evictions": result.evictions,
     }
-    matched = None
+    checked = None
     if check:
-        ref = reference_ids(artifact, prompt_ids, len(result.new_ids))
-        matched = next(
-            (i for i, (a, b) in enumerate(zip(result.new_ids, ref, strict=True)) if a != b),
-            len(ref),
-        )
-        doc["reference_ids"] = ref
-        doc["steps_matched"] = matched
-        doc["steps"] = len(ref)
+        from parity.kv_reference import NEAR_TIE, check_greedy
+
+        reference = reference_steps(artifact, prompt_ids, len(result.new_ids))
+        checked = check_greedy(result.new_ids, reference)
+        doc["reference_ids"] = [token for token, _ in reference]
+        doc["reference_gaps"] = [round(gap, 4) for _, gap in reference]
+        doc["steps_matched"] = checked.matched
+        doc["steps"] = checked.steps
+        doc["first_near_tie"] = checked.first_near_tie
+        doc["passed"] = checked.passed
     if as_json:
         click.echo(json.dumps(doc))
     else:
         click.echo(f"{prompt}{doc['text']}")
-        if matched is not None:
-            click.echo(f"steps matched against transformers fp32: {matched} / {doc['steps']}")
-    if matched is not None and matched < len(result.new_ids):
+        if checked is not None:
+            click.echo(
+                f"steps matched against transformers fp32: {checked.matched} / {checked.steps}"
+            )
+            tie = checked.first_near_tie
+            click.echo(
+                f"no near tie (transformers' top-1 - top-2 logit < {NEAR_TIE}) in these steps"
+                if tie is None
+                else f"first near tie (transformers' top-1 - top-2 logit < {NEAR_TIE}): step {tie}"
+            )
+    if checked is not None and not checked.passed:
         raise SystemExit(1)

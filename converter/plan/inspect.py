@@ -67,10 +67,10 @@ def find_packages(path: Path) -> list[Path]:
 
 def load_table(package: Path) -> OpTable:
     """The op table of a saved package (every function)."""
-    from converter.coreml import load_program
+    from parity.mil.program import load_package
 
     try:
-        program = load_program(package)
+        program = load_package(package)
     except Exception as e:  # coremltools raises many types for a damaged package
         raise InputError(f"{package}: cannot read the ML Program: {e}") from None
     return op_table(program)

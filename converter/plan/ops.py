@@ -1,6 +1,6 @@
 """The op table: every op of a MIL program with its shapes, dtypes, FLOPs and weight bytes.
 
-Works on Linux from the saved package (``converter.coreml.load_program``) or from a program
+Works on Linux from the saved package (``parity.mil.program.load_package``) or from a program
 built with coremltools' MIL builder. Constants are not rows: their bytes are charged to the
 ops that read them (a weight used twice is streamed twice). ``constexpr_*`` ops (decompressed
 weights) are rows, because Core ML lists them, but they are not dispatchable either.

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from converter.coreml import combine_functions, live_ops, load_program, save_package
+from converter.coreml import combine_functions, live_ops, save_package
 from converter.manifest_fields import write_npy
 from converter.progress import Steps
 from converter.publish import write_json_atomic
@@ -51,6 +51,7 @@ from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import CacheSession, MilFunctions, rope_rows, session_for
+from parity.mil.program import load_package
 from parity.torch_settings import with_parity_torch
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
@@ -251,10 +252,10 @@ def cache_gates(
     mil: MilFunctions | MilChain
     if len(chunks) == 1:
         mil = MilFunctions(
-            load_program(packages[0]), "fp16", list(functions), first.cache_shape(), heads
+            load_package(packages[0]), "fp16", list(functions), first.cache_shape(), heads
         )
     else:
-        programs = [load_program(p) for p in packages]
+        programs = [load_package(p) for p in packages]
         metas = [chunk_meta(c[DEFAULT_FUNCTION]) for c in chunks]
         mil = MilChain(programs, "fp16", list(functions), metas, heads)
 

@@ -16,9 +16,14 @@ CONST_OP_PREFIX = "constexpr_"
 
 def load_package(package: Path) -> Any:
     """The MIL program of a saved ``.mlpackage`` with its weights (coremltools ``Program``)."""
-    from converter.coreml import load_program
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load as load_milproto
 
-    return load_program(Path(package))
+    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    weights = Path(package) / "Data" / "com.apple.CoreML" / "weights"
+    return load_milproto(
+        spec, specification_version=spec.specificationVersion, file_weights_dir=str(weights)
+    )
 
 
 def dtype_name(var: Any) -> str:
