@@ -1,13 +1,13 @@
 """torch's CPU fp16 1x1 convolution, the same bits at a fraction of the time.
 
 The torch-fp16 level runs every BC1L module cast to fp16, and torch's CPU kernel for an fp16
-1x1 convolution (a matrix product) is slow where the CPU has no fp16 arithmetic: 52 ms for
-SmolLM2's 576 -> 1536 projection over a 64-token window against 2.2 ms in fp32, most of the
-torch-fp16 level's time. What that kernel computes, found by comparing bits on this build
-(torch 2.13, x86-64 with AVX2): each output is ``sum_k w[o, k] * x[k, n]`` with the products
-in fp32 (exact: two fp16 significands fit in fp32's), added in four fp32 lanes (lane ``k mod
-4``, each in order of k), the lanes summed as ``((l0 + l1) + l2) + l3``, the bias added in
-fp32 and the result rounded to fp16 once.
+1x1 convolution (a matrix product) of an input in the standard layout is slow where the CPU
+has no fp16 arithmetic: 52 ms for SmolLM2's 576 -> 1536 projection over a 64-token window
+against 2.2 ms in fp32; most of an encoder's torch-fp16 level. What that kernel computes,
+found by comparing bits on this build (torch 2.13, x86-64 with AVX2): each output is
+``sum_k w[o, k] * x[k, n]`` with the products in fp32 (exact: two fp16 significands fit in
+fp32's), added in four fp32 lanes (lane ``k mod 4``, each in order of k), the lanes summed
+as ``((l0 + l1) + l2) + l3``, the bias added in fp32 and the result rounded to fp16 once.
 
 `fp16_conv1x1` computes exactly that with one vectorised multiply-add per four input
 channels, where the input channels are a multiple of four (as every model width is).
