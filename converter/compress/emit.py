@@ -16,15 +16,16 @@ from __future__ import annotations
 import json
 import resource
 import shutil
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from converter.compress import methods
-from converter.compress.methods.base import BuildContext, Subject
+from converter.compress.methods.base import BuildContext, Inspected, Selection, Subject
 from converter.compress.records import WeightRecord, weight_records, with_extra_bytes
 from converter.compress.schemes import apply_plan
 from converter.compress.sites import weight_sites
@@ -38,6 +39,7 @@ from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic, write_text_atomic
 from converter.recipe.compression import Compression, Variant
 from converter.runlog import write_log_into
+from converter.steps import Advance, Step, run_steps
 from graph_passes.decoder import BC1LDecoder
 from parity.compression_gates import HeldOut
 from parity.memory import release_memory
@@ -160,90 +162,164 @@ def emit(
     for variant in compression.variants:
         keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
         ctx = BuildContext(subject, sites, keep, compression.min_weight_elements, package, steps)
-        results.append(_emit_one(ctx, variant, name, fp16_dir, mlmodel, out_dir, force))
+        vname = f"{name}-{variant.suffix}"
+        start = partial(VariantRun, ctx, variant, vname, fp16_dir, source=mlmodel)
+        own = single_program_steps(variant.suffix)
+        results.append(publish_variant(ctx, variant, vname, start, own, out_dir, force))
     return results
 
 
-def _emit_one(
+@dataclass
+class VariantRun:
+    """One compressed variant in progress: what its steps (`converter.steps`) read and add."""
+
+    ctx: BuildContext
+    variant: Variant
+    vname: str  # the variant artifact's name: <artifact>-<suffix>
+    fp16_dir: Path  # the published fp16 artifact it is derived from
+    directory: Path  # its staging directory
+    selection: Selection
+    source: Any = None  # the fp16 MLModel its package is built from (single-program)
+    state: Any = None  # the method's own state between prepare, finish and inspect
+    package: Path | None = None  # its (first) package
+    program: Any = None  # the program whose quality is gated (the window program's variant)
+    records: list[WeightRecord] = field(default_factory=list)
+    decoded: dict[str, Any] = field(default_factory=dict)
+    size: SizeReport | None = None
+    errors: list[Any] = field(default_factory=list)
+    ops: dict[str, int] = field(default_factory=dict)
+    stream: dict[str, Any] = field(default_factory=dict)
+    inspected: Inspected | None = None
+    parity: Any = None  # the subject's parity result: .gates (GateResult), .passed
+
+    @property
+    def method(self) -> Any:
+        """The variant's registered compression method."""
+        return methods.get(self.variant.method)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The method's report and manifest entries (a search, activation quantizers)."""
+        inspected = self.inspected.doc if self.inspected is not None else {}
+        return self.selection.doc | inspected
+
+
+# A step's time under its key in `VariantResult.seconds` (the other steps are not listed).
+SECONDS = {"compress": "compress", "parity (torch, MIL": "parity", "parity through": "kv_parity"}
+
+
+def publish_variant(
     ctx: BuildContext,
     variant: Variant,
-    name: str,
-    fp16_dir: Path,
-    mlmodel: Any,
+    vname: str,
+    start: Callable[[Path, Selection], VariantRun],
+    steps: Sequence[Step[Any]],
     out_dir: Path,
     force: bool,
 ) -> VariantResult:
-    from parity.mil import load_package
-
-    subject, sites, steps = ctx.subject, ctx.sites, ctx.progress
-    method = methods.get(variant.method)
-    vname = f"{name}-{variant.suffix}"
-    seconds: dict[str, float] = {}
+    """Stage the variant ``vname``, choose its plan (once: a searched plan is searched once),
+    run ``steps`` on the run ``start`` makes, and publish it when its gates pass (else keep
+    its reports in ``.failed``)."""
     with stage_artifact(out_dir, vname, force=force) as stage:
-        selection = method.select(ctx, variant)
-        seconds.update(selection.seconds)
-        plan, kept = selection.plan, selection.kept
-        with steps.step(f"{variant.suffix}: compress"):
-            start = time.perf_counter()
-            source, state = method.prepare(ctx, variant, mlmodel, plan)
-            compressed = apply_plan(source, plan, sites)
-            del source
-            compressed, state = method.finish(ctx, variant, compressed, plan, state)
-            path = stage.path / f"{vname}.mlpackage"
-            save_package(compressed, path)  # canonical bytes: a reproducible hash
-            del compressed
-            release_memory()
-            for host in subject.host_files:
-                if (fp16_dir / host).is_file():
-                    shutil.copyfile(fp16_dir / host, stage.path / host)
-            seconds["compress"] = time.perf_counter() - start
-        with steps.step(f"{variant.suffix}: records and size"):
-            program = load_package(path)
-            function = program.functions["main"]
-            records, decoded = weight_records(function, sites, plan, kept)
-            records = with_extra_bytes(records, method.extra_bytes(state))
-            size = size_report(records, fp16_dir / f"{name}.mlpackage", path)
-            fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
-            errors = weight_errors(method.effective(decoded, state), fp16)
-            ops = _live_ops(program)
-            stream = ne_stream({vname: program})
-            inspected = method.inspect(function, state, selection)
-            extra = selection.doc | (inspected.doc if inspected is not None else {})
-
-        with steps.step(
-            f"{variant.suffix}: parity (torch, MIL)", total=subject.parity_steps
-        ) as advance:
-            start = time.perf_counter()
-            parity = subject.parity(variant, program, decoded, advance, inspected)
-            seconds["parity"] = time.perf_counter() - start
-        del program, decoded
-        release_memory()
-        parity_doc, parity_txt = subject.report(parity)
-        doc = parity_doc | {
-            "variant": vname,
-            "size": size.to_json(),
-            "weight_errors": errors_json(errors),
-            "ne_weight_stream": stream,
-            **extra,
-        }
-        act_text = inspected.text if inspected is not None else ""
-        sections = [parity_txt, size.to_text(), ne_stream_text(stream), errors_text(errors)]
-        sections.append(act_text)
-        text = "\n\n".join(s for s in sections if s)
-        write_reports(stage.path, doc, text)
-        manifest = _manifest(
-            fp16_dir, stage.path, vname, variant, path, ops, records, size,
-            method.manifest(variant) | extra, subject.not_compressed,
-        )  # fmt: skip
-        write_json_atomic(stage.path / "manifest.json", manifest.model_dump(mode="json"))
+        selection = methods.get(variant.method).select(ctx, variant)
+        run = start(stage.path, selection)
+        run_steps(steps, run, ctx.progress)
+        seconds = dict(selection.seconds)
+        for step in steps:
+            what = step.name.split(": ", 1)[-1]
+            key = next((k for prefix, k in SECONDS.items() if what.startswith(prefix)), None)
+            if key is not None:
+                seconds[key] = ctx.progress.timings[step.name]
         peak = _peak_rss_mib()
-        if not parity.passed:
+        if not run.parity.passed:
             write_log_into(stage.path, f"a variant gate failed; reports kept in {vname}.failed")
             where = stage.keep_as_failed()
-            return VariantResult(vname, variant.suffix, False, where, size, parity, seconds, peak)
+            return VariantResult(vname, variant.suffix, False, where, run.size, run.parity,
+                                 seconds, peak)  # fmt: skip
         write_log_into(stage.path, f"every variant gate passed; publishing {out_dir / vname}")
         final = stage.commit()
-    return VariantResult(vname, variant.suffix, True, final, size, parity, seconds, peak)
+    return VariantResult(vname, variant.suffix, True, final, run.size, run.parity, seconds, peak)
+
+
+def parity(name: str) -> Step[VariantRun]:
+    """The step that runs the subject's parity levels on the variant (``name``: what it says
+    it compares)."""
+
+    def measure(run: VariantRun, advance: Advance) -> None:
+        run.parity = run.ctx.subject.parity(
+            run.variant, run.program, run.decoded, advance, run.inspected
+        )
+        run.program, run.decoded = None, {}
+        release_memory()
+
+    return Step(name, measure, lambda run: int(run.ctx.subject.parity_steps))
+
+
+def _compress(run: VariantRun, advance: Advance) -> None:
+    """Apply the plan to the fp16 program, save the package, copy the host files."""
+    ctx, variant, method, plan = run.ctx, run.variant, run.method, run.selection.plan
+    source, state = method.prepare(ctx, variant, run.source, plan)
+    compressed = apply_plan(source, plan, ctx.sites)
+    del source
+    compressed, run.state = method.finish(ctx, variant, compressed, plan, state)
+    run.package = run.directory / f"{run.vname}.mlpackage"
+    save_package(compressed, run.package)  # canonical bytes: a reproducible hash
+    del compressed
+    release_memory()
+    for host in ctx.subject.host_files:
+        if (run.fp16_dir / host).is_file():
+            shutil.copyfile(run.fp16_dir / host, run.directory / host)
+
+
+def _records(run: VariantRun, advance: Advance) -> None:
+    """What the package stores per weight, its size against the fp16 package's, each
+    weight's error, live ops, what the NE would stream, and what the method added."""
+    from parity.mil import load_package
+
+    subject, method = run.ctx.subject, run.method
+    assert run.package is not None
+    run.program = load_package(run.package)
+    function = run.program.functions["main"]
+    plan, kept = run.selection.plan, run.selection.kept
+    records, run.decoded = weight_records(function, run.ctx.sites, plan, kept)
+    run.records = with_extra_bytes(records, method.extra_bytes(run.state))
+    run.size = size_report(run.records, run.ctx.fp16_package, run.package)
+    fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in run.decoded}
+    run.errors = weight_errors(method.effective(run.decoded, run.state), fp16)
+    run.ops = _live_ops(run.program)
+    run.stream = ne_stream({run.vname: run.program})
+    run.inspected = method.inspect(function, run.state, run.selection)
+
+
+def _reports(run: VariantRun, advance: Advance) -> None:
+    """parity.json, parity.txt and manifest.json of the variant."""
+    assert run.size is not None and run.package is not None
+    parity_doc, parity_txt = run.ctx.subject.report(run.parity)
+    doc = parity_doc | {
+        "variant": run.vname,
+        "size": run.size.to_json(),
+        "weight_errors": errors_json(run.errors),
+        "ne_weight_stream": run.stream,
+        **run.extra,
+    }
+    sections = [parity_txt, run.size.to_text(), ne_stream_text(run.stream)]
+    sections += [errors_text(run.errors), run.inspected.text if run.inspected else ""]
+    write_reports(run.directory, doc, "\n\n".join(s for s in sections if s))
+    manifest = _manifest(
+        run.fp16_dir, run.directory, run.vname, run.variant, run.package, run.ops, run.records,
+        run.size, run.method.manifest(run.variant) | run.extra, run.ctx.subject.not_compressed,
+    )  # fmt: skip
+    write_json_atomic(run.directory / "manifest.json", manifest.model_dump(mode="json"))
+
+
+def single_program_steps(suffix: str) -> tuple[Step[VariantRun], ...]:
+    """A single-program variant's steps (window decoder, encoder)."""
+    return (
+        Step(f"{suffix}: compress", _compress),
+        Step(f"{suffix}: records and size", _records),
+        parity(f"{suffix}: parity (torch, MIL)"),
+        Step(f"{suffix}: reports and manifest", _reports),
+    )
 
 
 def _manifest(

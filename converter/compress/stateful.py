@@ -34,22 +34,24 @@ import json
 import os
 import secrets
 import shutil
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from converter.compress import methods
 from converter.compress.emit import (
     VariantResult,
+    VariantRun,
     _manifest,
-    _peak_rss_mib,
     ne_stream,
     ne_stream_text,
+    parity,
+    publish_variant,
     write_reports,
 )
-from converter.compress.methods.base import BuildContext, Scheme
+from converter.compress.methods.base import BuildContext
 from converter.compress.records import WeightRecord, weight_records
 from converter.compress.schemes import apply_plan
 from converter.compress.sites import WeightSite, weight_sites
@@ -58,9 +60,9 @@ from converter.compress.weight_error import errors_json, errors_text, weight_err
 from converter.coreml import save_package
 from converter.errors import InputError
 from converter.progress import Steps
-from converter.publish import stage_artifact, write_json_atomic
-from converter.recipe.compression import Compression, Variant
-from converter.runlog import write_log_into
+from converter.publish import write_json_atomic
+from converter.recipe.compression import Compression
+from converter.steps import Advance, Step
 
 # The cache gates that hold for a compressed variant exactly as for the fp16 package.
 STRUCTURAL = (
@@ -202,183 +204,140 @@ def emit_kv_variants(
         for variant in compression.variants:
             keep = compression.keep_fp16 if variant.keep_fp16 is None else variant.keep_fp16
             ctx = BuildContext(subject, sites, keep, compression.min_weight_elements, window, steps)
-            one = _KvVariant(ctx, variant, name, fp16_dir, scratch / variant.suffix, build)
-            results.append(one.emit(models, programs, sites, fsites, out_dir, force))
+            vname = f"{name}-{variant.suffix}"
+            start = partial(
+                KvVariantRun, ctx, variant, vname, fp16_dir, build=build,
+                scratch=scratch / variant.suffix, models=models, programs=programs, fsites=fsites,
+            )  # fmt: skip
+            own = kv_steps(variant.suffix, len(models) - 1)
+            results.append(publish_variant(ctx, variant, vname, start, own, out_dir, force))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return results
 
 
 @dataclass
-class _KvVariant:
-    ctx: BuildContext
-    variant: Variant
-    name: str
-    fp16_dir: Path
-    scratch: Path
-    build: KvBuild
+class KvVariantRun(VariantRun):
+    """A cached decoder's variant in progress: the plan goes to the window program and to
+    every function of every chunk package, which are then combined."""
 
-    def compress_all(
-        self,
-        models: dict[str, Any],
-        plan: dict[str, Scheme],
-        sites: list[WeightSite],
-        fsites: dict[str, list[WeightSite]],
-    ) -> dict[str, Path]:
-        """The one plan applied to the window program and to every function, each saved as
-        its own package in the scratch folder (window first)."""
-        self.scratch.mkdir(parents=True)
-        out = {}
-        for program, model in models.items():
-            own = sites if program == WINDOW else fsites[program]
-            names = {s.name for s in own}  # a chunk's programs hold only its own layers
-            part = {n: scheme for n, scheme in plan.items() if n in names}
-            out[program] = save_package(
-                apply_plan(model, part, own), self.scratch / f"{program}.mlpackage"
-            )
-        return out
+    build: KvBuild | None = None
+    scratch: Path | None = None  # where the compressed single-function packages go
+    models: dict[str, Any] = field(default_factory=dict)  # fp16 MLModels by program label
+    programs: dict[str, tuple[int, str, Path]] = field(default_factory=dict)  # `program_labels`
+    fsites: dict[str, list[WeightSite]] = field(default_factory=dict)
+    packages: list[Path] = field(default_factory=list)  # the combined packages, call order
+    sizes: list[dict[str, Any]] = field(default_factory=list)
+    decode_ops: list[dict[str, int]] = field(default_factory=list)
+    odd: list[str] = field(default_factory=list)  # weights stored differently somewhere
+    kv: Any = None  # the cache gates (`KvParity`)
 
-    @staticmethod
-    def stored(
-        records: list[WeightRecord],
-        packages: list[Path],
-        programs: dict[str, tuple[int, str, Path]],
-        fsites: dict[str, list[WeightSite]],
-        plan: dict[str, Scheme],
-        kept: dict[str, str],
-    ) -> tuple[dict[str, dict[str, str]], list[dict[str, int]]]:
-        """Each program's stored payloads by weight (the window program's ``records`` and
-        every function of every combined package), and each package's decode live ops."""
-        from parity.mil import load_package
+    @property
+    def kv_build(self) -> KvBuild:
+        """How the cached task builds and gates packages."""
+        assert self.build is not None
+        return self.build
 
-        stored = {WINDOW: payloads(records)}
-        ops = []
-        for i, package in enumerate(packages):
-            combined = load_package(package)
-            for label, (j, f, _) in programs.items():
-                if j == i:
-                    per, _ = weight_records(combined.functions[f], fsites[label], plan, kept)
-                    stored[label] = payloads(per)
-            ops.append(decode_ops(combined))
-        return stored, ops
 
-    def combine(
-        self,
-        built: dict[str, Path],
-        programs: dict[str, tuple[int, str, Path]],
-        directory: Path,
-        vname: str,
-    ) -> tuple[list[Path], list[dict[str, Any]]]:
-        """The compressed functions combined into the variant's packages (one per chunk) in
-        ``directory``, with the fp16 artifact's host files beside them; packages and sizes."""
-        packages, sizes = [], []
-        for i in range(1 + max(i for i, _, _ in programs.values())):
-            functions = {f: built[label] for label, (j, f, _) in programs.items() if j == i}
-            packages.append(directory / self.build.package_file(vname, i))
-            sizes.append(self.build.combine(functions, packages[-1]))
-        for host in HOST_FILES:
-            if (self.fp16_dir / host).is_file():
-                shutil.copyfile(self.fp16_dir / host, directory / host)
-        return packages, sizes
+def _kv_compress(run: KvVariantRun, advance: Advance) -> None:
+    """The one plan applied to the window program and to every function, each saved in the
+    scratch folder, then the functions combined into the variant's packages (one per chunk)
+    beside the fp16 artifact's host files."""
+    assert run.scratch is not None
+    run.scratch.mkdir(parents=True)
+    plan, built = run.selection.plan, {}
+    for label, model in run.models.items():
+        own = run.ctx.sites if label == WINDOW else run.fsites[label]
+        names = {s.name for s in own}  # a chunk's programs hold only its own layers
+        part = {n: scheme for n, scheme in plan.items() if n in names}
+        path = run.scratch / f"{label}.mlpackage"
+        built[label] = save_package(apply_plan(model, part, own), path)
+    for i in range(1 + max(i for i, _, _ in run.programs.values())):
+        functions = {f: built[label] for label, (j, f, _) in run.programs.items() if j == i}
+        run.packages.append(run.directory / run.kv_build.package_file(run.vname, i))
+        run.sizes.append(run.kv_build.combine(functions, run.packages[-1]))
+    run.package = built[WINDOW]  # the quality vehicle; the published packages are combined
+    for host in HOST_FILES:
+        if (run.fp16_dir / host).is_file():
+            shutil.copyfile(run.fp16_dir / host, run.directory / host)
 
-    def write_manifest(
-        self,
-        directory: Path,
-        vname: str,
-        packages: list[Path],
-        ops: list[dict[str, int]],
-        sizes: list[dict[str, Any]],
-        records: list[WeightRecord],
-        size: Any,
-        extra: dict[str, Any],
-    ) -> None:
-        """The variant's manifest: the fp16 artifact's, with this variant's packages, weights
-        and compression, and its chunk section."""
-        manifest = _manifest(
-            self.fp16_dir, directory, vname, self.variant, packages[0], ops[0], records, size,
-            extra, self.ctx.subject.not_compressed,
-        )  # fmt: skip
-        fp16_doc = json.loads((self.fp16_dir / "manifest.json").read_text(encoding="utf-8"))
-        function = fp16_doc["package"]["function"]  # the packages' default function
-        manifest = with_chunks(manifest, packages, ops, sizes, function)
-        write_json_atomic(directory / "manifest.json", manifest.model_dump(mode="json"))
 
-    def emit(
-        self,
-        models: dict[str, Any],
-        programs: dict[str, tuple[int, str, Path]],
-        sites: list[WeightSite],
-        fsites: dict[str, list[WeightSite]],
-        out_dir: Path,
-        force: bool,
-    ) -> VariantResult:
-        """Build, gate and publish (or keep as ``.failed``) this variant."""
-        from parity.gate import gate
-        from parity.mil import load_package
+def _kv_records(run: KvVariantRun, advance: Advance) -> None:
+    """Each program's stored payloads by weight (the window program's and every function's
+    of every combined package), the size against the fp16 packages, each weight's error
+    and what the NE would stream."""
+    from parity.mil import load_package
 
-        ctx, variant, steps = self.ctx, self.variant, self.ctx.progress
-        subject = ctx.subject
-        method = methods.get(variant.method)
-        vname = f"{self.name}-{variant.suffix}"
-        seconds: dict[str, float] = {}
-        with stage_artifact(out_dir, vname, force=force) as stage:
-            selection = method.select(ctx, variant)  # once: a searched plan is searched once
-            seconds.update(selection.seconds)
-            plan, kept = selection.plan, selection.kept
-            with steps.step(f"{variant.suffix}: compress window + {len(models) - 1} functions"):
-                start = time.perf_counter()
-                built = self.compress_all(models, plan, sites, fsites)
-                packages, sizes = self.combine(built, programs, stage.path, vname)
-                seconds["compress"] = time.perf_counter() - start
-            with steps.step(f"{variant.suffix}: records and size"):
-                program = load_package(built[WINDOW])
-                records, decoded = weight_records(program.functions["main"], sites, plan, kept)
-                stored, ops = self.stored(records, packages, programs, fsites, plan, kept)
-                odd = differing(stored, {label: i for label, (i, _, _) in programs.items()})
-                fp16_packages = [
-                    self.fp16_dir / self.build.package_file(self.name, i)
-                    for i in range(len(packages))
-                ]
-                size = size_report(records, fp16_packages, packages)
-                fp16 = {n: subject.module.get_parameter(n).detach().half().numpy() for n in decoded}
-                errors = weight_errors(decoded, fp16)
-                stream = ne_stream({p.name: load_package(p) for p in packages})
-            with steps.step(
-                f"{variant.suffix}: parity (torch, MIL window)", total=subject.parity_steps
-            ) as advance:
-                start = time.perf_counter()
-                parity = subject.parity(variant, program, decoded, advance, None)
-                seconds["parity"] = time.perf_counter() - start
-            del program, decoded
-            with steps.step(f"{variant.suffix}: parity through the cache (MIL evaluator)"):
-                start = time.perf_counter()
-                kv = self.build.gates(packages, sizes)
-                seconds["kv_parity"] = time.perf_counter() - start
-            identical = gate("kv-cache", "kv_weights_identical").check(
-                float(len(odd)),
-                implementation="package",
-                where="; ".join(odd[:3]),
-                detail=f"{len(stored[WINDOW])} weights x {len(stored)} programs compared",
-            )
-            parity.gates += [g for g in kv.gates if g.name in STRUCTURAL] + [identical]
-            doc, text = parity_reports(
-                subject, parity, kv, sizes, size, errors, stream, selection.doc
-            )
-            write_reports(stage.path, doc | {"variant": vname}, text)
-            write_json_atomic(stage.path / "kv_parity.json", kv_json(kv, sizes, odd))
-            extra = method.manifest(variant) | selection.doc
-            self.write_manifest(stage.path, vname, packages, ops, sizes, records, size, extra)
-            shutil.rmtree(self.scratch)
-            peak = _peak_rss_mib()
-            if not parity.passed:
-                write_log_into(stage.path, f"a variant gate failed; reports kept in {vname}.failed")
-                where = stage.keep_as_failed()
-                return VariantResult(
-                    vname, variant.suffix, False, where, size, parity, seconds, peak
-                )
-            write_log_into(stage.path, f"every variant gate passed; publishing {out_dir / vname}")
-            final = stage.commit()
-        return VariantResult(vname, variant.suffix, True, final, size, parity, seconds, peak)
+    assert run.package is not None
+    plan, kept = run.selection.plan, run.selection.kept
+    run.program = load_package(run.package)
+    run.records, run.decoded = weight_records(run.program.functions["main"], run.ctx.sites,
+                                              plan, kept)  # fmt: skip
+    stored = {WINDOW: payloads(run.records)}
+    for i, package in enumerate(run.packages):
+        combined = load_package(package)
+        for label, (j, f, _) in run.programs.items():
+            if j == i:
+                per, _ = weight_records(combined.functions[f], run.fsites[label], plan, kept)
+                stored[label] = payloads(per)
+        run.decode_ops.append(decode_ops(combined))
+    run.odd = differing(stored, {label: i for label, (i, _, _) in run.programs.items()})
+    fp16_packages = [
+        run.fp16_dir / run.kv_build.package_file(run.fp16_dir.name, i)
+        for i in range(len(run.packages))
+    ]
+    run.size = size_report(run.records, fp16_packages, run.packages)
+    module = run.ctx.subject.module
+    fp16 = {n: module.get_parameter(n).detach().half().numpy() for n in run.decoded}
+    run.errors = weight_errors(run.decoded, fp16)
+    run.stream = ne_stream({p.name: load_package(p) for p in run.packages})
+
+
+def _kv_gates(run: KvVariantRun, advance: Advance) -> None:
+    """The cache's structural gates on the combined packages, and whether every function
+    stores every weight as the window program does."""
+    from parity.gate import gate
+
+    run.kv = run.kv_build.gates(run.packages, run.sizes)
+    identical = gate("kv-cache", "kv_weights_identical").check(
+        float(len(run.odd)),
+        implementation="package",
+        where="; ".join(run.odd[:3]),
+        detail=f"{len(run.records)} weights x {len(run.programs) + 1} programs compared",
+    )
+    run.parity.gates += [g for g in run.kv.gates if g.name in STRUCTURAL] + [identical]
+
+
+def _kv_reports(run: KvVariantRun, advance: Advance) -> None:
+    """parity.json, parity.txt, kv_parity.json and the manifest with its chunk section."""
+    assert run.size is not None and run.scratch is not None
+    doc, text = parity_reports(
+        run.ctx.subject, run.parity, run.kv, run.sizes, run.size, run.errors, run.stream,
+        run.selection.doc,
+    )  # fmt: skip
+    write_reports(run.directory, doc | {"variant": run.vname}, text)
+    write_json_atomic(run.directory / "kv_parity.json", kv_json(run.kv, run.sizes, run.odd))
+    manifest = _manifest(
+        run.fp16_dir, run.directory, run.vname, run.variant, run.packages[0], run.decode_ops[0],
+        run.records, run.size, run.method.manifest(run.variant) | run.selection.doc,
+        run.ctx.subject.not_compressed,
+    )  # fmt: skip
+    fp16_doc = json.loads((run.fp16_dir / "manifest.json").read_text(encoding="utf-8"))
+    function = fp16_doc["package"]["function"]  # the packages' default function
+    manifest = with_chunks(manifest, run.packages, run.decode_ops, run.sizes, function)
+    write_json_atomic(run.directory / "manifest.json", manifest.model_dump(mode="json"))
+    shutil.rmtree(run.scratch)
+
+
+def kv_steps(suffix: str, functions: int) -> tuple[Step[Any], ...]:
+    """A cached decoder's variant's steps."""
+    return (
+        Step(f"{suffix}: compress window + {functions} functions", _kv_compress),
+        Step(f"{suffix}: records and size", _kv_records),
+        parity(f"{suffix}: parity (torch, MIL window)"),
+        Step(f"{suffix}: parity through the cache (MIL evaluator)", _kv_gates),
+        Step(f"{suffix}: reports and manifest", _kv_reports),
+    )
 
 
 def with_chunks(
