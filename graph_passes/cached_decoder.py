@@ -46,6 +46,7 @@ same function and the state update does not sit between a layer's keys and its s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -207,12 +208,6 @@ class CachedDecoder(nn.Module):
     def forward(self, x: torch.Tensor, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         named = dict(zip(self.input_names(), host, strict=True))
         t = self.io.tokens
-        rope = {g: (named[f"rope_cos_{g}"], named[f"rope_sin_{g}"]) for g in self.used_groups}
-        masks: dict[int | None, torch.Tensor] = {}
-        if self.uses_global_mask:
-            masks[None] = named["mask"]
-        for w in self.chunk_windows:
-            masks[w] = named[f"mask_window_{w}"]
         raw = self.kv_cache if self.io.style == "state" else named["kv_cache_in"]
         cache = raw * named["cache_valid"]
         # The first chunk embeds the tokens; a later one reads the stream (1, D, 1, T).
@@ -220,11 +215,7 @@ class CachedDecoder(nn.Module):
         keys, values = [], []
         n = self.num_layers
         for i, layer in enumerate(self.layers()):
-            cos, sin = rope[self.group_of[self.start + i]]
-            # The window's own block, reading and writing the cache through `CachedKeys`.
-            kv = CachedKeys(cache[i], cache[n + i], Positions(cos, sin, t), self.io.cache_length)
-            h = layer(h, masks[layer.window], kv)
-            k, v = kv.written()
+            h, k, v = self.run_layer(self.start + i, layer, h, named, cache[i], cache[n + i])
             keys.append(k)
             values.append(v)
         rows = torch.stack(keys + values)  # (2N, KV, T, d)
@@ -240,6 +231,27 @@ class CachedDecoder(nn.Module):
         # update; converter.mil_passes folds its whole-tensor slice_update away).
         self.kv_cache[:, :, :, :] = self.updated(raw, named["write_slots"], rows)
         return outputs
+
+    def run_layer(
+        self,
+        index: int,
+        layer: Block,
+        h: torch.Tensor,
+        named: Mapping[str, torch.Tensor],
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index`` of the model - ``layer``, its block or a copy of it - on the stream
+        ``h`` (1, D, 1, T), with the call's host inputs ``named`` and the layer's valid cache
+        rows (KV, S, d): the window's own block, reading and writing the cache through
+        `CachedKeys`. Returns the new stream and the key and value rows (KV, T, d) it writes
+        (`parity.kv_mil` runs float64 copies of the layers through it)."""
+        g = self.group_of[index]
+        positions = Positions(named[f"rope_cos_{g}"], named[f"rope_sin_{g}"], self.io.tokens)
+        kv = CachedKeys(cache_k, cache_v, positions, self.io.cache_length)
+        mask = named["mask" if layer.window is None else f"mask_window_{layer.window}"]
+        h = layer(h, mask, kv)
+        return (h, *kv.written())
 
     def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The cache with each token's rows written at its slot: ``slots`` (1, 1, S, T)

@@ -28,11 +28,14 @@ def layer_marker(index: int) -> str:
     return f"layer_{index}_out"
 
 
-def mark_layer_outputs(traced: Any, count: int, container: str = "layers") -> list[str]:
+def mark_layer_outputs(
+    traced: Any, count: int, container: str = "layers", first: int = 0
+) -> list[str]:
     """Name the output of every ``self.<container>[i](...)`` call in ``traced``'s graph.
 
-    Returns the marker names in layer order; raises MarkerError unless exactly ``count``
-    layer calls, each with a single tensor output, were found.
+    Returns the marker names in layer order; raises MarkerError unless exactly the ``count``
+    layer calls ``first .. first + count - 1`` (a chunk of a decoder's layers keeps their
+    indices in the model), each with a single tensor output, were found.
     """
     graph = traced.graph
     found: dict[int, Any] = {}
@@ -48,24 +51,70 @@ def mark_layer_outputs(traced: Any, count: int, container: str = "layers") -> li
         index = int(module.s("name"))
         if node.outputsSize() != 1 or index in found:
             raise MarkerError(f"layer {index}: not one call with one output in the trace")
-        found[index] = node.outputsAt(0)
-    if sorted(found) != list(range(count)):
+        found[index] = _stream_output(node, index)
+    indices = list(range(first, first + count))
+    if sorted(found) != indices:
         raise MarkerError(
-            f"the trace calls {container}[{sorted(found)}], expected {container}[0..{count - 1}]"
+            f"the trace calls {container}[{sorted(found)}], expected "
+            f"{container}[{first}..{first + count - 1}]"
         )
+    if any(value.node().kind() == "prim::TupleUnpack" for value in found.values()):
+        found = _inlined(graph, found)
     for index, value in found.items():
         value.setDebugName(layer_marker(index))
-    return [layer_marker(i) for i in range(count)]
+    return [layer_marker(i) for i in indices]
 
 
-def find_markers(function: Any, count: int) -> list[str]:
-    """The names of the ``count`` layer outputs in a MIL function, in layer order.
+def _inlined(graph: Any, found: dict[int, Any]) -> dict[int, Any]:
+    """The layer calls inlined into ``graph`` (the converter inlines them anyway) and each
+    stream that a tuple unpack hands out replaced by the value the layer computed: the
+    converter drops tuples, so a name on the unpacked value would not reach the program."""
+    import torch
+
+    torch._C._jit_pass_inline(graph)
+    inner = {}
+    for index, value in found.items():
+        unpack = value.node()
+        if unpack.kind() != "prim::TupleUnpack":
+            inner[index] = value
+            continue
+        construct = unpack.inputsAt(0).node()
+        if construct.kind() != "prim::TupleConstruct":
+            raise MarkerError(f"layer {index}: its tuple is not built in the inlined graph")
+        inner[index] = construct.inputsAt(list(unpack.outputs()).index(value))
+    return inner
+
+
+def _stream_output(call: Any, index: int) -> Any:
+    """The value a layer call returns as the stream. A layer that also hands tensors out
+    through a Python object (a cached decoder's `CachedKeys` rows) is traced returning a
+    tuple, unpacked once, in no fixed order: the stream is the unpacked element shaped like
+    the stream the call took."""
+    value = call.outputsAt(0)
+    if value.type().kind() != "TupleType":
+        return value
+    stream = call.inputsAt(1).type().sizes()
+    unpacks = [use.user for use in value.uses() if use.user.kind() == "prim::TupleUnpack"]
+    alike = [
+        out
+        for unpack in unpacks
+        for out in unpack.outputs()
+        if out.type().kind() == "TensorType" and out.type().sizes() == stream
+    ]
+    if len(unpacks) != 1 or len(alike) != 1:
+        raise MarkerError(f"layer {index}: no single stream output among the call's tuple")
+    return alike[0]
+
+
+def find_markers(function: Any, count: int, first: int = 0) -> list[str]:
+    """The names of the ``count`` layer outputs from layer ``first`` on in a MIL function,
+    in layer order.
 
     Raises MarkerError naming every marker the program lost.
     """
     names = {var.name for op in function.operations for var in op.outputs}
     result, missing = [], []
-    for i in range(count):
+    for i in range(first, first + count):
         candidates = [layer_marker(i) + s for s in _SUFFIXES if layer_marker(i) + s in names]
         if not candidates:
             missing.append(layer_marker(i))

@@ -106,8 +106,9 @@ def _program_constant(precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t.double()
 
 
-def _piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """A float64 copy of ``part`` holding the values the program stores."""
+def fp64_piece(part: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """A float64 copy of ``part`` holding the values the program stores (``precision``: the
+    program's, "float16" or "float32")."""
     return program_constants(part, precision).double()
 
 
@@ -124,7 +125,7 @@ def fp64_baseline(
     """
     n = module.io.logit_positions
     with torch.no_grad():
-        embed = _piece(module.embed, precision) if module.embed is not None else None
+        embed = fp64_piece(module.embed, precision) if module.embed is not None else None
         hs, masks = [], []
         for x, key_mask in inputs:
             x = embed(x) if embed is not None else x.double()
@@ -134,16 +135,16 @@ def fp64_baseline(
         del embed
         states: list[list[torch.Tensor]] = [[] for _ in inputs]
         for i, layer in enumerate(module.decoder_layers()):
-            piece = _piece(layer, precision)
+            piece = fp64_piece(layer, precision)
             for b in range(len(inputs)):
                 hs[b] = piece(hs[b], masks[b][i])
                 states[b].append(hs[b])
         # The head as BC1LDecoder.forward computes it: final norm, then each chunk's conv.
-        norm = _piece(module.final_norm, precision)
+        norm = fp64_piece(module.final_norm, precision)
         normed = [norm(h[:, :, :, module.io.length - n :]) for h in hs]
         chunks: list[list[torch.Tensor]] = [[] for _ in inputs]
         for conv in module.lm_head:
-            piece = _piece(conv, precision)
+            piece = fp64_piece(conv, precision)
             for b in range(len(inputs)):
                 chunks[b].append(piece(normed[b]))
     return [(states[b], torch.cat(chunks[b], dim=1)) for b in range(len(inputs))]
@@ -236,7 +237,7 @@ def check_conversion(
     return ConversionReport(gates, runs, markers, runtime_level, length, implementations)
 
 
-def _rel(candidate: Any, reference: Any) -> float:
+def rel_error_np(candidate: Any, reference: Any) -> float:
     """``||c - r|| / ||r||`` in fp64 with numpy (inf if c is not finite).
 
     ``parity.result.rel_error`` in numpy: torch's small-tensor overhead made it a tenth of
@@ -291,10 +292,10 @@ def _run_against_module(
             for i, marker in enumerate(markers):
                 h = result.captured[marker][r, :, 0, real]
                 finite &= bool(np.isfinite(h).all())
-                layers[i] = max(layers[i], _rel(h, states[i][r, :, 0, real].numpy()))
+                layers[i] = max(layers[i], rel_error_np(h, states[i][r, :, 0, real].numpy()))
             _, out_slice = _logit_slots(n, length, n_logits)
             want = want_logits[r, :, 0, out_slice].T
-            logits_err = max(logits_err, _rel(logits[r, out_slice], want.numpy()))
+            logits_err = max(logits_err, rel_error_np(logits[r, out_slice], want.numpy()))
         progress()
     if not markers:
         layers = [math.inf] * len(layers)
@@ -344,11 +345,11 @@ def _run_against_reference(
             real = slice(length - n, length)
             for i, marker in enumerate(markers):
                 h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
-                layers[i] = max(layers[i], _rel(h, ref.hidden[i].numpy()))
+                layers[i] = max(layers[i], rel_error_np(h, ref.hidden[i].numpy()))
             positions, out_slice = _logit_slots(n, length, n_logits)
             cand = logits[r, out_slice]
             want = ref.logits[positions]
-            logits_err = max(logits_err, _rel(cand, want.numpy()))
+            logits_err = max(logits_err, rel_error_np(cand, want.numpy()))
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
         progress()
     if not markers:
@@ -468,7 +469,7 @@ def _runtime_level(
             n = len(fixture.token_ids)
             positions, out_slice = _logit_slots(n, length, n_logits)
             cand, want = logits[r, out_slice], ref.logits[positions]
-            logits_err = max(logits_err, _rel(cand, want.numpy()))
+            logits_err = max(logits_err, rel_error_np(cand, want.numpy()))
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
     run = ProfileRun(
         implementation=runtime.IMPLEMENTATION,

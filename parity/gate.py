@@ -229,15 +229,16 @@ _REGISTRY: tuple[Gate, ...] = (
          "decision.fp32_marker_rows_rel_error"),
     # the emitted program in the MIL evaluator
     Gate("layer_markers_present", "mil-fp32", _EQ,
-         "decoders: the program keeps layer_0_out..layer_{n-1}_out, so layers can be compared",
-         fixed=1.0),
+         "decoders: the program (every cached function too) keeps layer_<i>_out of each "
+         "layer, so layers can be compared", fixed=1.0),
     Gate("evaluator_runs_program", "mil-fp32", _EQ,
          "encoders: the MIL evaluator prepares and runs the emitted program(s) with their "
          "layer markers", fixed=1.0),
     Gate("mil_fp32_layer_rel_error", "mil-fp32", _LE,
          "worst ||h' - h|| / ||h|| over layers (decoders: and logits) and fixtures, real "
          "positions, the program in fp32 against the BC1L module with the program's constants "
-         "in fp64", "gates.mil_fp32_layer_rel_error"),
+         "in fp64 (cached functions: per call, written key / value rows too, reading the "
+         "cache the program held)", "gates.mil_fp32_layer_rel_error"),
     Gate("fp16_argmax_agreement", "mil-fp16", _GE, _ARGMAX, "gates.fp16_argmax_agreement"),
     Gate("fp16_max_abs_dprob", "mil-fp16", _LE, _DPROB, "gates.fp16_max_abs_dprob"),
     Gate("fp16_min_cosine", "mil-fp16", _GE, "encoders: " + _COSINE,

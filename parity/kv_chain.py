@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT
-from parity.kv_session import FunctionRunner, MilFunctions
+from parity.kv_session import CallObserver, FunctionRunner, MilFunctions
 
 
 @dataclass(frozen=True)
@@ -129,11 +129,16 @@ class MilChain:
         functions: list[str],
         chunks: Sequence[ChunkMeta],
         chunk_sizes: list[int] | None = None,
+        observers: Sequence[CallObserver | None] | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.parts = [
-            MilFunctions(p, profile, functions, c.cache_shape, chunk_sizes if c.last else None)
-            for p, c in zip(programs, chunks, strict=True)
+            MilFunctions(
+                p, profile, functions, c.cache_shape, chunk_sizes if c.last else None, observer
+            )
+            for p, c, observer in zip(
+                programs, chunks, observers or [None] * len(chunks), strict=True
+            )
         ]
         self.check = self.parts[-1].check  # the LM head's choice outputs are the last chunk's
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,21 @@ from graph_passes.logits_layout import join_logits, top_ids
 # `parity.result.Runner`): (function name, named inputs) -> named outputs (logits_<k>
 # chunks, new_kv for io).
 FunctionRunner = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+class CallObserver(Protocol):
+    """Sees each call `MilFunctions` runs (`parity.kv_mil.Recorder`)."""
+
+    def capture(self, function: str) -> list[str]:
+        """Values of ``function`` to capture besides its outputs."""
+        ...
+
+    def see(
+        self, function: str, evaluator: Any, inputs: dict[str, np.ndarray], result: Any,
+        states: dict[str, np.ndarray] | None,
+    ) -> None:  # fmt: skip
+        """One call: its inputs, the evaluation and the states after it."""
+        ...
 
 
 @dataclass
@@ -170,12 +185,14 @@ class MilFunctions:
         functions: list[str],
         cache_shape: tuple[int, ...],
         chunk_sizes: list[int] | None = None,
+        observer: CallObserver | None = None,
     ) -> None:
         from parity.head_outputs import ChoiceCheck, head_logit_vars
         from parity.mil import Evaluator
 
         self.evaluators = {name: Evaluator(program, profile, name) for name in functions}
         self.cache_shape = cache_shape
+        self.observer = observer
         # An argmax / top-k program: every call's choice against its own logits (which the
         # runner returns as logits_<k>, captured before the selection).
         chooses = any(head_logit_vars(e.function) for e in self.evaluators.values())
@@ -194,9 +211,12 @@ class MilFunctions:
 
             evaluator = self.evaluators[function]
             held = states if evaluator.states else None
+            capture = self.observer.capture(function) if self.observer else []
             result = run_capturing_logits(
-                evaluator, inputs, states=held, check=self.check, where=function
+                evaluator, inputs, capture, states=held, check=self.check, where=function
             )
+            if self.observer is not None:
+                self.observer.see(function, evaluator, inputs, result, held)
             return dict(result.outputs)
 
         return run, states

@@ -15,11 +15,10 @@ from tiny_models import Tiny, build_tiny, one_torch_thread, random_sequences
 import parity.kv_chain as kv_chain
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import function_calls
-from converter.tasks.text_generation_kv import session_for
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import continuation
-from parity.kv_session import CacheSession, torch_runner
+from parity.kv_session import CacheSession, session_for, torch_runner
 
 CACHE = 64
 SPLIT = [(0, 1), (1, 2), (2, 3)]

@@ -42,9 +42,13 @@ def test_every_cache_gate_ran_and_passed(artifact: Path) -> None:
     assert all(g["passed"] for g in gates.values())
     detail = json.loads((artifact / "kv_parity.json").read_text())
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64, 64]
-    # the levels table says what ran: the cache level, not a failed torch level
+    # the levels table says what ran: each function per layer and the cache level, not a
+    # failed torch level
     statuses = {lv["level"]: lv["status"] for lv in parity["levels"]}
-    assert statuses == {"rewrite": "run", "kv-cache": "run"}, statuses
+    assert statuses == {"rewrite": "run", "mil-fp32": "run", "kv-cache": "run"}, statuses
+    per_layer = {g["name"]: g for g in parity["gates"] if g["level"] == "mil-fp32"}
+    assert set(per_layer) == {"layer_markers_present", "mil_fp32_layer_rel_error"}
+    assert all(g["passed"] for g in per_layer.values())
 
 
 def test_anec_parity_reruns_every_published_gate(artifact: Path, tmp_path: Path) -> None:

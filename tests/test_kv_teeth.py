@@ -13,11 +13,10 @@ from tiny_models import Tiny, build_tiny, one_torch_thread
 
 import graph_passes.cache_host as cache_host
 from converter.tasks.kv_contract import function_calls
-from converter.tasks.text_generation_kv import session_for
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_reference import continuation
-from parity.kv_session import CacheSession, torch_runner
+from parity.kv_session import CacheSession, session_for, torch_runner
 
 
 @pytest.fixture(autouse=True)

@@ -129,10 +129,9 @@ def test_compressed_weights_decode_as_coremltools_decodes_them(
 def test_every_function_of_a_cached_package_runs_and_passes_the_cache_gates(
     programs: Programs, name: str
 ) -> None:
-    from converter.tasks.text_generation_kv import session_for
     from parity.kv_gates import check_kv
     from parity.kv_reference import continuation
-    from parity.kv_session import MilFunctions
+    from parity.kv_session import MilFunctions, session_for
 
     built = programs[name]
     assert built.tiny is not None and built.functions is not None

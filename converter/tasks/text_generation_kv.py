@@ -3,11 +3,13 @@
     load -> rewrite to BC1L (the window module, + prescales) -> cache reference (greedy
         continuations, full recompute in fp32) -> reference -> torch parity (window)
         -> convert prefill / decode / extend, combine into one multifunction package
-        -> parity through the cache (MIL evaluator fp16) -> manifest -> plan (static)
+        -> parity of the functions (MIL evaluator: fp32 per call and layer, fp16 through the
+        cache) -> manifest -> plan (static)
 
 The cached functions run the window module's own layers (`graph_passes.cached_decoder`), so
-the rewrite's gates (torch fp32 per layer, fp16) cover their weights and norms; the cache
-gates (`parity.kv_gates`) cover what the cache adds, on the emitted program.
+the rewrite's gates (torch fp32 per layer, fp16) cover their weights and norms; on the emitted
+program, the per-layer fp32 gate (`parity.kv_mil`) covers what coremltools made of each
+function and the cache gates (`parity.kv_gates`) what the cache adds.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from converter.tasks.decoder_contract import head_output_section
 from converter.tasks.kv_chunks import (
     Chunk,
     budget_bytes,
-    chunk_meta,
     chunked_manifest,
     chunking_section,
     package_file,
@@ -46,11 +47,11 @@ from converter.tasks.kv_contract import (
     kv_manifest_section,
     state_contract,
 )
+from converter.tasks.kv_parity import KV_LEVELS, PROFILE, cache_gates, cached_fp32_check
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
-from parity.kv_chain import MilChain
-from parity.kv_gates import KvParity, check_kv
+from parity.kv_gates import KvParity
 from parity.kv_reference import Continuation, continuation, originals
-from parity.kv_session import CacheSession, MilFunctions, rope_rows, session_for
+from parity.kv_session import rope_rows
 from parity.mil.program import load_package
 from parity.torch_settings import with_parity_torch
 
@@ -121,6 +122,7 @@ def convert_singles(
     """Trace and convert each function (a state for the ``state`` style) and save each as
     its own single-function package in ``scratch``; also the default function's program."""
     from converter.coreml import to_mlprogram, trace
+    from graph_passes.markers import mark_layer_outputs
 
     scratch.mkdir(parents=True, exist_ok=True)
     singles: dict[str, Path] = {}
@@ -128,6 +130,8 @@ def convert_singles(
     for name, module in functions.items():
         inputs, outputs = function_contract(module, dtype)
         traced = trace(module, inputs)
+        # Each layer's output named, for the per-layer MIL fp32 check (`parity.kv_mil`).
+        mark_layer_outputs(traced, module.num_layers, first=module.start)
         mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
         singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
         if name == DEFAULT_FUNCTION:
@@ -232,79 +236,25 @@ def published_functions(run: KvRun, advance: Advance) -> None:
     run.sizes = run.chunk_sizes[0]
 
 
-def cache_gates(
-    packages: list[Path],
-    chunks: list[dict[str, CachedDecoder]],
-    continuations: list[Continuation],
-    extend: int,
-    table: np.ndarray,
-    sizes: list[dict[str, Any]],
-    advance: Advance = lambda: None,
-) -> KvParity:
-    """Every cache gate on the multifunction ``packages`` (one per chunk, in call order, run
-    as one chain) in the MIL evaluator's fp16 profile, and whether each stores its weights
-    once (``sizes`` from `combine_measured`, per chunk)."""
-    from parity.gate import gate
-
-    functions = chunks[0]
-    first = functions[DEFAULT_FUNCTION]
-    heads = first.window.chunk_sizes
-    mil: MilFunctions | MilChain
-    if len(chunks) == 1:
-        mil = MilFunctions(
-            load_package(packages[0]), "fp16", list(functions), first.cache_shape(), heads
-        )
-    else:
-        programs = [load_package(p) for p in packages]
-        metas = [chunk_meta(c[DEFAULT_FUNCTION]) for c in chunks]
-        mil = MilChain(programs, "fp16", list(functions), metas, heads)
-
-    def make_session() -> CacheSession:
-        runner, states = mil.session()
-        advance()
-        return session_for(functions, runner, states, lambda ids: table[ids])
-
-    kv = check_kv(make_session, continuations, "prefill", extend, "mil-fp16")
-    if mil.check is not None:
-        kv.gates.append(
-            gate("kv-cache", "kv_head_choice_mismatches").check(
-                float(len(mil.check.mismatches)),
-                implementation="mil-fp16",
-                where=", ".join(mil.check.mismatches[:2]),
-                detail=f"{mil.check.positions} positions of every call the gates made",
-            )
-        )
-    # Per chunk: the worst chunk's ratio is the gate's value.
-    worst = max(range(len(sizes)), key=lambda i: sizes[i]["weight_ratio"])
-    kv.gates.append(
-        gate("kv-cache", "kv_weights_stored_once").check(
-            sizes[worst]["weight_ratio"],
-            implementation="package",
-            where=f"chunk {worst} ({packages[worst].name})" if len(sizes) > 1 else "",
-            detail=f"package bytes ratio {sizes[worst]['package_ratio']:.4f}",
-        )
-    )
-    return kv
-
-
-# The level the cached functions are gated at (parity.html's levels table).
-KV_LEVEL = {
-    "level": "kv-cache",
-    "implementation": "mil-fp16",
-    "against": "reference (the original model's full recompute, fp32)",
-    "status": "run",
-    "gated": True,
-}
-
-
 def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
     """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
     rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
+    packages, table = [p.path for p in run.programs], rw.embed_table.numpy()
+    per_layer = PROFILE in run.profiles  # `anec parity --profile` may leave it out
+    if per_layer:
+        report.gates += cached_fp32_check(
+            [load_package(p) for p in packages], run.chunks, run.continuations, table,
+            run.recipe.precision, run.recipe.gates.mil_fp32_layer_rel_error, advance,
+        )  # fmt: skip
     run.kv = cache_gates(
-        [p.path for p in run.programs], run.chunks, run.continuations, run.cache.extend,
-        rw.embed_table.numpy(), run.chunk_sizes, advance,
+        packages, run.chunks, run.continuations, run.cache.extend, table, run.chunk_sizes,
+        advance,
     )  # fmt: skip
     report.gates.extend(run.kv.gates)
+    if per_layer:
+        report.implementations["mil-fp32"] = (
+            "anec MIL evaluator, fp32 profile, each call of each cached function"
+        )
     report.implementations["mil-fp16"] = "anec MIL evaluator, fp16 profile, through the cache"
     write_json_atomic(
         run.job.directory / "kv_parity.json",
@@ -315,7 +265,8 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
             "sizes": run.sizes if len(run.chunk_sizes) == 1 else {"chunks": run.chunk_sizes},
         },
     )
-    write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name}, [KV_LEVEL])
+    levels = KV_LEVELS if per_layer else KV_LEVELS[1:]
+    write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name}, levels)
     return None if report.passed else Stop("kv-cache", run.kv.flips[:10])
 
 
@@ -438,7 +389,7 @@ CONVERT_STEPS: tuple[Step[KvRun], ...] = (
     Step("split into packages (weight budget)", split_packages),
     Step("convert prefill, decode, extend", convert_functions, lambda run: 3 * len(run.split)),
     Step("parity through the cache (MIL evaluator)", with_parity_torch(kv_parity),
-         lambda run: 3 * _continuation_count(run)),
+         lambda run: (3 + (PROFILE in run.profiles)) * _continuation_count(run)),
     Step("write manifest", manifest),
     Step("plan (static)", plan),
 )  # fmt: skip

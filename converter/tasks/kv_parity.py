@@ -1,0 +1,136 @@
+"""The KV task's MIL-level gates on emitted cached functions (one package per chunk): the
+per-layer fp32 check of every function (`parity.kv_mil`) and the cache gates through the host
+loop in fp16 (`parity.kv_gates`); also the variants' cache gates (`converter.compress.stateful`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converter.steps import Advance
+from converter.tasks.kv_chunks import chunk_meta
+from converter.tasks.kv_contract import DEFAULT_FUNCTION
+from graph_passes.cached_decoder import CachedDecoder
+from parity.gate import GateResult
+from parity.kv_chain import MilChain
+from parity.kv_gates import KvParity, check_kv
+from parity.kv_mil import PROFILE, Recorder, cached_fp32_gates, record_calls
+from parity.kv_reference import Continuation
+from parity.kv_session import CacheSession, MilFunctions, session_for
+from parity.mil.program import load_package
+
+
+def cache_gates(
+    packages: list[Path],
+    chunks: list[dict[str, CachedDecoder]],
+    continuations: list[Continuation],
+    extend: int,
+    table: np.ndarray,
+    sizes: list[dict[str, Any]],
+    advance: Advance = lambda: None,
+) -> KvParity:
+    """Every cache gate on the multifunction ``packages`` (one per chunk, in call order, run
+    as one chain) in the MIL evaluator's fp16 profile, and whether each stores its weights
+    once (``sizes`` from `combine_measured`, per chunk)."""
+    from parity.gate import gate
+
+    programs = [load_package(p) for p in packages]
+    mil = _mil_functions(programs, chunks, "fp16")
+    kv = check_kv(_sessions(mil, chunks[0], table, advance), continuations, "prefill", extend,
+                  "mil-fp16")  # fmt: skip
+    if mil.check is not None:
+        kv.gates.append(
+            gate("kv-cache", "kv_head_choice_mismatches").check(
+                float(len(mil.check.mismatches)),
+                implementation="mil-fp16",
+                where=", ".join(mil.check.mismatches[:2]),
+                detail=f"{mil.check.positions} positions of every call the gates made",
+            )
+        )
+    # Per chunk: the worst chunk's ratio is the gate's value.
+    worst = max(range(len(sizes)), key=lambda i: sizes[i]["weight_ratio"])
+    kv.gates.append(
+        gate("kv-cache", "kv_weights_stored_once").check(
+            sizes[worst]["weight_ratio"],
+            implementation="package",
+            where=f"chunk {worst} ({packages[worst].name})" if len(sizes) > 1 else "",
+            detail=f"package bytes ratio {sizes[worst]['package_ratio']:.4f}",
+        )
+    )
+    return kv
+
+
+def _mil_functions(
+    programs: list[Any],
+    chunks: list[dict[str, CachedDecoder]],
+    profile: str,
+    observers: list[Recorder] | None = None,
+) -> MilFunctions | MilChain:
+    """The package's functions (one package per chunk, run as one chain) in the MIL
+    evaluator under ``profile``."""
+    functions = chunks[0]
+    first = functions[DEFAULT_FUNCTION]
+    heads = first.window.chunk_sizes
+    if len(chunks) == 1:
+        observer = observers[0] if observers else None
+        return MilFunctions(
+            programs[0], profile, list(functions), first.cache_shape(), heads, observer
+        )
+    metas = [chunk_meta(c[DEFAULT_FUNCTION]) for c in chunks]
+    return MilChain(programs, profile, list(functions), metas, heads, observers)
+
+
+def _sessions(
+    mil: MilFunctions | MilChain,
+    functions: dict[str, CachedDecoder],
+    table: np.ndarray,
+    advance: Advance,
+) -> Callable[[], CacheSession]:
+    """Fresh host loops over ``mil``, each with an empty cache."""
+
+    def make_session() -> CacheSession:
+        runner, states = mil.session()
+        advance()
+        return session_for(functions, runner, states, lambda ids: table[ids])
+
+    return make_session
+
+
+def cached_fp32_check(
+    programs: list[Any],
+    chunks: list[dict[str, CachedDecoder]],
+    continuations: list[Continuation],
+    table: np.ndarray,
+    precision: str,
+    threshold: float,
+    advance: Advance = lambda: None,
+) -> list[GateResult]:
+    """The per-layer MIL fp32 gate on every cached function of ``programs`` (one per chunk,
+    `load_package`'s) (`parity.kv_mil`)."""
+    recorders = [Recorder(p, c) for p, c in zip(programs, chunks, strict=True)]
+    mil = _mil_functions(programs, chunks, PROFILE, recorders)
+    record_calls(_sessions(mil, chunks[0], table, advance), recorders, continuations)
+    return cached_fp32_gates(recorders, precision, threshold)
+
+
+# The levels the cached functions are gated at (parity.html's levels table).
+KV_LEVELS = [
+    {
+        "level": "mil-fp32",
+        "implementation": "mil-fp32",
+        "against": "the cached module with the program's constants in fp64, per call and layer",
+        "status": "run",
+        "gated": True,
+    },
+    {
+        "level": "kv-cache",
+        "implementation": "mil-fp16",
+        "against": "reference (the original model's full recompute, fp32)",
+        "status": "run",
+        "gated": True,
+    },
+]

@@ -1,0 +1,242 @@
+"""The cached functions' MIL fp32 level: each call, layer by layer, against the module in fp64.
+
+The window program is held to ``mil_fp32_layer_rel_error`` per layer (`parity.conversion`);
+this holds prefill, decode and extend - each chunk of a chunked chain - to the same gate. Per
+fixture the prompt is prefilled, then each other function is called once on the next tokens of
+its greedy continuation, in the MIL evaluator's fp32 profile; a `Recorder` keeps each layer's
+output (the markers the conversion names) and the key / value rows each call writes.
+
+The baseline then makes the same calls through `CachedDecoder.run_layer` on float64 copies of
+the layers holding the program's constants, one layer at a time (a whole fp64 copy would take
+8 bytes a parameter), on the inputs the program read and on the cache the *program* held
+before the call (its own written rows, rounded as it stores them). Each call is compared on
+its own, so an error is charged to the function and layer that made it, not carried along by
+the cache; the cache gates (`parity.kv_gates`) judge the chain of calls end to end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
+from graph_passes.logits_layout import chunk_names, join_logits
+from graph_passes.markers import MarkerError, find_markers
+from graph_passes.model import Block
+from parity.conversion import fp64_piece, rel_error_np
+from parity.gate import GateResult, Worst, gate
+from parity.kv_reference import Continuation
+from parity.kv_session import CacheSession
+from parity.mil.numerics import round_fp16
+
+PROFILE = "fp32"
+
+
+@dataclass
+class Call:
+    """One call of one chunk's function as the program ran it."""
+
+    function: str
+    session: int  # the host loop it belongs to (each starts with an empty cache)
+    where: str  # "<fixture> <function> call <k>"
+    feed: dict[str, np.ndarray]  # the inputs as the program read them (fp16 ones rounded)
+    real: np.ndarray  # (T,) bool: the call's slots that hold real tokens
+    position: int  # cache slots holding context before the call
+    layers: list[np.ndarray]  # each layer's output (D, T)
+    rows: np.ndarray  # (2N, KV, T, d): the key and value rows the call wrote
+    logits: np.ndarray | None  # (m, V): the last chunk's logits
+
+
+class Recorder:
+    """Records each call of one chunk's functions (a `parity.kv_session.CallObserver`)."""
+
+    def __init__(self, program: Any, modules: dict[str, CachedDecoder]) -> None:
+        self.modules = modules
+        first = next(iter(modules.values()))
+        # A chunk before the last returns its last layer's output as hidden_out.
+        marked = first.num_layers - (0 if first.last else 1)
+        handed = [] if first.last else [HIDDEN_OUT]
+        self.markers: dict[str, list[str]] = {}
+        self.problems: list[str] = []
+        for name in modules:
+            try:
+                found = find_markers(program.functions[name], marked, first.start) + handed
+            except MarkerError as e:
+                found = []
+                self.problems.append(f"{name}: {e}")
+            self.markers[name] = found
+        self.calls: list[Call] = []
+        self.session = -1
+        self.label = ""
+        self.stores_fp16 = False  # whether the program holds its cache in fp16
+
+    def begin(self, label: str) -> None:
+        """A new host loop (an empty cache), for the fixture ``label``."""
+        self.session += 1
+        self.label = label
+
+    def capture(self, function: str) -> list[str]:
+        """The layer markers of ``function``."""
+        return self.markers[function]
+
+    def see(
+        self, function: str, evaluator: Any, inputs: dict[str, np.ndarray], result: Any,
+        states: dict[str, np.ndarray] | None,
+    ) -> None:  # fmt: skip
+        """Keep what the call read, each layer's output, the rows it wrote and its logits."""
+        feed = {}
+        for name, (dtype, _) in evaluator.inputs.items():
+            value = np.asarray(inputs[name])
+            feed[name] = round_fp16(value.astype(np.float32)) if dtype == "fp16" else value
+        if "new_kv" in result.outputs:  # style io: the rows are an output
+            self.stores_fp16 = evaluator.inputs["kv_cache_in"][0] == "fp16"
+            rows = np.asarray(result.outputs["new_kv"])
+        else:  # style state: the rows are in the state, at each call slot's cache slot
+            ((name, (dtype, _)),) = evaluator.states.items()
+            assert states is not None
+            self.stores_fp16 = dtype == "fp16"
+            rows = states[name][:, :, feed["write_slots"][0, 0].argmax(axis=0), :]
+        mask = next(v for k, v in feed.items() if k.startswith("mask"))
+        logits = None
+        if names := chunk_names(result.outputs):
+            logits = join_logits({k: result.outputs[k] for k in names})[0]
+        count = sum(c.session == self.session for c in self.calls)
+        self.calls.append(
+            Call(
+                function, self.session, f"{self.label} {function} call {count}", feed,
+                (mask[0, :, 0, :] == 0).any(axis=0), int(feed["cache_valid"].sum()),
+                [result.captured[m][0, :, 0, :] for m in self.markers[function]],
+                rows.astype(np.float32), logits,
+            )
+        )  # fmt: skip
+
+
+def record_calls(
+    make_session: Callable[[], CacheSession],
+    recorders: Sequence[Recorder],
+    continuations: Sequence[Continuation],
+) -> None:
+    """Per continuation: prefill its prompt, then call each other function once on the next
+    tokens of its continuation (as many as the function takes, while tokens are left)."""
+    for c in continuations:
+        for recorder in recorders:
+            recorder.begin(c.name)
+        session = make_session()
+        session.prefill("prefill", list(c.prompt))
+        rest = list(c.ids[len(c.prompt) :])
+        for name, function in session.functions.items():
+            take = rest[: function.shape.tokens]
+            if name == "prefill" or not take:
+                continue
+            session.call(name, take)
+            rest = rest[len(take) :]
+
+
+def _stream_in(call: Call, module: CachedDecoder, embed: Any) -> torch.Tensor:
+    """The call's stream into its first layer (1, D, 1, T) in fp64, from what it read: the
+    embedded tokens (as `BC1LDecoder.embed_bc1l`) or the previous chunk's stream."""
+    if not module.first:
+        return torch.from_numpy(call.feed[HIDDEN_IN]).double()
+    if embed is not None:
+        x = embed(torch.from_numpy(call.feed["input_ids"]).long())
+    else:
+        x = torch.from_numpy(call.feed["inputs_embeds"]).double()
+    return x.transpose(1, 2).unsqueeze(2)
+
+
+def compare(recorder: Recorder, precision: str, worst: Worst) -> None:
+    """Run the recorded calls through the fp64 layers and see each layer's error, the rows'
+    and (last chunk) the logits' in ``worst`` (see the module docstring)."""
+    modules, calls = recorder.modules, recorder.calls
+    some = next(iter(modules.values()))
+    window, start, n = some.window, some.start, some.num_layers
+    named = [{k: torch.from_numpy(v).double() for k, v in c.feed.items()} for c in calls]
+    with torch.no_grad():
+        embed = fp64_piece(window.embed, precision) if window.embed is not None else None
+        hs = [_stream_in(c, modules[c.function], embed) for c in calls]
+        del embed
+        for i, layer in enumerate(some.layers()):
+            piece, index = cast(Block, fp64_piece(layer, precision)), start + i
+            caches: dict[int, torch.Tensor] = {}  # per session: this layer's keys and values
+            for b, call in enumerate(calls):
+                shape = (2, *some.cache_shape()[1:])
+                cache = caches.setdefault(call.session, torch.zeros(shape, dtype=torch.float64))
+                valid = named[b]["cache_valid"][0]
+                module = modules[call.function]
+                hs[b], k, v = module.run_layer(
+                    index, piece, hs[b], named[b], cache[0] * valid, cache[1] * valid
+                )
+                real, mine = call.real, torch.from_numpy(call.real)
+                at = f"{call.where}, layer {index}"
+                worst.see(rel_error_np(call.layers[i][:, real], hs[b][0, :, 0, mine]), at)
+                worst.see(rel_error_np(call.rows[i][:, real], k[:, mine]), at + " keys")
+                worst.see(rel_error_np(call.rows[n + i][:, real], v[:, mine]), at + " values")
+                # The cache the next call reads: the program's own rows, as it stores them.
+                rows = call.rows[[i, n + i]][:, :, real]
+                rows = round_fp16(rows) if recorder.stores_fp16 else rows
+                cache[:, :, call.position : call.position + rows.shape[2]] = torch.from_numpy(rows)
+        if some.last:
+            _compare_logits(calls, modules, hs, precision, worst)
+
+
+def _compare_logits(
+    calls: list[Call],
+    modules: dict[str, CachedDecoder],
+    hs: list[torch.Tensor],
+    precision: str,
+    worst: Worst,
+) -> None:
+    """The last chunk's logits: the final norm, then one LM-head chunk at a time in fp64."""
+    window = next(iter(modules.values())).window
+    norm = fp64_piece(window.final_norm, precision)
+    returned = [
+        h[:, :, :, -1:] if modules[c.function].io.logits == "last" else h
+        for c, h in zip(calls, hs, strict=True)
+    ]
+    normed = [norm(h) for h in returned]
+    chunks: list[list[torch.Tensor]] = [[] for _ in calls]
+    for conv in window.lm_head:
+        piece = fp64_piece(conv, precision)
+        for b, h in enumerate(normed):
+            chunks[b].append(piece(h)[0, :, 0, :])  # (V_k, m)
+    for call, parts in zip(calls, chunks, strict=True):
+        want = torch.cat(parts).T  # (m, V)
+        real = call.real[-want.shape[0] :]
+        assert call.logits is not None
+        mine = torch.from_numpy(real)
+        worst.see(rel_error_np(call.logits[real], want[mine]), f"{call.where}, logits")
+
+
+def cached_fp32_gates(
+    recorders: Sequence[Recorder], precision: str, threshold: float
+) -> list[GateResult]:
+    """The markers gate and ``mil_fp32_layer_rel_error`` over every recorded call of every
+    chunk (``precision``: the program's)."""
+    problems = [p for r in recorders for p in r.problems]
+    worst = Worst(math.inf if problems else 0.0)
+    if not problems:
+        for recorder in recorders:
+            compare(recorder, precision, worst)
+    # Calls per function, counted in the first chunk (every chunk runs each call).
+    counts = Counter(c.function for c in recorders[0].calls)
+    calls = ", ".join(f"{name} {n}" for name, n in counts.items())
+    return [
+        gate("mil-fp32", "layer_markers_present").check(
+            float(not problems),
+            detail=problems[0] if problems else "every layer's output in every cached function",
+        ),
+        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
+            worst.value,
+            threshold,
+            where=worst.where,
+            detail=f"the cached functions' calls ({calls}): each layer's output and written key "
+            "/ value rows (and the logits) at real positions, against the cached module with "
+            "the program's constants in fp64 reading the cache the program held",
+        ),
+    ]

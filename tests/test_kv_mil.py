@@ -1,0 +1,94 @@
+"""The cached functions get the window program's per-layer MIL fp32 gate: prefill, decode and
+extend of an emitted package, each call against the cached module in fp64 (`parity.kv_mil`).
+A bug coremltools could make in one function (a norm epsilon x 100 in decode only) fails the
+gate at that function's first layer, while the torch module (and so every torch-level gate)
+is untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_models import Tiny, build_tiny, one_torch_thread
+
+from converter.targets import TARGETS
+from converter.tasks.kv_contract import function_calls
+from converter.tasks.kv_parity import cached_fp32_check
+from converter.tasks.text_generation_kv import emit_functions
+from graph_passes.cached_decoder import CachedDecoder, cached_functions
+from parity.gate import GateResult
+from parity.kv_reference import Continuation, continuation
+from parity.mil import load_package
+
+THRESHOLD = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    yield from one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def emitted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation]]:
+    """A tiny Llama's state-style package (fp16) and two fixtures' continuations."""
+    tiny = build_tiny("llama", batch=1)
+    functions = cached_functions(tiny.module, "state", 64, function_calls(8, 4))
+    package = tmp_path_factory.mktemp("kvmil") / "tiny.mlpackage"
+    target = TARGETS["macOS15"].ct_target()
+    emit_functions(functions, "float16", "float16", target, package)
+    conts = [continuation(tiny.model, f, 12) for f in tiny.fixtures[:2]]
+    return tiny, functions, package, conts
+
+
+def check(
+    emitted: tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation]],
+    mutate: Callable[[Any], None] = lambda program: None,
+) -> dict[str, GateResult]:
+    tiny, functions, package, conts = emitted
+    program = load_package(package)
+    mutate(program)
+    table = tiny.embed_table.numpy()
+    gates = cached_fp32_check([program], [functions], conts, table, "float16", THRESHOLD)
+    return {g.name: g for g in gates}
+
+
+def test_every_call_of_every_function_matches_the_module_per_layer(emitted: Any) -> None:
+    gates = check(emitted)
+    assert gates["layer_markers_present"].passed
+    per_layer = gates["mil_fp32_layer_rel_error"]
+    assert per_layer.passed and per_layer.value < THRESHOLD, per_layer.text()
+    # each fixture's prompt prefilled, then one decode and one extend call each
+    assert "decode 2, extend 2" in per_layer.detail, per_layer.detail
+
+
+def scale_epsilon_in(function_name: str) -> Callable[[Any], None]:
+    """The RMSNorm epsilon (added to the mean square before rsqrt) x 100, in one function."""
+
+    def mutate(program: Any) -> None:
+        from coremltools.converters.mil import Builder as mb
+
+        function = program.functions[function_name]
+        for op in [op for op in function.operations if op.op_type == "rsqrt"]:
+            add = op.x.op
+            block = add.enclosing_block
+            with block:
+                new = mb.add(x=add.x, y=add.y.val * 100, before_op=add)
+            block.replace_uses_of_var_after_op(
+                anchor_op=add, old_var=add.outputs[0], new_var=new, force_replace=True
+            )
+            block.remove_ops([add])
+
+    return mutate
+
+
+@pytest.mark.parametrize("function", ["decode", "extend"])
+def test_a_bug_in_one_function_fails_the_gate_at_its_first_layer(
+    emitted: Any, function: str
+) -> None:
+    per_layer = check(emitted, scale_epsilon_in(function))["mil_fp32_layer_rel_error"]
+    assert not per_layer.passed, per_layer.text()
+    assert f"{function} call" in per_layer.where and "layer 0" in per_layer.where, per_layer.where
