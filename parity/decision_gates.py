@@ -36,9 +36,14 @@ import torch
 from graph_passes.decision import OUTPUT_NAMES, DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
 from parity.decision_reference import DecisionReferenceResult
-from parity.encoder_gates import encoder_runner, level_of, make_encoder_batches, state_rows
-from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Level, Worst, first_few, gate
+from parity.encoder_gates import (
+    Measured,
+    encoder_runner,
+    level_of,
+    measure,
+)
+from parity.fixtures import Batch, Fixture, make_batches
+from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
 from parity.result import (
     FP16_DIVERGENCE,
     LayerRow,
@@ -46,7 +51,6 @@ from parity.result import (
     ParityReport,
     Runner,
     Thresholds,
-    clean_json,
     first_diverging,
     rel_error,
 )
@@ -87,7 +91,7 @@ def make_decision_batches(
     request's slices. A fixture with another number of markers than K is an error naming it."""
     for f in fixtures:
         candidate_positions(f.token_ids, spec, f.name)
-    batches = make_encoder_batches(fixtures, batch, length, pad_id)
+    batches = make_batches(fixtures, batch, length, pad_id, right=True)
     slices: dict[str, list[str]] = {f.name: [str(f.slice)] for f in fixtures}
     out = list(batches)
     for b in batches:
@@ -130,9 +134,6 @@ def decision_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dt
     return encoder_runner(module, dtype, head)
 
 
-# ---- measuring -------------------------------------------------------------------------------
-
-
 def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResult,
            spec: DecisionHeadSpec, tolerance: float, fp16: bool) -> bool:  # fmt: skip
     """Fill ``row``'s figures for implementation ``name``; returns whether all were finite."""
@@ -162,45 +163,6 @@ def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResu
     return finite
 
 
-def _measure(
-    name: str,
-    runner: Runner,
-    batches: list[Batch],
-    references: dict[str, DecisionReferenceResult],
-    rows: dict[str, DecisionRow],
-    spec: DecisionHeadSpec,
-    length: int,
-    layers: list[LayerRow] | None,
-    fp32: bool,
-    tolerance: float,
-) -> tuple[bool, bool]:
-    """Run every batch twice; fill rows and layers. Returns (finite, deterministic)."""
-    finite = deterministic = True
-    for batch in batches:
-        states, out = runner(batch)
-        again_states, again = runner(batch)
-        deterministic &= all(torch.equal(out[k], again[k]) for k in OUTPUT_NAMES)
-        if states is not None and again_states is not None:
-            deterministic &= all(
-                torch.equal(a, b) for a, b in zip(states, again_states, strict=True)
-            )
-            finite &= all(bool(torch.isfinite(s).all()) for s in states)
-        for r, fixture in enumerate(batch.fixtures):
-            ref = references[reference_name(fixture.name)]
-            got = {k: v[r].float() for k, v in out.items()}
-            finite &= _score(rows[fixture.name], name, got, ref, spec, tolerance, not fp32)
-            if states is None or layers is None:
-                continue
-            n = len(fixture.token_ids)
-            for i, state in enumerate(states):
-                err = rel_error(state_rows(state, length, r, n).float(), ref.hidden[i])
-                if fp32:
-                    layers[i].fp32_rel_error = max(layers[i].fp32_rel_error, err)
-                else:
-                    layers[i].fp16_rel_error = max(layers[i].fp16_rel_error, err)
-    return finite, deterministic
-
-
 # ---- gates -----------------------------------------------------------------------------------
 
 
@@ -212,87 +174,70 @@ def _per_slice(rows: list[DecisionRow], values: dict[str, float]) -> str:
     return "; ".join(f"{s} {v:.3g}" for s, v in sorted(worst.items()))
 
 
-def _fp32_gates(
-    rows: list[DecisionRow], layers: list[LayerRow], module: DecisionEncoder,
-    t: Thresholds,
-) -> list[GateResult]:  # fmt: skip
-    worst_layer = Worst(0.0)
-    for layer in layers:
-        worst_layer.see(layer.fp32_rel_error, module.layer_name(layer.layer))
+def _firsts(rows: list[DecisionRow], name: str) -> str:
+    """The outputs where requests first diverged, or none."""
+    return ", ".join(sorted({str(r.first_diverging_output[name]) for r in rows} - {"None"}))
+
+
+def _fp32_gates(rows: list[DecisionRow], layers: list[LayerRow], module: DecisionEncoder,
+                t: Thresholds) -> list[GateResult]:  # fmt: skip
+    worst_layer = worst_of(
+        (layer.fp32_rel_error, module.layer_name(layer.layer)) for layer in layers
+    )
     first = first_diverging(layers, t, fp16=False)
-    gates = [
+    errors = [(row.name, row.rel_error["torch-fp32"]) for row in rows]
+    marker = worst_of((e["marker_rows"], f"marker_rows, {name}") for name, e in errors)
+    output = worst_of((e[k], f"{k}, {name}") for name, e in errors for k in OUTPUT_NAMES[1:])
+    return [
         gate("torch-fp32", "fp32_layer_rel_error").check(
-            worst_layer.value,
-            t.fp32_layer_rel_error,
-            where=worst_layer.where,
+            worst_layer.value, t.fp32_layer_rel_error, where=worst_layer.where,
             detail="max over encoder and head layers and requests of ||h'-h||/||h|| at real "
             "positions; first diverging layer: "
             + ("none" if first is None else module.layer_name(first)),
-        )
-    ]
-    marker, output = Worst(0.0), Worst(0.0)
-    for row in rows:
-        errors = row.rel_error["torch-fp32"]
-        marker.see(errors["marker_rows"], f"marker_rows, {row.name}")
-        for k in OUTPUT_NAMES[1:]:
-            output.see(errors[k], f"{k}, {row.name}")
-    firsts = sorted({str(r.first_diverging_output["torch-fp32"]) for r in rows} - {"None"})
-    gates.append(
+        ),
         gate("torch-fp32", "fp32_marker_rows_rel_error").check(
             marker.value, t.fp32_marker_rows_rel_error, where=marker.where,
             detail="||r'-r||/||r|| of the gathered candidate rows (K x D) per request",
-        )
-    )  # fmt: skip
-    gates.append(
+        ),
         gate("torch-fp32", "fp32_logits_rel_error").check(
             output.value, t.fp32_logits_rel_error, where=output.where,
             detail="worst ||y'-y||/||y|| over scorer logits, raw, calibrated and action "
-            f"probabilities; first diverging output: {', '.join(firsts) or 'none'}",
-        )
-    )  # fmt: skip
-    return gates
+            f"probabilities; first diverging output: {_firsts(rows, 'torch-fp32') or 'none'}",
+        ),
+    ]  # fmt: skip
 
 
-def _fp16_gates(name: str, rows: list[DecisionRow], finite: bool, deterministic: bool,
-                t: Thresholds) -> list[GateResult]:  # fmt: skip
+def _fp16_gates(name: str, rows: list[DecisionRow], m: Measured, t: Thresholds
+                ) -> list[GateResult]:  # fmt: skip
     level: Level = level_of(name)
     n = len(rows)
     certified = sum(r.certified[name] for r in rows)
-    firsts = sorted({str(r.first_diverging_output[name]) for r in rows} - {"None"})
     diverging = f"; first diverging output (rel error > {FP16_DIVERGENCE:g}): " + (
-        ", ".join(firsts) or "none"
+        _firsts(rows, name) or "none"
     )
+    candidate, candidate_where = agreement({r.name: r.candidate_kept[name] for r in rows})
+    action, action_where = agreement({r.name: r.action_kept[name] for r in rows})
     gates = [
         gate(level, "candidate_argmax_agreement").check(
-            sum(r.candidate_kept[name] for r in rows) / n, t.candidate_argmax_agreement,
-            implementation=name,
-            where=first_few([r.name for r in rows if not r.candidate_kept[name]]),
+            candidate, t.candidate_argmax_agreement, implementation=name, where=candidate_where,
             detail=f"{certified}/{n} certified (top1 - top2 > 2 max|dz|){diverging}",
         ),
         gate(level, "action_argmax_agreement").check(
-            sum(r.action_kept[name] for r in rows) / n, t.action_argmax_agreement,
-            implementation=name,
-            where=first_few([r.name for r in rows if not r.action_kept[name]]),
+            action, t.action_argmax_agreement, implementation=name, where=action_where,
         ),
     ]  # fmt: skip
-    for key, values, threshold in (
-        ("max_abs_dprob_calibrated", {r.name: r.dprob_calibrated[name] for r in rows},
-         t.max_abs_dprob_calibrated),
-        ("max_abs_dprob_action", {r.name: r.dprob_action[name] for r in rows},
-         t.max_abs_dprob_action),
-    ):  # fmt: skip
-        worst = Worst(0.0)
-        for row_name, value in values.items():
-            worst.see(value, row_name)
+    for key, values in (
+        ("max_abs_dprob_calibrated", {r.name: r.dprob_calibrated[name] for r in rows}),
+        ("max_abs_dprob_action", {r.name: r.dprob_action[name] for r in rows}),
+    ):
+        worst = worst_of((value, row_name) for row_name, value in values.items())
         gates.append(
             gate(level, key).check(
-                worst.value, threshold, implementation=name, where=worst.where,
+                worst.value, getattr(t, key), implementation=name, where=worst.where,
                 detail="per slice: " + _per_slice(rows, values) + diverging,
             )
         )  # fmt: skip
-    cert = Worst(0.0)
-    for row in rows:
-        cert.see(row.certificate[name], row.name)
+    cert = worst_of((row.certificate[name], row.name) for row in rows)
     proven = sum(r.bound[name] <= t.max_abs_dprob_calibrated for r in rows)
     gates.append(
         gate(level, "temperature_certificate").check(
@@ -303,13 +248,7 @@ def _fp16_gates(name: str, rows: list[DecisionRow], finite: bool, deterministic:
             f"max_abs_dprob_calibrated for {proven}/{n} requests",
         )
     )  # fmt: skip
-    gates.append(gate(level, "finite_outputs").check(float(finite), implementation=name))
-    gates.append(
-        gate(level, "deterministic").check(
-            float(deterministic), implementation=name, detail="two runs, identical bits"
-        )
-    )
-    return gates
+    return gates + stability_gates(level, name, m.finite, m.deterministic)
 
 
 def check_decision(
@@ -339,20 +278,29 @@ def check_decision(
                 tags.append(NARROW)
             rows[f.name] = DecisionRow(f.name, tags, len(f.token_ids), margin)
     row_list = list(rows.values())
-    gates: list[GateResult] = []
     runners: dict[str, Runner] = {}
     if torch_levels:
-        _measure("torch-fp32", decision_runner(module, tail, torch.float32), batches, references,
-                 rows, spec, length, layers, True, thresholds.fp32_logits_rel_error)  # fmt: skip
-        gates += _fp32_gates(row_list, layers, module, thresholds)
+        runners["torch-fp32"] = decision_runner(module, tail, torch.float32)
         if fp16 is not None:
             runners["torch-fp16"] = decision_runner(fp16[0], fp16[1], torch.float16)
-    runners.update(extra or {})
-    for name, runner in runners.items():
-        states_layers = layers if name == "torch-fp16" else None
-        finite, deterministic = _measure(name, runner, batches, references, rows, spec, length,
-                                         states_layers, False, FP16_DIVERGENCE)  # fmt: skip
-        gates += _fp16_gates(name, row_list, finite, deterministic, thresholds)
+    gates: list[GateResult] = []
+    for name, runner in {**runners, **(extra or {})}.items():
+        fp32 = name == "torch-fp32"
+
+        def score(fixture: Fixture, r: int, out: Outputs, name: str = name) -> list[torch.Tensor]:
+            ref = references[reference_name(fixture.name)]
+            got = {k: v[r].float() for k, v in out.items()}
+            fp16 = name != "torch-fp32"
+            tolerance = FP16_DIVERGENCE if fp16 else thresholds.fp32_logits_rel_error
+            _score(rows[fixture.name], name, got, ref, spec, tolerance, fp16)
+            return ref.hidden
+
+        m = measure(runner, batches, score, length, layers if name in runners else None, fp32)
+        gates += (
+            _fp32_gates(row_list, layers, module, thresholds)
+            if fp32
+            else _fp16_gates(name, row_list, m, thresholds)
+        )
     first = first_diverging(layers, thresholds, fp16=False)
     report = ParityReport(gates, layers, [], first, {
         "reference": "transformers ModernBertModel + ModernBertEncoderLayer head layers + "
@@ -361,8 +309,3 @@ def check_decision(
         "torch-fp16": "the same with fp16 epsilon floors, cast to fp16, torch on the CPU",
     })  # fmt: skip
     return report, row_list
-
-
-def rows_to_json(rows: list[DecisionRow]) -> list[dict[str, object]]:
-    """Per-request figures, JSON-ready (inf spelt out)."""
-    return [{k: clean_json(v) for k, v in vars(row).items()} for row in rows]

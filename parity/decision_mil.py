@@ -5,20 +5,37 @@ per-layer comparison is `parity.encoder_mil.layer_level`, unchanged)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 from graph_passes.decision import OUTPUT_NAMES
 from graph_passes.decision_spec import DecisionHeadSpec
-from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
+from parity.conversion import _rel
 from parity.decision_gates import batch_positions
+from parity.encoder_mil import Feeds, encoder_feed, pieces_runner
 from parity.fixtures import Batch
+from parity.gate import worst_of
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile
 from parity.mil.program import load_package
-from parity.result import Outputs, Runner
+from parity.result import Runner
+
+
+def _tail_feed(batch: Batch, spec: DecisionHeadSpec, hidden: Any) -> Feeds:
+    """The tail's inputs: the island's hidden state and (marker heads) the positions."""
+    feeds = {"hidden": hidden}
+    positions = batch_positions(batch, spec)
+    if positions is not None:
+        feeds["candidate_positions"] = positions.numpy().astype(np.int32)
+    return feeds
+
+
+def _evaluators(packages: dict[str, Path], profile: str) -> dict[str, Any]:
+    return {
+        k: Evaluator(load_package(packages[k]), get_profile(profile)) for k in ("island", "tail")
+    }
 
 
 def decision_mil_runner(
@@ -27,24 +44,10 @@ def decision_mil_runner(
 ) -> Runner:  # fmt: skip
     """Host embedding (numpy, as the runtime) -> island program -> tail program. Raises
     `parity.mil.errors.MILError` if a program cannot be prepared."""
-    island = Evaluator(load_package(packages["island"]), get_profile(profile))
-    tail = Evaluator(load_package(packages["tail"]), get_profile(profile))
-    np_float = np.float16 if dtype == "float16" else np.float32
-
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        key_mask = key_mask_from_padding(batch.attention_mask).numpy().astype(np_float)
-        rows = host(batch.input_ids, None).numpy().astype(np_float)
-        hidden = island.run({"inputs_embeds": rows, "key_mask": key_mask}).outputs["hidden"]
-        feeds = {"hidden": hidden}
-        positions = batch_positions(batch, spec)
-        if positions is not None:
-            feeds["candidate_positions"] = positions.numpy().astype(np.int32)
-        out = tail.run(feeds).outputs
-        return None, {
-            k: torch.from_numpy(np.asarray(out[k], dtype=np.float32)) for k in OUTPUT_NAMES
-        }
-
-    return run
+    return pieces_runner(
+        _evaluators(packages, profile), lambda batch: encoder_feed(None, host, batch, dtype)[0],
+        lambda batch, _, hidden: _tail_feed(batch, spec, hidden), {k: k for k in OUTPUT_NAMES},
+    )  # fmt: skip
 
 
 def tail_marker_rows_error(
@@ -55,29 +58,19 @@ def tail_marker_rows_error(
     profile): its ``marker_rows`` against the rows gathered in numpy at the requests'
     positions, worst relative error and where. The gather is exact, so anything above
     rounding is a wrong index (an offset, a wrong batch stride) in the emitted tail."""
-    island = Evaluator(load_package(island_package), get_profile("fp32"))
-    tail = Evaluator(load_package(tail_package), get_profile("fp32"))
+    programs = _evaluators({"island": island_package, "tail": tail_package}, "fp32")
     np_float = np.float16 if dtype == "float16" else np.float32
-    worst, where = 0.0, ""
+    errors = []
     for batch in batches:
-        key_mask = key_mask_from_padding(batch.attention_mask).numpy().astype(np_float)
-        rows = host(batch.input_ids, None).numpy().astype(np_float)
-        hidden = island.run({"inputs_embeds": rows, "key_mask": key_mask}).outputs["hidden"]
-        feeds = {"hidden": np.asarray(hidden).astype(np_float)}
-        positions = batch_positions(batch, spec)
-        length = batch.input_ids.shape[1]
-        if positions is None:
-            slots = np.arange(batch.input_ids.shape[0])[:, None] * length
-        else:
-            feeds["candidate_positions"] = positions.numpy().astype(np.int32)
-            slots = positions.numpy() + np.arange(positions.shape[0])[:, None] * length
-        got = np.asarray(tail.run(feeds).outputs["marker_rows"], dtype=np.float64)
+        island = programs["island"].run(encoder_feed(None, host, batch, dtype)[0])
+        feeds = _tail_feed(batch, spec, np.asarray(island.outputs["hidden"]).astype(np_float))
+        b, length = batch.input_ids.shape
+        starts = np.arange(b)[:, None] * length
+        positions = feeds.get("candidate_positions")
+        slots = starts if positions is None else positions + starts  # CLS: each row's first
+        got = np.asarray(programs["tail"].run(feeds).outputs["marker_rows"], dtype=np.float64)
         table = feeds["hidden"].astype(np.float64)[0, :, 0, :].T  # (B*L, D)
         for r, fixture in enumerate(batch.fixtures):
-            want = table[slots[r]]
-            err = float(np.linalg.norm(got[r] - want) / max(float(np.linalg.norm(want)), 1e-30))
-            if not np.isfinite(got[r]).all():
-                err = float("inf")
-            if err > worst or (err != err):
-                worst, where = err, f"marker_rows, {fixture.name}"
-    return worst, where
+            errors.append((_rel(got[r], table[slots[r]]), f"marker_rows, {fixture.name}"))
+    worst = worst_of(errors)
+    return worst.value, worst.where

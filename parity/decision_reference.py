@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from graph_passes.decision_spec import DecisionHeadSpec, MlpHeadSpec, candidate_positions
-from parity.encoder_gates import encoder_layers
+from parity.encoder_gates import layer_states
 
 _ACT = {"gelu": nn.GELU(), "tanh": nn.Tanh(), "relu": nn.ReLU()}
 
@@ -121,33 +121,22 @@ def run_decision_reference(
     scorer, calibration, action."""
     from transformers.masking_utils import create_bidirectional_sliding_window_mask
 
-    hidden: list[torch.Tensor] = []
-
-    def keep(_: nn.Module, __: object, out: object) -> None:
-        tensor = out[0] if isinstance(out, tuple) else out
-        hidden.append(tensor[0].detach().clone())  # type: ignore[index]
-
-    handles = [layer.register_forward_hook(keep) for layer in encoder_layers(encoder)]
     ids = torch.tensor([token_ids], dtype=torch.int64)
-    try:
-        with torch.no_grad():
-            h = encoder(input_ids=ids).last_hidden_state
-            positions = torch.arange(len(token_ids)).unsqueeze(0)
-            masks = {
-                "full_attention": None,  # one unpadded request: every key is real
-                "sliding_attention": create_bidirectional_sliding_window_mask(
-                    config=head.config, inputs_embeds=h, attention_mask=None
-                ),
-            }
-            for layer in head.layers:
-                kind = str(layer.attention_type)
-                rope = encoder.rotary_emb(h, positions, kind)  # type: ignore[operator]
-                h = layer(h, attention_mask=masks[kind], position_embeddings=rope)
-                hidden.append(h[0].clone())
-            if head.norm is not None:
-                h = head.norm(h)
-            outputs = head.decide(h[0], token_ids, request)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with layer_states(encoder) as hidden, torch.no_grad():
+        h = encoder(input_ids=ids).last_hidden_state
+        positions = torch.arange(len(token_ids)).unsqueeze(0)
+        masks = {
+            "full_attention": None,  # one unpadded request: every key is real
+            "sliding_attention": create_bidirectional_sliding_window_mask(
+                config=head.config, inputs_embeds=h, attention_mask=None
+            ),
+        }
+        for layer in head.layers:
+            kind = str(layer.attention_type)
+            rope = encoder.rotary_emb(h, positions, kind)  # type: ignore[operator]
+            h = layer(h, attention_mask=masks[kind], position_embeddings=rope)
+            hidden.append(h[0].clone())
+        if head.norm is not None:
+            h = head.norm(h)
+        outputs = head.decide(h[0], token_ids, request)
     return DecisionReferenceResult(hidden, outputs)

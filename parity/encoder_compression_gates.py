@@ -32,13 +32,14 @@ from graph_passes.encoder import BC1LEncoder
 from parity.compression_metrics import psnr_db
 from parity.encoder_gates import (
     EncoderReference,
+    cosines,
     encoder_runner,
     fp16_module,
     real_part,
 )
-from parity.encoder_mil import OUTPUT_NAMES, encoder_feed
+from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Worst, gate
+from parity.gate import GateResult, gate, worst_of
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner, rel_error
 from parity.variant import Compared, VariantLevel, evaluator_weights
@@ -78,17 +79,15 @@ def fp16_runner(module: BC1LEncoder, weights: dict[str, np.ndarray] | None = Non
 
 def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
     """The emitted single program run by the MIL evaluator, as a `Runner`."""
-    name = OUTPUT_NAMES[module.io.output]
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, SentenceOutputs]:
-        feed, _ = encoder_feed(module, None, batch, "float32")  # the evaluator rounds them
-        missing = set(evaluator.inputs) - set(feed)
+    def feed(batch: Batch) -> dict[str, np.ndarray]:
+        feeds, _ = encoder_feed(module, None, batch, "float32")  # the evaluator rounds them
+        missing = set(evaluator.inputs) - set(feeds)
         if missing:
             raise ValueError(f"the program has inputs {sorted(missing)} a single encoder lacks")
-        out = evaluator.run(feed).outputs[name]
-        return None, {OUTPUT: torch.from_numpy(np.asarray(out, np.float32))}
+        return feeds
 
-    return run
+    return pieces_runner({"main": evaluator}, feed, None, {OUTPUT: OUTPUT_NAMES[module.io.output]})
 
 
 # ---- comparisons ------------------------------------------------------------------------------
@@ -103,13 +102,8 @@ def compare(candidate: SentenceOutputs, baseline: dict[str, Any], logits: bool) 
         want = (ref.output if isinstance(ref, EncoderReference) else ref).double()
         ok = bool(torch.isfinite(got).all())
         finite &= ok
-        g = got.double()
-        if g.dim() == 1:
-            g, w = g[None], want[None]
-        else:
-            w = want
-        value = float(torch.nn.functional.cosine_similarity(g, w, dim=-1).min())
-        cos[name] = value if ok else float("-inf")
+        cos[name] = float(cosines(got, want).min()) if ok else float("-inf")
+        g, w = (got.double()[None], want[None]) if got.dim() == 1 else (got.double(), want)
         psnr.append(min(psnr_db(g, w)))  # per output vector (a token's for hidden states)
         if logits:
             kept[name] = ok and int(got.argmax()) == int(want.argmax())
@@ -130,9 +124,7 @@ def encoder_gates(
     gates = []
     for level in levels:
         s, impl = level.vs_original, level.implementation
-        worst = Worst(math.inf, lowest=True)
-        for sentence, cosine in s.cosine.items():
-            worst.see(cosine, sentence)
+        worst = worst_of(((cosine, sentence) for sentence, cosine in s.cosine.items()), True)
         gates.append(
             gate("compression", "min_cosine").check(
                 s.min_cosine if s.cosine else math.nan, min_cosine, implementation=impl,

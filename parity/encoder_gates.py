@@ -15,9 +15,9 @@ Candidates run the fixtures right-padded in fixed (B, L) batches:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,7 @@ from graph_passes.encoder import BC1LEncoder, EncoderOutput
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Level, Worst, first_few, gate
+from parity.gate import GateResult, Level, Worst, agreement, gate, stability_gates, worst_of
 from parity.result import (
     OUTPUT,
     LayerRow,
@@ -35,7 +35,6 @@ from parity.result import (
     ParityReport,
     Runner,
     Thresholds,
-    clean_json,
     first_diverging,
     rel_error,
 )
@@ -74,25 +73,6 @@ class EncoderFixtureRow:
 # ---- batches and the reference ----------------------------------------------------------------
 
 
-def make_encoder_batches(
-    fixtures: list[Fixture], batch: int, length: int, pad_id: int
-) -> list[Batch]:
-    """Group fixtures into (B, L) batches, right-padded with ``pad_id`` (slot l = position l);
-    rows beyond the fixtures repeat the first one."""
-    batches = []
-    for start in range(0, len(fixtures), batch):
-        group = fixtures[start : start + batch]
-        rows = list(group) + [group[0]] * (batch - len(group))
-        ids = torch.full((batch, length), pad_id, dtype=torch.int64)
-        mask = torch.zeros((batch, length), dtype=torch.int64)
-        for r, fixture in enumerate(rows):
-            n = len(fixture.token_ids)
-            ids[r, :n] = torch.tensor(fixture.token_ids)
-            mask[r, :n] = 1
-        batches.append(Batch(tuple(group), ids, mask))
-    return batches
-
-
 def encoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer layers of a transformers BERT / ModernBERT model (base or task)."""
     base = getattr(model, "bert", None) or getattr(model, "model", None) or model
@@ -107,10 +87,10 @@ def reference_sentence_embedding(hidden: torch.Tensor) -> torch.Tensor:
     return (mean / mean.norm().clamp_min(1e-12)).float()
 
 
-def run_encoder_reference(
-    model: nn.Module, token_ids: tuple[int, ...], output: EncoderOutput
-) -> EncoderReference:
-    """Run the unpadded fixture at positions 0..n-1 as the checkpoint itself would."""
+@contextlib.contextmanager
+def layer_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While active, the yielded list receives each transformer layer's output (n, D) of the
+    one (unpadded) sequence the model runs."""
     hidden: list[torch.Tensor] = []
 
     def keep(_: nn.Module, __: object, out: object) -> None:
@@ -119,11 +99,18 @@ def run_encoder_reference(
 
     handles = [layer.register_forward_hook(keep) for layer in encoder_layers(model)]
     try:
-        with torch.no_grad():
-            result = model(input_ids=torch.tensor([token_ids], dtype=torch.int64))
+        yield hidden
     finally:
         for handle in handles:
             handle.remove()
+
+
+def run_encoder_reference(
+    model: nn.Module, token_ids: tuple[int, ...], output: EncoderOutput
+) -> EncoderReference:
+    """Run the unpadded fixture at positions 0..n-1 as the checkpoint itself would."""
+    with layer_states(model) as hidden, torch.no_grad():
+        result = model(input_ids=torch.tensor([token_ids], dtype=torch.int64))
     if output == "logits":
         out = result.logits[0]
     else:
@@ -181,83 +168,81 @@ def state_rows(state: torch.Tensor, length: int, row: int, n: int) -> torch.Tens
     return state[0, :, 0, start : start + n].T
 
 
-# ---- the gates --------------------------------------------------------------------------------
-
-
-def _cosines(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    c, r = candidate.double(), reference.double()
-    if c.dim() == 1:
-        c, r = c[None], r[None]
-    return torch.nn.functional.cosine_similarity(c, r, dim=-1)
+# ---- measuring: shared by encoders and decision models --------------------------------------
 
 
 @dataclass
-class _Measured:
-    finite: bool = True
-    deterministic: bool = True
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+class Measured:
+    """What running a candidate over every batch showed, besides its per-fixture figures."""
+
+    finite: bool = True  # every output and state, padded slots included
+    deterministic: bool = True  # two runs, identical bits
     worst_layer: Worst = field(default_factory=lambda: Worst(0.0))  # fp32 only
 
 
-def _measure(
-    name: str,
-    runner: Runner,
-    batches: list[Batch],
-    references: dict[str, EncoderReference],
-    kind: EncoderOutput,
-    length: int,
-    layers: list[LayerRow] | None,
-    rows: dict[str, EncoderFixtureRow],
-    fp32: bool,
-) -> _Measured:
-    m = _Measured()
+# Scores one fixture (its row ``r`` of the batch's outputs) and returns its reference's
+# per-layer states (n, D), for the per-layer comparison.
+Score = Callable[[Fixture, int, Outputs], list[torch.Tensor]]
+
+
+def measure(runner: Runner, batches: list[Batch], score: Score, length: int,
+            layers: list[LayerRow] | None, fp32: bool) -> Measured:  # fmt: skip
+    """Run every batch twice (determinism and finiteness of every output and state), score
+    every fixture and, with ``layers``, fold each layer's relative error at real slots (and
+    its largest |h|) into the fp32 or fp16 columns."""
+    m = Measured()
     for batch in batches:
-        states, outs = runner(batch)
+        states, out = runner(batch)
         again_states, again = runner(batch)
-        out = outs[OUTPUT]
-        m.deterministic &= torch.equal(out, again[OUTPUT])
-        m.finite &= bool(torch.isfinite(out).all())
+        m.deterministic &= all(torch.equal(v, again[k]) for k, v in out.items())
+        m.finite &= all(bool(torch.isfinite(v).all()) for v in out.values())
         if states is not None and again_states is not None:
             m.deterministic &= all(
                 torch.equal(a, b) for a, b in zip(states, again_states, strict=True)
             )
             m.finite &= all(bool(torch.isfinite(s).all()) for s in states)
         for r, fixture in enumerate(batch.fixtures):
-            ref = references[fixture.name]
-            n = len(fixture.token_ids)
-            got = real_part(out, kind, r, n).float()
-            m.outputs[fixture.name] = got
-            row = rows[fixture.name]
-            _score(row, name, got, ref.output, kind)
+            hidden = score(fixture, r, out)
             if states is None or layers is None:
                 continue
             for i, state in enumerate(states):
-                h = state_rows(state, length, r, n).float()
-                err = rel_error(h, ref.hidden[i])
+                h = state_rows(state, length, r, len(fixture.token_ids)).float()
+                err, row = rel_error(h, hidden[i]), layers[i]
                 if fp32:
                     m.worst_layer.see(err, f"layer {i}, {fixture.name}")
-                    layers[i].fp32_rel_error = max(layers[i].fp32_rel_error, err)
-                    layers[i].fp32_max_abs = max(layers[i].fp32_max_abs, float(h.abs().max()))
+                    row.fp32_rel_error = max(row.fp32_rel_error, err)
+                    row.fp32_max_abs = max(row.fp32_max_abs, float(h.abs().max()))
                 else:
-                    layers[i].fp16_rel_error = max(layers[i].fp16_rel_error, err)
+                    row.fp16_rel_error = max(row.fp16_rel_error, err)
         if states is not None and layers is not None and not fp32:
             for i, state in enumerate(states):  # every slot, padding included
                 layers[i].fp16_max_abs = max(layers[i].fp16_max_abs, float(state.abs().max()))
     return m
 
 
-def _score(
-    row: EncoderFixtureRow,
-    name: str,
-    got: torch.Tensor,
-    ref: torch.Tensor,
-    kind: EncoderOutput,
-) -> None:
+def level_of(implementation: str) -> Level:
+    """The gate level an fp16 candidate is held to: the MIL program's, or torch fp16's (the
+    partitioned pieces are torch fp16 modules)."""
+    return "mil-fp16" if implementation == MIL_LEVEL else "torch-fp16"
+
+
+# ---- the gates --------------------------------------------------------------------------------
+
+
+def cosines(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Cosine of each output vector (a token's row, or the one vector) to the reference's."""
+    c, r = candidate.double(), reference.double()
+    if c.dim() == 1:
+        c, r = c[None], r[None]
+    return torch.nn.functional.cosine_similarity(c, r, dim=-1)
+
+
+def _score(row: EncoderFixtureRow, name: str, got: torch.Tensor, ref: torch.Tensor,
+           kind: EncoderOutput) -> None:  # fmt: skip
     finite = bool(torch.isfinite(got).all())
     row.rel_error[name] = rel_error(got, ref)
     row.max_abs_error[name] = float((got - ref).abs().max()) if finite else float("inf")
-    cos = _cosines(got, ref)
-    row.cosine[name] = float(cos.min()) if finite else float("-inf")
+    row.cosine[name] = float(cosines(got, ref).min()) if finite else float("-inf")
     if kind == "logits":
         top2 = ref.topk(min(2, ref.numel())).values
         margin = float(top2[0] - top2[-1]) if ref.numel() > 1 else float("inf")
@@ -268,87 +253,46 @@ def _score(
         row.certified[name] = finite and margin > 2 * delta
 
 
-def level_of(implementation: str) -> Level:
-    """The gate level an fp16 candidate is held to: the MIL program's, or torch fp16's (the
-    partitioned pieces are torch fp16 modules)."""
-    return "mil-fp16" if implementation == MIL_LEVEL else "torch-fp16"
-
-
-def _output_gates(
-    name: str,
-    m: _Measured,
-    rows: list[EncoderFixtureRow],
-    kind: EncoderOutput,
-    t: Thresholds,
-    fp32: bool,
-) -> list[GateResult]:
+def _output_gates(name: str, m: Measured, rows: list[EncoderFixtureRow], kind: EncoderOutput,
+                  t: Thresholds, fp32: bool) -> list[GateResult]:  # fmt: skip
     level: Level = "torch-fp32" if fp32 else level_of(name)
     gates = []
     if kind == "sentence-embedding" or (kind == "last-hidden-state" and not fp32):
-        cosine = Worst(math.inf, lowest=True)
-        for row in rows:
-            cosine.see(row.cosine[name], row.name)
+        cosine = worst_of(((row.cosine[name], row.name) for row in rows), lowest=True)
         what = "sentence" if kind == "sentence-embedding" else "real token"
-        key, threshold = (
-            ("fp32_min_cosine", t.fp32_min_cosine)
-            if fp32
-            else ("fp16_min_cosine", t.fp16_min_cosine)
-        )
+        key = "fp32_min_cosine" if fp32 else "fp16_min_cosine"
         gates.append(
             gate(level, key).check(
-                cosine.value,
-                threshold,
-                implementation=name,
-                where=cosine.where,
+                cosine.value, getattr(t, key), implementation=name, where=cosine.where,
                 detail=f"per {what}, against the reference; max |error| "
                 f"{max(row.max_abs_error[name] for row in rows):.3g}",
             )
-        )
+        )  # fmt: skip
     if fp32 and kind != "sentence-embedding":
-        worst = Worst(0.0)
-        for row in rows:
-            worst.see(row.rel_error[name], row.name)
+        worst = worst_of((row.rel_error[name], row.name) for row in rows)
         gates.append(
             gate(level, "fp32_logits_rel_error").check(
-                worst.value,
-                t.fp32_logits_rel_error,
-                implementation=name,
-                where=worst.where,
+                worst.value, t.fp32_logits_rel_error, implementation=name, where=worst.where,
                 detail="||y'-y||/||y|| per fixture, real positions",
             )
-        )
+        )  # fmt: skip
     if kind == "logits" and not fp32:
-        kept = sum(row.argmax_kept[name] for row in rows) / len(rows)
-        dprob = Worst(0.0)
-        for row in rows:
-            dprob.see(row.max_abs_dprob[name], row.name)
+        kept, flipped = agreement({row.name: row.argmax_kept[name] for row in rows})
+        dprob = worst_of((row.max_abs_dprob[name], row.name) for row in rows)
         certified = sum(row.certified[name] for row in rows)
         gates.append(
             gate(level, "fp16_argmax_agreement").check(
-                kept,
-                t.fp16_argmax_agreement,
-                implementation=name,
-                where=first_few([row.name for row in rows if not row.argmax_kept[name]]),
+                kept, t.fp16_argmax_agreement, implementation=name, where=flipped,
                 detail=f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
             )
-        )
+        )  # fmt: skip
         gates.append(
             gate(level, "fp16_max_abs_dprob").check(
-                dprob.value,
-                t.fp16_max_abs_dprob,
-                implementation=name,
-                where=dprob.where,
+                dprob.value, t.fp16_max_abs_dprob, implementation=name, where=dprob.where,
                 detail="softmax at T=1 over the labels",
             )
-        )
-    if not fp32:
-        gates.append(gate(level, "finite_outputs").check(float(m.finite), implementation=name))
-        gates.append(
-            gate(level, "deterministic").check(
-                float(m.deterministic), implementation=name, detail="two runs, identical bits"
-            )
-        )
-    return gates
+        )  # fmt: skip
+    return gates if fp32 else gates + stability_gates(level, name, m.finite, m.deterministic)
 
 
 def check_encoder(
@@ -364,86 +308,42 @@ def check_encoder(
     (e.g. ``{"partitioned-fp16": ..., MIL_LEVEL: ...}``) gated like ``torch-fp16``. With
     ``torch_levels=False`` only the extra candidates run (when the torch levels already
     passed in an earlier call)."""
-    kind = module.io.output
-    length = module.io.length
+    kind, length = module.io.output, module.io.length
     layers = [LayerRow(i) for i in range(len(module.layers))]
     fixtures = [f for b in batches for f in b.fixtures]
     rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
-    row_list = list(rows.values())
-
+    runners: dict[str, Runner] = {}
+    if torch_levels:
+        runners["torch-fp32"] = encoder_runner(module, torch.float32)
+        runners["torch-fp16"] = encoder_runner(fp16_module(module), torch.float16)
     gates: list[GateResult] = []
+    for name, runner in {**runners, **(extra or {})}.items():
+        fp32 = name == "torch-fp32"
+
+        def score(fixture: Fixture, r: int, out: Outputs, name: str = name) -> list[torch.Tensor]:
+            ref = references[fixture.name]
+            got = real_part(out[OUTPUT], kind, r, len(fixture.token_ids)).float()
+            _score(rows[fixture.name], name, got, ref.output, kind)
+            return ref.hidden
+
+        m = measure(runner, batches, score, length, layers if name in runners else None, fp32)
+        if fp32:
+            gates.append(
+                gate("torch-fp32", "fp32_layer_rel_error").check(
+                    m.worst_layer.value, thresholds.fp32_layer_rel_error,
+                    where=m.worst_layer.where,
+                    detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
+                )
+            )  # fmt: skip
+        gates += _output_gates(name, m, list(rows.values()), kind, thresholds, fp32)
     implementations = {
         "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
         "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
         "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, torch on the CPU",
         **(descriptions or {}),
     }
-    if torch_levels:
-        gates += _torch_levels(module, batches, references, thresholds, layers, rows)
-    for name, runner in (extra or {}).items():
-        m = _measure(name, runner, batches, references, kind, length, None, rows, fp32=False)
-        gates += _output_gates(name, m, row_list, kind, thresholds, fp32=False)
-    report = ParityReport(
-        gates=gates,
-        layers=layers,
-        fixtures=[],
-        first_diverging_layer=first_diverging(layers, thresholds),
-        implementations=implementations,
-    )
-    return report, row_list
-
-
-def _torch_levels(
-    module: BC1LEncoder,
-    batches: list[Batch],
-    references: dict[str, EncoderReference],
-    thresholds: Thresholds,
-    layers: list[LayerRow],
-    rows: dict[str, EncoderFixtureRow],
-) -> list[GateResult]:
-    """The torch-fp32 (per layer and output) and torch-fp16 gates."""
-    kind, length = module.io.output, module.io.length
-    row_list = list(rows.values())
-    gates: list[GateResult] = []
-    m32 = _measure(
-        "torch-fp32",
-        encoder_runner(module, torch.float32),
-        batches,
-        references,
-        kind,
-        length,
-        layers,
-        rows,
-        fp32=True,
-    )
-    gates.append(
-        gate("torch-fp32", "fp32_layer_rel_error").check(
-            m32.worst_layer.value,
-            thresholds.fp32_layer_rel_error,
-            where=m32.worst_layer.where,
-            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
-        )
-    )
-    gates += _output_gates("torch-fp32", m32, row_list, kind, thresholds, fp32=True)
-    half = fp16_module(module)
-    m16 = _measure(
-        "torch-fp16",
-        encoder_runner(half, torch.float16),
-        batches,
-        references,
-        kind,
-        length,
-        layers,
-        rows,
-        fp32=False,
-    )
-    gates += _output_gates("torch-fp16", m16, row_list, kind, thresholds, fp32=False)
-    return gates
-
-
-def fixture_rows_to_json(rows: list[EncoderFixtureRow]) -> list[dict[str, object]]:
-    """Per-fixture figures as JSON-ready data (inf spelt out)."""
-    return [{k: clean_json(v) for k, v in vars(row).items()} for row in rows]
+    first = first_diverging(layers, thresholds)
+    return ParityReport(gates, layers, [], first, implementations), list(rows.values())
 
 
 def fixture_rows_to_text(rows: list[EncoderFixtureRow]) -> str:

@@ -1,36 +1,42 @@
-"""The MIL level for encoders: the emitted program(s) run by anec's MIL evaluator.
+"""The MIL level for encoders and decision models: the emitted program(s) run by anec's MIL
+evaluator.
 
 Two uses, like the decoder's `parity.conversion`:
 
 * ``fp32`` profile, per layer: each ``layer_<i>_out`` marker of the single (or island) program
   against the BC1L module holding the program's constants, computed in float64 - the
-  conversion itself, gated with the recipe's ``mil_fp32_layer_rel_error``;
-* ``fp16`` profile, as a `Runner` for `check_encoder`: the task output gated against the
-  original model like ``torch-fp16``.
+  conversion itself, gated with the recipe's ``mil_fp32_layer_rel_error`` (`program_level`);
+* ``fp16`` profile, as a `Runner` for `check_encoder` / `check_decision` (`pieces_runner`):
+  the task output gated against the original model like ``torch-fp16``.
 
 A program the evaluator cannot prepare (an op without a kernel, a missing marker) raises
-`MILError`; the pipeline records that as a failed gate, never as "not run".
+`MILError`; `program_level` records that as a failed gate, never as "not run".
 """
 
 from __future__ import annotations
 
 import copy
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.layer_norm import FP16_EPS_FLOOR
-from graph_passes.markers import find_markers
+from graph_passes.markers import MarkerError, find_markers
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
+from parity.conversion import _rel
 from parity.fixtures import Batch
+from parity.gate import GateResult, gate, worst_of
+from parity.mil.errors import MILError
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile
 from parity.mil.program import load_package
+from parity.model_copies import program_constants
 from parity.result import OUTPUT, Outputs, Runner
 
 # The program output holding each task output.
@@ -39,6 +45,7 @@ OUTPUT_NAMES = {
     "sentence-embedding": "sentence_embedding",
     "logits": "logits",
 }
+Feeds = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -51,15 +58,17 @@ class LayerLevel:
 
 
 def encoder_feed(
-    module: BC1LEncoder, host: HostEmbedding | None, batch: Batch, dtype: str
-) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+    module: BC1LEncoder | None, host: HostEmbedding | None, batch: Batch, dtype: str
+) -> tuple[Feeds, torch.Tensor]:
     """The first program's inputs for ``batch`` (``host``: the host embedding of an island
-    program, None for one taking token ids; ``dtype`` the program's float input type) and its
-    key mask as the program receives it."""
+    program, None for one taking token ids, then ``module`` says whether it takes token
+    types; ``dtype`` the program's float input type) and its key mask as the program
+    receives it."""
     np_float = np.float16 if dtype == "float16" else np.float32
     key_mask = key_mask_from_padding(batch.attention_mask).numpy().astype(np_float)
-    feeds: dict[str, np.ndarray] = {}
+    feeds: Feeds = {}
     if host is None:
+        assert module is not None  # a program taking token ids: the module says which
         feeds["input_ids"] = batch.input_ids.numpy().astype(np.int32)
         if module.embedding.types is not None:
             feeds["token_type_ids"] = np.zeros_like(feeds["input_ids"])
@@ -70,15 +79,11 @@ def encoder_feed(
 
 
 def _program_copy(module: BC1LEncoder, precision: str) -> BC1LEncoder:
-    """The module with the constants the program stores (fp16-rounded, epsilon floors), fp64."""
-    piece = copy.deepcopy(module).eval()
+    """The module with the constants the program stores (epsilon floors, fp16-rounded), fp64."""
+    piece = copy.deepcopy(module)
     if precision == "float16":
-        piece.set_eps_floor(FP16_EPS_FLOOR)
-        with torch.no_grad():
-            for tensor in [*piece.parameters(), *piece.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.copy_(tensor.half().float())
-    return piece.double()
+        piece.set_eps_floor(FP16_EPS_FLOOR)  # before rounding: the floors are buffers too
+    return program_constants(piece, precision).double()
 
 
 def layer_level(
@@ -96,7 +101,6 @@ def layer_level(
     markers = find_markers(program.functions["main"], len(module.layers))
     evaluator = Evaluator(program, get_profile("fp32"))
     baseline = _program_copy(module, precision)
-    length = module.io.length
     worst = [0.0] * len(markers)
     finite = True
     for batch in batches:
@@ -111,16 +115,68 @@ def layer_level(
                 h = fold(torch.from_numpy(feeds["inputs_embeds"].astype(np.float64)))
             states = baseline.run_layers(h, key_mask.double())
         real = batch.attention_mask.reshape(-1).bool().numpy()  # slot b*L + l
-        assert real.shape[0] == module.io.slots == length * module.io.batch
+        assert real.shape[0] == module.io.slots == module.io.length * module.io.batch
         for i, marker in enumerate(markers):
             got = np.asarray(result.captured[marker], dtype=np.float64)[0, :, 0][:, real]
-            want = states[i][0, :, 0].numpy()[:, real]
             finite &= bool(np.isfinite(got).all())
-            err = math.inf
-            if np.isfinite(got).all():
-                err = float(np.linalg.norm(got - want) / max(float(np.linalg.norm(want)), 1e-30))
-            worst[i] = max(worst[i], err)
+            worst[i] = max(worst[i], _rel(got, states[i][0, :, 0].numpy()[:, real]))
     return LayerLevel(worst, finite, markers)
+
+
+@dataclass
+class ProgramLevel:
+    """The fp32 level's gates, its per-layer errors and the fp16 runner; or why not."""
+
+    gates: list[GateResult]
+    layer_rel_error: list[float]
+    runner: Runner | None = None
+    error: str = ""  # why the evaluator cannot run the program(s)
+
+
+def program_level(
+    prepare: Callable[[], tuple[LayerLevel, Runner]], programs: int, threshold: float,
+    layer_name: Callable[[int], str], over: str, against: str,
+) -> ProgramLevel:  # fmt: skip
+    """``evaluator_runs_program`` and ``mil_fp32_layer_rel_error`` (max over ``over``, against
+    ``against``) of the layer level and fp16 runner ``prepare`` makes; a program the evaluator
+    cannot prepare fails the first gate."""
+    runs = gate("mil-fp32", "evaluator_runs_program")
+    try:
+        level, runner = prepare()
+    except (MILError, MarkerError) as e:
+        return ProgramLevel(
+            [runs.check(0.0, detail=f"cannot run the program: {e}")], [], None, str(e)
+        )
+    # A non-finite layer output is an infinite relative error (`layer_level`).
+    worst = worst_of((err, layer_name(i)) for i, err in enumerate(level.layer_rel_error))
+    # Recorded when it passes too, so every artifact (and its re-check) has the same gate set.
+    gates = [
+        runs.check(1.0, detail=f"{programs} program(s) prepared; layer markers found"),
+        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
+            worst.value, threshold, where=worst.where,
+            detail=f"max over {over} of ||h'-h||/||h|| at real slots, against the {against} "
+            "with the program's constants in fp64",
+        ),
+    ]  # fmt: skip
+    return ProgramLevel(gates, level.layer_rel_error, runner)
+
+
+def pieces_runner(
+    evaluators: dict[str, Any], feed: Callable[[Batch], Feeds],
+    tail_feed: Callable[[Batch, Feeds, Any], Feeds] | None, names: dict[str, str],
+) -> Runner:  # fmt: skip
+    """The ``main`` program, or ``island`` then (when there is one) ``tail`` on
+    ``tail_feed(batch, feeds, island's hidden)``, as a `Runner` whose outputs are the
+    programs' ``names`` (runner name -> program output), fp32."""
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
+        feeds = feed(batch)
+        out = (evaluators.get("main") or evaluators["island"]).run(feeds).outputs
+        if tail_feed is not None and "tail" in evaluators:
+            out = evaluators["tail"].run(tail_feed(batch, feeds, out["hidden"])).outputs
+        return None, {k: torch.from_numpy(np.asarray(out[v], np.float32)) for k, v in names.items()}
+
+    return run
 
 
 def output_runner(
@@ -131,20 +187,9 @@ def output_runner(
     ``packages``: ``{"main": path}`` or ``{"island": path, "tail": path}`` (``tail`` absent for
     feature extraction). Raises `parity.mil.errors.MILError` if a program cannot be prepared.
     """
-    evaluators = {k: Evaluator(load_package(p), get_profile("fp16")) for k, p in packages.items()}
-    out_name = OUTPUT_NAMES[module.io.output]
-
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        feeds, _ = encoder_feed(module, host, batch, dtype)
-        if "main" in evaluators:
-            out = evaluators["main"].run(feeds).outputs[out_name]
-        else:
-            island = evaluators["island"].run(feeds)
-            if "tail" not in evaluators:
-                out = island.outputs[out_name]
-            else:
-                tail_feeds = {"hidden": island.outputs["hidden"], "key_mask": feeds["key_mask"]}
-                out = evaluators["tail"].run(tail_feeds).outputs[out_name]
-        return None, {OUTPUT: torch.from_numpy(np.asarray(out, dtype=np.float32))}
-
-    return run
+    return pieces_runner(
+        {k: Evaluator(load_package(p), get_profile("fp16")) for k, p in packages.items()},
+        lambda batch: encoder_feed(module, host, batch, dtype)[0],
+        lambda _, feeds, hidden: {"hidden": hidden, "key_mask": feeds["key_mask"]},
+        {OUTPUT: OUTPUT_NAMES[module.io.output]},
+    )

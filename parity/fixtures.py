@@ -77,8 +77,11 @@ def build_fixtures(
     return fixtures
 
 
-def make_batches(fixtures: list[Fixture], batch: int, length: int, pad_id: int) -> list[Batch]:
-    """Group fixtures into (B, L) batches, left-padded with ``pad_id``."""
+def make_batches(
+    fixtures: list[Fixture], batch: int, length: int, pad_id: int, right: bool = False
+) -> list[Batch]:
+    """Group fixtures into (B, L) batches, left-padded with ``pad_id`` (``right``: right-padded,
+    slot l = position l, as encoders take them); rows beyond the fixtures repeat the first."""
     batches = []
     for start in range(0, len(fixtures), batch):
         group = fixtures[start : start + batch]
@@ -87,8 +90,9 @@ def make_batches(fixtures: list[Fixture], batch: int, length: int, pad_id: int) 
         mask = torch.zeros((batch, length), dtype=torch.int64)
         for r, fixture in enumerate(rows):
             n = len(fixture.token_ids)
-            ids[r, length - n :] = torch.tensor(fixture.token_ids)
-            mask[r, length - n :] = 1
+            real = slice(0, n) if right else slice(length - n, length)
+            ids[r, real] = torch.tensor(fixture.token_ids)
+            mask[r, real] = 1
         batches.append(Batch(tuple(group), ids, mask))
     return batches
 

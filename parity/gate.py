@@ -193,6 +193,31 @@ class Worst:
             self.value, self.where = value, where
 
 
+def worst_of(pairs: Iterable[tuple[float, str]], lowest: bool = False) -> Worst:
+    """The worst of ``(value, where)`` pairs: the largest (from 0), or with ``lowest`` the
+    smallest (from inf); NaN counts as worst, as in `Worst`."""
+    worst = Worst(math.inf if lowest else 0.0, lowest)
+    for value, where in pairs:
+        worst.see(value, where)
+    return worst
+
+
+def agreement(kept: dict[str, bool]) -> tuple[float, str]:
+    """The share of names kept, and the first few that were not: a gate's value and where."""
+    return sum(kept.values()) / len(kept), first_few([k for k, ok in kept.items() if not ok])
+
+
+def stability_gates(level: Level, implementation: str, finite: bool, deterministic: bool
+                    ) -> list[GateResult]:  # fmt: skip
+    """``finite_outputs`` and ``deterministic`` (two runs, identical bits) of a candidate."""
+    return [
+        gate(level, "finite_outputs").check(float(finite), implementation=implementation),
+        gate(level, "deterministic").check(
+            float(deterministic), implementation=implementation, detail="two runs, identical bits"
+        ),
+    ]
+
+
 # ---- the registry -----------------------------------------------------------------------------
 
 _LE, _GE, _EQ = Comparison.AT_MOST, Comparison.AT_LEAST, Comparison.EQUALS

@@ -8,7 +8,7 @@ measured: its gates, the per-layer rows and, for decoders, the per-fixture rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,3 +131,17 @@ def clean_json(value: object) -> object:
     if isinstance(value, dict):
         return {k: clean_json(v) for k, v in value.items()}
     return value
+
+
+def rows_to_json(rows: Iterable[object]) -> list[dict[str, object]]:
+    """Per-fixture (per-request) row dataclasses, JSON-ready (inf spelt out)."""
+    return [{k: clean_json(v) for k, v in vars(row).items()} for row in rows]
+
+
+def merge_rows(rows: Iterable[object], more: Iterable[object]) -> None:
+    """Add each row of ``more``'s per-implementation figures (its dict fields) to the same
+    fixture's row in ``rows`` (a later level measured on the same fixtures)."""
+    for row, other in zip(rows, more, strict=True):
+        for name, value in vars(other).items():
+            if isinstance(value, dict):
+                getattr(row, name).update(value)

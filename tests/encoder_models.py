@@ -30,10 +30,9 @@ from graph_passes.spec import EncoderModel
 from parity.encoder_gates import (
     EncoderReference,
     encoder_inputs,
-    make_encoder_batches,
     run_encoder_reference,
 )
-from parity.fixtures import Batch, Fixture, build_fixtures
+from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.result import Thresholds
 
 VOCAB = 300
@@ -171,7 +170,7 @@ def build_encoder(
     # Classifiers with CLS pooling read the first slot: start every fixture with a CLS-like id.
     seqs = random_sequences(seed + 1000, lengths, config.vocab_size, first=1)
     fixtures = build_fixtures([], seqs, None, length, config.vocab_size, padded_variants=False)
-    batches = make_encoder_batches(fixtures, batch, length, PAD_ID)
+    batches = make_batches(fixtures, batch, length, PAD_ID, right=True)
     set_encoder_prescales(module, batches)
     references = {f.name: run_encoder_reference(model, f.token_ids, output) for f in fixtures}
     return TinyEncoder(model, canonical, module, fixtures, batches, references)

@@ -19,9 +19,8 @@ from converter.pipeline import convert
 from converter.recipe import load_recipe
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.partition import host_embedding
-from parity.encoder_gates import make_encoder_batches
 from parity.encoder_mil import output_runner
-from parity.fixtures import build_fixtures
+from parity.fixtures import build_fixtures, make_batches
 from parity.result import OUTPUT
 
 BATCH, LENGTH = 2, 16
@@ -223,7 +222,7 @@ def test_partitioned_run_matches_the_single_program(
     fixtures = build_fixtures(
         [], random_sequences(3, (4, 16, 11, 7), first=1), None, 16, 300, False
     )
-    for batch in make_encoder_batches(fixtures, BATCH, LENGTH, 0):
+    for batch in make_batches(fixtures, BATCH, LENGTH, 0, right=True):
         a, b = single(batch)[1][OUTPUT], parts(batch)[1][OUTPUT]
         assert torch.isfinite(b).all()
         assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -22,7 +22,8 @@ from graph_passes.encoder import BC1LEncoder
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.rope import Rope
 from graph_passes.spec import EncoderModel
-from parity.encoder_gates import check_encoder, make_encoder_batches
+from parity.encoder_gates import check_encoder
+from parity.fixtures import make_batches
 from parity.result import ParityReport
 
 PER_LAYER = "fp32_layer_rel_error"
@@ -164,7 +165,7 @@ def test_key_mask_ignoring_padding_fails(monkeypatch: pytest.MonkeyPatch, local_
     # Guard: on full-window fixtures alone the mutant is invisible (the trap in the issue) ...
     unpadded = [f for f in t.fixtures if len(f.token_ids) == 16]
     assert unpadded and len(unpadded) < len(t.fixtures)
-    full = make_encoder_batches(unpadded, 3, 16, 0)
+    full = make_batches(unpadded, 3, 16, 0, right=True)
     assert all(bool(b.attention_mask.all()) for b in full)
     report, _ = check_encoder(t.module, full, t.references, THRESHOLDS)
     assert report.passed

@@ -175,7 +175,7 @@ def encoder_stages(module: BC1LEncoder, fixtures: list[Fixture], pad_id: int) ->
     """An encoder's stages on its calibration sentences, in the program's own (B, L) batches
     (right-padded, folded to (1, C, 1, B*L)), with the fp16 program's epsilon floors."""
     from graph_passes.layer_norm import FP16_EPS_FLOOR
-    from parity.encoder_gates import encoder_inputs, make_encoder_batches
+    from parity.encoder_gates import encoder_inputs
 
     if not fixtures:
         raise ValueError("compression.calibration: no calibration text for a calibrated method")
@@ -183,7 +183,7 @@ def encoder_stages(module: BC1LEncoder, fixtures: list[Fixture], pad_id: int) ->
     work.set_eps_floor(FP16_EPS_FLOOR)
     io, layers = work.io, work.encoder_layers()
     firsts, masks, columns = [], [], list[Columns]()
-    for batch in make_encoder_batches(fixtures, io.batch, io.length, pad_id):
+    for batch in make_batches(fixtures, io.batch, io.length, pad_id, right=True):
         *x, key_mask = encoder_inputs(work, batch, torch.float32)
         with torch.no_grad():
             firsts.append(work.embed(x[0], x[1] if len(x) > 1 else None))

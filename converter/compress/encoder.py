@@ -41,7 +41,8 @@ from parity.encoder_compression_gates import (
     outputs,
     program_runner,
 )
-from parity.encoder_gates import make_encoder_batches, run_encoder_reference
+from parity.encoder_gates import run_encoder_reference
+from parity.fixtures import make_batches
 from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def prepare_encoder_held_out(
     fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False)
     cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
     references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
-    batches = make_encoder_batches(fixtures, io.batch, io.length, pad_id)
+    batches = make_batches(fixtures, io.batch, io.length, pad_id, right=True)
     return EncoderHeldOut(fixtures, batches, references, where, cal, pad_id)
 
 

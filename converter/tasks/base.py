@@ -28,9 +28,9 @@ from graph_passes.markers import mark_layer_outputs
 from parity.conversion import ConversionReport
 from parity.conversion_report import conversion_to_text
 from parity.html_report import report_to_html
-from parity.report import report_to_text
+from parity.report import report_to_json, report_to_text
 from parity.report_files import parity_document
-from parity.result import ParityReport
+from parity.result import ParityReport, rows_to_json
 
 T = TypeVar("T")
 
@@ -168,6 +168,15 @@ def write_parity_reports(
         text += "\n\n" + conversion_to_text(conversion)
     write_parity_files(directory, doc, text)
     return doc
+
+
+def write_rows_parity(run: TaskRun, key: str, rows: list[Any], extra: dict[str, Any],
+                      text: str = "") -> None:  # fmt: skip
+    """The report files of an encoder or decision report so far: the report, its per-fixture
+    (per-request) ``rows`` under ``key``, then ``extra``; ``text`` follows the report's."""
+    report = need(run.report, "the torch report")
+    doc = report_to_json(report, {"recipe": run.recipe.name, key: rows_to_json(rows), **extra})
+    write_parity_files(run.job.directory, doc, report_to_text(report) + text)
 
 
 def write_parity_files(directory: Path, doc: dict[str, Any], text: str) -> None:

@@ -29,7 +29,7 @@ from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.recipe import DecisionRecipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, need, plan, write_parity_files
+from converter.tasks.base import TaskRun, emit_program, need, plan, write_rows_parity
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
 from converter.tasks.decision_load import head_files, load_head
 from converter.tasks.encoder import program_module
@@ -39,7 +39,6 @@ from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail,
 from graph_passes.decision_spec import CandidateError, DecisionHead
 from graph_passes.encoder import EncoderIO
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
-from graph_passes.markers import MarkerError
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding, host_embedding
 from graph_passes.prescale import NormScale
@@ -49,17 +48,14 @@ from parity.decision_gates import (
     batch_positions,
     check_decision,
     make_decision_batches,
-    rows_to_json,
 )
 from parity.decision_mil import decision_mil_runner, tail_marker_rows_error
 from parity.decision_reference import DecisionHeadReference, run_decision_reference
 from parity.encoder_gates import MIL_LEVEL, fp16_module
-from parity.encoder_mil import layer_level
+from parity.encoder_mil import layer_level, program_level
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
-from parity.gate import Worst, gate
-from parity.mil.errors import MILError
-from parity.report import report_to_json, report_to_text
-from parity.result import Runner, Thresholds
+from parity.gate import gate
+from parity.result import Runner, Thresholds, merge_rows
 from parity.torch_settings import with_parity_torch
 
 PARTITIONED = "partitioned-fp16"
@@ -187,10 +183,7 @@ def partitioned_runner(rw: DecisionRewrite) -> Runner:
 
 def write_parity(run: DecisionRun) -> None:
     """parity.json, parity.txt and parity.html of the report so far."""
-    report, directory = need(run.report, "the torch report"), run.job.directory
-    extra = {"recipe": run.recipe.name, "decision_requests": rows_to_json(run.rows)}
-    doc = report_to_json(report, {**extra, **run.extra_json})
-    write_parity_files(directory, doc, report_to_text(report))
+    write_rows_parity(run, "decision_requests", run.rows, run.extra_json)
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -269,28 +262,19 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     island + tail in the fp16 profile, gated against the reference."""
     rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
-    try:
-        level = layer_level(
-            packages["island"], rw.module, rw.host, rw.batches, recipe.io.dtype, recipe.precision
-        )
-        runner = decision_mil_runner(packages, rw.host, rw.tail.spec, recipe.io.dtype)
-    except (MILError, MarkerError) as e:
-        report.gates.append(gate("mil-fp32", "evaluator_runs_program").check(
-            0.0, detail=f"cannot run the program: {e}"))  # fmt: skip
+    level = program_level(
+        lambda: (
+            layer_level(packages["island"], rw.module, rw.host, rw.batches, recipe.io.dtype,
+                        recipe.precision),
+            decision_mil_runner(packages, rw.host, rw.tail.spec, recipe.io.dtype),
+        ),
+        len(packages), recipe.gates.mil_fp32_layer_rel_error, rw.module.layer_name,
+        "encoder and head layers and requests", "stack",
+    )  # fmt: skip
+    report.gates += level.gates
+    if level.runner is None:
         write_parity(run)
         return Stop("MIL-level")
-    report.gates.append(gate("mil-fp32", "evaluator_runs_program").check(
-        1.0, detail=f"{len(packages)} program(s) prepared; layer markers found"))  # fmt: skip
-    worst = Worst(0.0)
-    for i, err in enumerate(level.layer_rel_error):
-        worst.see(err, rw.module.layer_name(i))
-    report.gates.append(
-        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
-            worst.value, recipe.gates.mil_fp32_layer_rel_error, where=worst.where,
-            detail="max over encoder and head layers and requests of ||h'-h||/||h|| at real "
-            "slots, against the stack with the program's constants in fp64",
-        )
-    )  # fmt: skip
     run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
     rows_error, rows_where = tail_marker_rows_error(
         packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches, recipe.io.dtype
@@ -303,14 +287,11 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     )  # fmt: skip
     mil_report, mil_rows = check_decision(
         rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(recipe),
-        extra={MIL_LEVEL: runner}, torch_levels=False,
+        extra={MIL_LEVEL: level.runner}, torch_levels=False,
     )  # fmt: skip
     report.gates.extend(mil_report.gates)
     report.implementations[MIL_LEVEL] = "anec MIL evaluator, profile fp16, island then tail"
-    for row, mil_row in zip(run.rows, mil_rows, strict=True):
-        for name, value in vars(mil_row).items():
-            if isinstance(value, dict):  # per-implementation figures: add the MIL level's
-                getattr(row, name).update(value)
+    merge_rows(run.rows, mil_rows)
     write_parity(run)
     return None if report.passed else Stop("MIL-level")
 

@@ -25,7 +25,7 @@ from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.recipe import EncoderOptions, EncoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_parity_files
+from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_rows_parity
 from converter.tasks.encoder_contract import (
     encoder_deviations,
     encoder_manifest,
@@ -37,7 +37,6 @@ from converter.tasks.encoder_contract import (
 from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
-from graph_passes.markers import MarkerError
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import (
     HostEmbedding,
@@ -54,18 +53,13 @@ from parity.encoder_gates import (
     EncoderReference,
     check_encoder,
     encoder_inputs,
-    fixture_rows_to_json,
     fixture_rows_to_text,
     fp16_module,
-    make_encoder_batches,
     run_encoder_reference,
 )
-from parity.encoder_mil import layer_level, output_runner
-from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
-from parity.gate import Worst, gate
-from parity.mil.errors import MILError
-from parity.report import report_to_json, report_to_text
-from parity.result import OUTPUT, Runner, Thresholds
+from parity.encoder_mil import layer_level, output_runner, program_level
+from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
+from parity.result import OUTPUT, Runner, Thresholds, merge_rows
 from parity.torch_settings import with_parity_torch
 
 OUTPUTS: dict[str, EncoderOutput] = {
@@ -167,7 +161,8 @@ def rewrite_encoder(
         canonical.spec.embedding.vocab_size,
         recipe.fixtures.padded_variants,
     )
-    batches = make_encoder_batches(fixtures, io.batch, length, pad_id(ckpt.tokenizer, ckpt.config))
+    pad = pad_id(ckpt.tokenizer, ckpt.config)
+    batches = make_batches(fixtures, io.batch, length, pad, right=True)
     scales, pooled = set_scales(module, batches)
     host = None
     if options.partition == "host-embedding":
@@ -210,12 +205,8 @@ def program_module(module: BC1LEncoder, precision: str) -> BC1LEncoder:
 
 def write_parity(run: EncoderRun) -> None:
     """parity.json, parity.txt and parity.html of the encoder report so far."""
-    report, directory = need(run.report, "the torch report"), run.job.directory
-    extra = {"recipe": run.recipe.name, "encoder_fixtures": fixture_rows_to_json(run.rows)}
-    doc = report_to_json(report, {**extra, **run.extra_json})
-    write_parity_files(
-        directory, doc, report_to_text(report) + "\n\n" + fixture_rows_to_text(run.rows)
-    )
+    text = "\n\n" + fixture_rows_to_text(run.rows)
+    write_rows_parity(run, "encoder_fixtures", run.rows, run.extra_json, text)
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -300,39 +291,20 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
     a failed gate."""
     rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
-    try:
-        level = layer_level(
-            run.main.path, rw.module, rw.host, rw.batches, recipe.io.dtype, recipe.precision
-        )
-        runner = output_runner(packages, rw.module, rw.host, recipe.io.dtype)
-    except (MILError, MarkerError) as e:
-        report.gates.append(
-            gate("mil-fp32", "evaluator_runs_program").check(
-                0.0, detail=f"cannot run the program: {e}"
-            )
-        )
-        report.implementations[MIL_LEVEL] = f"failed: {e}"
+    level = program_level(
+        lambda: (
+            layer_level(run.main.path, rw.module, rw.host, rw.batches, recipe.io.dtype,
+                        recipe.precision),
+            output_runner(packages, rw.module, rw.host, recipe.io.dtype),
+        ),
+        len(packages), recipe.gates.mil_fp32_layer_rel_error, "layer {}".format,
+        "layers and fixtures", "BC1L module",
+    )  # fmt: skip
+    report.gates += level.gates
+    if level.runner is None:
+        report.implementations[MIL_LEVEL] = f"failed: {level.error}"
         write_parity(run)
         return Stop("MIL-level")
-    # Recorded when it passes too, so every artifact (and its re-check) has the same gate set.
-    report.gates.append(
-        gate("mil-fp32", "evaluator_runs_program").check(
-            1.0, detail=f"{len(packages)} program(s) prepared; layer markers found"
-        )
-    )
-    # A non-finite layer output is an infinite relative error (parity.encoder_mil).
-    worst = Worst(0.0)
-    for i, err in enumerate(level.layer_rel_error):
-        worst.see(err, f"layer {i}")
-    report.gates.append(
-        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
-            worst.value,
-            recipe.gates.mil_fp32_layer_rel_error,
-            where=worst.where,
-            detail="max over layers and fixtures of ||h'-h||/||h|| at real slots, against the "
-            "BC1L module with the program's constants in fp64",
-        )
-    )
     run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
     report.implementations["mil-fp32"] = "anec MIL evaluator, profile fp32, on the emitted program"
     mil_report, mil_rows = check_encoder(
@@ -340,23 +312,14 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         rw.batches,
         run.references,
         thresholds(recipe),
-        {MIL_LEVEL: runner},
+        {MIL_LEVEL: level.runner},
         torch_levels=False,
     )
     report.gates.extend(mil_report.gates)
     report.implementations[MIL_LEVEL] = (
         "anec MIL evaluator, profile fp16, on the emitted program(s)"
     )
-    for row, mil_row in zip(run.rows, mil_rows, strict=True):
-        for name in (
-            "cosine",
-            "max_abs_error",
-            "rel_error",
-            "argmax_kept",
-            "max_abs_dprob",
-            "certified",
-        ):
-            getattr(row, name).update(getattr(mil_row, name))
+    merge_rows(run.rows, mil_rows)
     write_parity(run)
     return None if report.passed else Stop("MIL-level")
 
