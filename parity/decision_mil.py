@@ -12,7 +12,7 @@ import numpy as np
 from graph_passes.decision import OUTPUT_NAMES
 from graph_passes.decision_spec import DecisionHeadSpec
 from graph_passes.partition import HostEmbedding
-from parity.conversion import _rel
+from parity.conversion import rel_error_np
 from parity.decision_gates import batch_positions
 from parity.encoder_mil import Feeds, encoder_feed, pieces_runner
 from parity.fixtures import Batch
@@ -71,6 +71,6 @@ def tail_marker_rows_error(
         got = np.asarray(programs["tail"].run(feeds).outputs["marker_rows"], dtype=np.float64)
         table = feeds["hidden"].astype(np.float64)[0, :, 0, :].T  # (B*L, D)
         for r, fixture in enumerate(batch.fixtures):
-            errors.append((_rel(got[r], table[slots[r]]), f"marker_rows, {fixture.name}"))
+            errors.append((rel_error_np(got[r], table[slots[r]]), f"marker_rows, {fixture.name}"))
     worst = worst_of(errors)
     return worst.value, worst.where

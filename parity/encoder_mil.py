@@ -29,7 +29,7 @@ from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
-from parity.conversion import _rel
+from parity.conversion import rel_error_np
 from parity.fixtures import Batch
 from parity.gate import GateResult, gate, worst_of
 from parity.mil.errors import MILError
@@ -119,7 +119,7 @@ def layer_level(
         for i, marker in enumerate(markers):
             got = np.asarray(result.captured[marker], dtype=np.float64)[0, :, 0][:, real]
             finite &= bool(np.isfinite(got).all())
-            worst[i] = max(worst[i], _rel(got, states[i][0, :, 0].numpy()[:, real]))
+            worst[i] = max(worst[i], rel_error_np(got, states[i][0, :, 0].numpy()[:, real]))
     return LayerLevel(worst, finite, markers)
 
 
