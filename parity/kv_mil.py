@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,8 +34,11 @@ from parity.gate import GateResult, Worst, gate
 from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16
+from parity.model_copies import set_weights
 
 PROFILE = "fp32"
+# A compressed variant's decoded weights by window-module parameter name (None: the module's).
+Weights = Mapping[str, np.ndarray] | None
 
 
 @dataclass
@@ -138,6 +141,20 @@ def record_calls(
             rest = rest[len(take) :]
 
 
+def _piece(
+    window: torch.nn.Module, part: torch.nn.Module, precision: str, weights: Weights
+) -> torch.nn.Module:
+    """An fp64 copy of ``part`` (a submodule of ``window``) holding the program's constants:
+    ``precision``'s, and a compressed variant's decoded ``weights`` (window-module parameter
+    names) where it has them."""
+    piece = fp64_piece(part, precision)
+    if weights:
+        prefix = next(name for name, m in window.named_modules() if m is part) + "."
+        own = {n[len(prefix) :]: v for n, v in weights.items() if n.startswith(prefix)}
+        set_weights(piece, {n: v.astype(np.float64) for n, v in own.items()})
+    return piece
+
+
 def _stream_in(call: Call, module: CachedDecoder, embed: Any) -> torch.Tensor:
     """The call's stream into its first layer (1, D, 1, T) in fp64, from what it read: the
     embedded tokens (as `BC1LDecoder.embed_bc1l`) or the previous chunk's stream."""
@@ -150,7 +167,7 @@ def _stream_in(call: Call, module: CachedDecoder, embed: Any) -> torch.Tensor:
     return x.transpose(1, 2).unsqueeze(2)
 
 
-def compare(recorder: Recorder, precision: str, worst: Worst) -> None:
+def compare(recorder: Recorder, precision: str, worst: Worst, weights: Weights = None) -> None:
     """Run the recorded calls through the fp64 layers and see each layer's error, the rows'
     and (last chunk) the logits' in ``worst`` (see the module docstring)."""
     modules, calls = recorder.modules, recorder.calls
@@ -158,11 +175,13 @@ def compare(recorder: Recorder, precision: str, worst: Worst) -> None:
     window, start, n = some.window, some.start, some.num_layers
     named = [{k: torch.from_numpy(v).double() for k, v in c.feed.items()} for c in calls]
     with torch.no_grad():
-        embed = fp64_piece(window.embed, precision) if window.embed is not None else None
+        embed = None
+        if window.embed is not None:
+            embed = _piece(window, window.embed, precision, weights)
         hs = [_stream_in(c, modules[c.function], embed) for c in calls]
         del embed
         for i, layer in enumerate(some.layers()):
-            piece, index = cast(Block, fp64_piece(layer, precision)), start + i
+            piece, index = cast(Block, _piece(window, layer, precision, weights)), start + i
             caches: dict[int, torch.Tensor] = {}  # per session: this layer's keys and values
             for b, call in enumerate(calls):
                 shape = (2, *some.cache_shape()[1:])
@@ -182,7 +201,7 @@ def compare(recorder: Recorder, precision: str, worst: Worst) -> None:
                 rows = round_fp16(rows) if recorder.stores_fp16 else rows
                 cache[:, :, call.position : call.position + rows.shape[2]] = torch.from_numpy(rows)
         if some.last:
-            _compare_logits(calls, modules, hs, precision, worst)
+            _compare_logits(calls, modules, hs, precision, worst, weights)
 
 
 def _compare_logits(
@@ -191,10 +210,11 @@ def _compare_logits(
     hs: list[torch.Tensor],
     precision: str,
     worst: Worst,
+    weights: Weights,
 ) -> None:
     """The last chunk's logits: the final norm, then one LM-head chunk at a time in fp64."""
     window = next(iter(modules.values())).window
-    norm = fp64_piece(window.final_norm, precision)
+    norm = _piece(window, window.final_norm, precision, weights)
     returned = [
         h[:, :, :, -1:] if modules[c.function].io.logits == "last" else h
         for c, h in zip(calls, hs, strict=True)
@@ -202,7 +222,7 @@ def _compare_logits(
     normed = [norm(h) for h in returned]
     chunks: list[list[torch.Tensor]] = [[] for _ in calls]
     for conv in window.lm_head:
-        piece = fp64_piece(conv, precision)
+        piece = _piece(window, conv, precision, weights)
         for b, h in enumerate(normed):
             chunks[b].append(piece(h)[0, :, 0, :])  # (V_k, m)
     for call, parts in zip(calls, chunks, strict=True):
@@ -214,15 +234,16 @@ def _compare_logits(
 
 
 def cached_fp32_gates(
-    recorders: Sequence[Recorder], precision: str, threshold: float
+    recorders: Sequence[Recorder], precision: str, threshold: float, weights: Weights = None
 ) -> list[GateResult]:
     """The markers gate and ``mil_fp32_layer_rel_error`` over every recorded call of every
-    chunk (``precision``: the program's)."""
+    chunk (``precision``: the program's; ``weights``: a compressed variant's decoded
+    weights)."""
     problems = [p for r in recorders for p in r.problems]
     worst = Worst(math.inf if problems else 0.0)
     if not problems:
         for recorder in recorders:
-            compare(recorder, precision, worst)
+            compare(recorder, precision, worst, weights)
     # Calls per function, counted in the first chunk (every chunk runs each call).
     counts = Counter(c.function for c in recorders[0].calls)
     calls = ", ".join(f"{name} {n}" for name, n in counts.items())

@@ -70,6 +70,10 @@ def test_every_variant_is_published_with_the_structural_cache_gates(
         assert set(kv) == {*STRUCTURAL, "kv_weights_identical"}
         assert all(g["passed"] for g in kv.values())
         assert kv["kv_weights_identical"]["value"] == 0
+        # every function per layer against the module holding the decoded weights
+        per_layer = {g["name"]: g for g in report["gates"] if g["level"] == "mil-fp32"}
+        assert set(per_layer) == {"layer_markers_present", "mil_fp32_layer_rel_error"}
+        assert all(g["passed"] for g in per_layer.values()), per_layer
         quality = {(g["name"], g["implementation"]) for g in report["gates"]}
         assert ("min_top1_agreement", "mil-fp16") in quality
         assert ("max_mean_kl", "torch-fp16") in quality

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from tiny_models import Tiny, build_tiny, one_torch_thread
 
@@ -47,12 +48,15 @@ def emitted(
 def check(
     emitted: tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation]],
     mutate: Callable[[Any], None] = lambda program: None,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> dict[str, GateResult]:
     tiny, functions, package, conts = emitted
     program = load_package(package)
     mutate(program)
     table = tiny.embed_table.numpy()
-    gates = cached_fp32_check([program], [functions], conts, table, "float16", THRESHOLD)
+    gates = cached_fp32_check(
+        [program], [functions], conts, table, "float16", THRESHOLD, weights=weights
+    )
     return {g.name: g for g in gates}
 
 
@@ -92,3 +96,16 @@ def test_a_bug_in_one_function_fails_the_gate_at_its_first_layer(
     per_layer = check(emitted, scale_epsilon_in(function))["mil_fp32_layer_rel_error"]
     assert not per_layer.passed, per_layer.text()
     assert f"{function} call" in per_layer.where and "layer 0" in per_layer.where, per_layer.where
+
+
+def test_a_variant_s_decoded_weights_are_what_the_module_is_given(emitted: Any) -> None:
+    """A compressed variant's functions are compared with the module holding its decoded
+    weights: given a weight the program does not hold (layer 1's down projection, 1 % off),
+    the gate fails; given the program's own values, it passes."""
+    tiny, functions, _, _ = emitted
+    name = "layers.1.mlp.down.weight"
+    held = tiny.module.get_parameter(name).detach().half()
+    same = check(emitted, weights={name: held.numpy()})["mil_fp32_layer_rel_error"]
+    assert same.passed, same.text()
+    off = check(emitted, weights={name: (held * 1.01).numpy()})["mil_fp32_layer_rel_error"]
+    assert not off.passed and "layer 0" not in off.where, off.text()

@@ -85,12 +85,15 @@ class KvBuild:
     package (one chunk without a weight budget) under ``folder``; ``window(path)`` saves the
     fp16 window program (the same weights, markers on its layer outputs) as ``path``;
     ``gates(packages, sizes)`` runs the cache gates on the chunk packages in call order
-    (`KvParity`); ``package_file(name, i)`` names chunk ``i``'s package of artifact ``name``.
+    (`KvParity`); ``per_layer(packages, decoded)`` the per-layer MIL fp32 gate of every
+    function against the module holding the variant's decoded weights;
+    ``package_file(name, i)`` names chunk ``i``'s package of artifact ``name``.
     ``parameters`` are the window module's parameter names."""
 
     singles: Callable[[Path], list[dict[str, Path]]]
     window: Callable[[Path], Path]
     gates: Callable[[list[Path], list[dict[str, Any]]], Any]
+    per_layer: Callable[[list[Path], dict[str, Any]], list[Any]]
     combine: Callable[[dict[str, Path], Path], dict[str, Any]]
     parameters: list[str]
     package_file: Callable[[str, int], str]
@@ -231,6 +234,7 @@ class KvVariantRun(VariantRun):
     decode_ops: list[dict[str, int]] = field(default_factory=list)
     odd: list[str] = field(default_factory=list)  # weights stored differently somewhere
     kv: Any = None  # the cache gates (`KvParity`)
+    cache_gates: list[Any] = field(default_factory=list)  # gated: per layer, structural
 
     @property
     def kv_build(self) -> KvBuild:
@@ -294,10 +298,19 @@ def _kv_records(run: KvVariantRun, advance: Advance) -> None:
 
 
 def _kv_gates(run: KvVariantRun, advance: Advance) -> None:
-    """The cache's structural gates on the combined packages, and whether every function
-    stores every weight as the window program does."""
+    """Every function per layer against the module with the decoded weights (MIL fp32), the
+    cache's structural gates on the combined packages, and whether every function stores
+    every weight as the window program does (before the window's parity step, which lets
+    the decoded weights go)."""
     from parity.gate import gate
+    from parity.mil import Evaluator
+    from parity.variant import evaluator_weights
 
+    # The evaluator's own decoding (the fp32 profile keeps an int8 weight's scale * q
+    # unrounded), as the window program's check gives it: the functions hold the same bytes.
+    weights, _ = evaluator_weights(Evaluator(run.program, "fp32"), run.decoded)
+    run.cache_gates = run.kv_build.per_layer(run.packages, weights)
+    del weights
     run.kv = run.kv_build.gates(run.packages, run.sizes)
     identical = gate("kv-cache", "kv_weights_identical").check(
         float(len(run.odd)),
@@ -305,12 +318,13 @@ def _kv_gates(run: KvVariantRun, advance: Advance) -> None:
         where="; ".join(run.odd[:3]),
         detail=f"{len(run.records)} weights x {len(run.programs) + 1} programs compared",
     )
-    run.parity.gates += [g for g in run.kv.gates if g.name in STRUCTURAL] + [identical]
+    run.cache_gates += [g for g in run.kv.gates if g.name in STRUCTURAL] + [identical]
 
 
 def _kv_reports(run: KvVariantRun, advance: Advance) -> None:
     """parity.json, parity.txt, kv_parity.json and the manifest with its chunk section."""
     assert run.size is not None and run.scratch is not None
+    run.parity.gates += run.cache_gates
     doc, text = parity_reports(
         run.ctx.subject, run.parity, run.kv, run.sizes, run.size, run.errors, run.stream,
         run.selection.doc,
@@ -334,8 +348,8 @@ def kv_steps(suffix: str, functions: int) -> tuple[Step[Any], ...]:
     return (
         Step(f"{suffix}: compress window + {functions} functions", _kv_compress),
         Step(f"{suffix}: records and size", _kv_records),
+        Step(f"{suffix}: parity of the functions (MIL evaluator)", _kv_gates),
         parity(f"{suffix}: parity (torch, MIL window)"),
-        Step(f"{suffix}: parity through the cache (MIL evaluator)", _kv_gates),
         Step(f"{suffix}: reports and manifest", _kv_reports),
     )
 

@@ -18,7 +18,7 @@ from graph_passes.cached_decoder import CachedDecoder
 from parity.gate import GateResult
 from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
-from parity.kv_mil import PROFILE, Recorder, cached_fp32_gates, record_calls
+from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
 from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession, MilFunctions, session_for
 from parity.mil.program import load_package
@@ -108,13 +108,14 @@ def cached_fp32_check(
     precision: str,
     threshold: float,
     advance: Advance = lambda: None,
+    weights: Weights = None,
 ) -> list[GateResult]:
     """The per-layer MIL fp32 gate on every cached function of ``programs`` (one per chunk,
     `load_package`'s) (`parity.kv_mil`)."""
     recorders = [Recorder(p, c) for p, c in zip(programs, chunks, strict=True)]
     mil = _mil_functions(programs, chunks, PROFILE, recorders)
     record_calls(_sessions(mil, chunks[0], table, advance), recorders, continuations)
-    return cached_fp32_gates(recorders, precision, threshold)
+    return cached_fp32_gates(recorders, precision, threshold, weights)
 
 
 # The levels the cached functions are gated at (parity.html's levels table).

@@ -49,6 +49,7 @@ from converter.tasks.kv_contract import (
 )
 from converter.tasks.kv_parity import KV_LEVELS, PROFILE, cache_gates, cached_fp32_check
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
+from parity.gate import GateResult
 from parity.kv_gates import KvParity
 from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import rope_rows
@@ -356,10 +357,17 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
     def gates(packages: list[Path], sizes: list[dict[str, Any]]) -> KvParity:
         return cache_gates(packages, run.chunks, run.continuations, run.cache.extend, table, sizes)
 
+    def per_layer(packages: list[Path], decoded: dict[str, Any]) -> list[GateResult]:
+        return cached_fp32_check(
+            [load_package(p) for p in packages], run.chunks, run.continuations, table,
+            recipe.precision, recipe.gates.mil_fp32_layer_rel_error, weights=decoded,
+        )  # fmt: skip
+
     build = KvBuild(
         singles,
         lambda path: window_package(run, path),
         gates,
+        per_layer,
         combine_measured,
         [n for n, _ in rw.module.named_parameters()],
         lambda name, i: package_file(name, run.split[i], len(run.split)),
