@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.result import clean_json
+
 
 def psnr_db(candidate: torch.Tensor, reference: torch.Tensor) -> list[float]:
     """PSNR in dB of each row (the last axis is one output vector) of ``candidate``."""
@@ -45,10 +47,9 @@ class PsnrSummary:
 
     def to_json(self) -> dict[str, object]:
         """JSON-ready data (infinities as strings)."""
-        return {
-            k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-            for k, v in vars(self).items()
-        } | {"definition": "20 log10(max|z_ref| / RMS(z - z_ref)) per output vector, dB"}
+        return {k: clean_json(v) for k, v in vars(self).items()} | {
+            "definition": "20 log10(max|z_ref| / RMS(z - z_ref)) per output vector, dB"
+        }
 
 
 def summarize_psnr(values: list[float]) -> PsnrSummary:
