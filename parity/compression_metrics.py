@@ -9,6 +9,7 @@ peak. Identical outputs give +inf; a non-finite candidate gives -inf.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +58,10 @@ def summarize_psnr(values: list[float]) -> PsnrSummary:
     if not values:
         return PsnrSummary(0, math.nan, math.nan, math.nan)
     ordered = sorted(values)
-    n = len(ordered)
-    mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     # The mean skips identical outputs (+inf); a non-finite output (-inf) makes it -inf.
     finite = [v for v in ordered if math.isfinite(v)]
     if ordered[0] == -math.inf:
         mean = -math.inf
     else:
         mean = sum(finite) / len(finite) if finite else math.inf
-    return PsnrSummary(n, ordered[0], mid, mean)
+    return PsnrSummary(len(ordered), ordered[0], statistics.median(ordered), mean)
