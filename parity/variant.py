@@ -77,18 +77,23 @@ class Compared:
         return agreement(self.argmax_kept)[0] if self.argmax_kept else None
 
     def to_json(self, per_position: bool) -> dict[str, Any]:
-        """JSON-ready figures: the position summary, or the sentence cosines."""
+        """JSON-ready figures: the position summary (its uncertified list counted), or the
+        sentence cosines; then the PSNR."""
         if per_position:
-            return _summary_json(self.summary) | {"psnr_db": self.psnr_summary.to_json()}
-        data = {
-            "min_cosine": self.min_cosine,
-            "mean_cosine": self.mean_cosine,
-            "argmax_agreement": self.argmax_agreement,
-            "finite": self.finite,
-            "cosine": self.cosine,
-            "psnr_db": self.psnr_summary.to_json(),
+            s = self.summary
+            data = {k: v for k, v in vars(s).items() if k != "uncertified"}
+            data["uncertified_count"] = len(s.uncertified)
+        else:
+            data = {
+                "min_cosine": self.min_cosine,
+                "mean_cosine": self.mean_cosine,
+                "argmax_agreement": self.argmax_agreement,
+                "finite": self.finite,
+                "cosine": self.cosine,
+            }
+        return {k: clean_json(v) for k, v in data.items()} | {
+            "psnr_db": self.psnr_summary.to_json()
         }
-        return {k: clean_json(v) for k, v in data.items()}
 
 
 @dataclass
@@ -118,11 +123,6 @@ class VariantParity:
     def passed(self) -> bool:
         """True when every gate passed."""
         return all_passed(self.gates)
-
-    @property
-    def per_position(self) -> bool:
-        """Compared per position (decoders), else per sentence."""
-        return self.output == "logits"
 
 
 @dataclass(frozen=True)
@@ -209,13 +209,6 @@ def variant_parity(
     return VariantParity(levels, results, error, notes or [], acceptance, kind.output)
 
 
-def _summary_json(s: Summary) -> dict[str, Any]:
-    """A Summary as JSON-ready data (the uncertified list shortened)."""
-    data = {k: v for k, v in vars(s).items() if k != "uncertified"}
-    data["uncertified_count"] = len(s.uncertified)
-    return {k: clean_json(v) for k, v in data.items()}
-
-
 def evaluator_weights(
     evaluator: Any, decoded: dict[str, np.ndarray]
 ) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -246,7 +239,7 @@ def variant_report(
 ) -> tuple[dict[str, Any], str]:
     """The variant's parity.json content (``about``: the held-out slice) and its parity.txt
     section (``line`` first: the held-out slice in words)."""
-    per_position = result.per_position
+    per_position = result.output == "logits"
     doc = {
         "passed": result.passed,
         "gates": [g.to_json() for g in result.gates],
@@ -277,7 +270,7 @@ def _text(result: VariantParity) -> str:
         for label, c in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
             lines.append(f"{level.implementation:<11} {label:<15} {row(c)}")
     lines += [psnr, f"mil-fp32 {result.output} relative error: {result.mil_fp32_rel_error:.3g}"]
-    if not result.per_position:
+    if result.output != "logits":  # encoders: each sentence's cosine at each level
         names = [level.implementation for level in result.levels]
         lines += ["", "sentence        " + "".join(f"{n + ' cos':>18}" for n in names)]
         for sentence in result.levels[0].vs_original.cosine if result.levels else []:
