@@ -140,7 +140,7 @@ def main() -> None:
 
     progress.Steps.step = counted  # type: ignore[method-assign]
     if args.deep:
-        import converter.compress.decoder as decoder
+        import parity.compression_gates as decoder
 
         for name in ("torch_logits", "mil_logits", "mil_fp32_check"):
             setattr(decoder, name, _around(getattr(decoder, name), name))

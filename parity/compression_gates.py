@@ -1,24 +1,11 @@
-"""Quality of a compressed decoder variant, at torch and MIL level, and its own gates.
+"""A compressed decoder variant's `VariantKind` (``parity.variant``): logits per held-out text.
 
-Every figure is measured on the recipe's held-out text slice (never used for calibration or
-sensitivity) against two baselines:
-
-* the original checkpoint (transformers, fp32): the function the artifact promises - gated;
-* the fp16 artifact (the uncompressed BC1L module at torch level, the fp16 program at MIL
-  level): what compression alone costs - reported.
-
-Levels: ``torch-fp16`` - the BC1L module holding the variant's decoded weights (coremltools'
-own decompression), cast to fp16, every real position of each held-out text; ``mil-fp16`` - the
-emitted variant program in anec's MIL evaluator (fp16 storage profile): with ``mil_positions:
-all`` its all-positions copy (``parity.compression_positions``: the same weights, the last-
-position slice removed) on every real position of each text, one evaluation per text; with a
-number n, the emitted program as it is on each text's last n prefixes; ``mil-fp32`` - the
-program in fp32 against the torch module with the same decoded weights in fp32: compression
-lives in the weights alone, so only rounding may differ.
-
-Per position: top-1 agreement, KL, |dp| (``parity.metrics``) and the logit PSNR in dB,
-``20 log10(max|z_ref| / RMS(z - z_ref))`` over the full logit vector
-(``parity.compression_metrics``).
+``torch-fp16`` scores every real position of each held-out text; ``mil-fp16`` with
+``mil_positions: all`` the program's all-positions copy (``parity.compression_positions``: the
+same weights, the last-position slice removed) on every real position of each text, one
+evaluation per text, with a number n the emitted program on each text's last n prefixes;
+``mil-fp32`` is the program against the torch module with the same decoded weights. Per
+position: top-1 agreement, KL, |dp| (``parity.metrics``) and the PSNR of the full logit vector.
 """
 
 from __future__ import annotations
@@ -35,20 +22,23 @@ import torch
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from parity.compression_metrics import psnr_db
+from parity.compression_positions import all_positions
 from parity.conversion import input_dtypes, program_feed
 from parity.decoder_gates import module_inputs, run_module
 from parity.fixtures import Fixture, make_batches
-from parity.gate import Gate, GateResult, first_few, gate
+from parity.gate import first_few
 from parity.head_outputs import run_capturing_logits
 from parity.memory import release_memory
 from parity.metrics import PositionRow, compare_positions
-from parity.model_copies import cast_copy, in_float64, program_constants, set_weights
+from parity.model_copies import in_float64, program_constants, set_weights, with_weights
 from parity.reference import ReferenceRun
 from parity.result import rel_error
-from parity.variant import Compared, VariantLevel, evaluator_weights
+from parity.variant import Compared, Score, decoded_alike, evaluator_weights
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
 Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
+# Windows the fp32 consistency check runs (the program against torch with the same weights).
+FP32_WINDOWS = 2
 
 
 @dataclass
@@ -72,18 +62,18 @@ class HeldOut:
 
 def torch_logits(
     module: BC1LDecoder,
+    decoded: dict[str, np.ndarray],
     held_out: HeldOut,
     embed_table: torch.Tensor,
-    dtype: torch.dtype,
     wrap: Wrap | None = None,
 ) -> Logits:
-    """Logits at every real position of each held-out text, the module run in ``dtype``
-    (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
-    run = module if next(module.parameters()).dtype == dtype else cast_copy(module, dtype)
+    """Logits at every real position of each held-out text, ``module`` holding ``decoded`` run
+    in fp16 (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
+    run = with_weights(module, decoded, torch.float16)
     length = module.io.length
     out: Logits = {}
     (batch,) = make_batches(held_out.texts, len(held_out.texts), length, held_out.pad_id)
-    x, mask = module_inputs(run, batch, embed_table, dtype)
+    x, mask = module_inputs(run, batch, embed_table, torch.float16)
     with wrap(run) if wrap is not None else contextlib.nullcontext():
         _, logits = run_module(run, x, mask)
     for r, fixture in enumerate(batch.fixtures):
@@ -115,111 +105,113 @@ def mil_logits(
     return out
 
 
-def _compared(rows: list[PositionRow], psnr: list[float]) -> Compared:
-    """Finite when every compared logit was."""
-    return Compared(psnr, all(np.isfinite(r.logit_error) for r in rows), rows)
-
-
-def compare_torch(cand: Logits, base: Logits | dict[str, ReferenceRun]) -> Compared:
-    """Rows and PSNR for every real position of every held-out text."""
+def compare_logits(cand: Logits, held_out: HeldOut, base: Logits | None) -> Compared:
+    """Rows and PSNR for every position of every text (torch level) or MIL window: against the
+    reference (``base`` None) or ``base`` logits (the same texts or windows). Finite when every
+    compared logit was."""
     rows: list[PositionRow] = []
     psnr: list[float] = []
     for name, logits in cand.items():
-        ref = base[name]
-        want = ref.logits if isinstance(ref, ReferenceRun) else ref
-        n = logits.shape[0]
-        rows += compare_positions(name, "held-out", n, list(range(n)), logits, want)
-        psnr += psnr_db(logits, want)
-    return _compared(rows, psnr)
-
-
-def compare_windows(cand: Logits, held_out: HeldOut, base: Logits | None) -> Compared:
-    """Rows and PSNR for every position of every MIL window: against the reference (``base``
-    None) or ``base`` logits (the same windows)."""
-    rows: list[PositionRow] = []
-    psnr: list[float] = []
-    for name, logits in cand.items():
-        text, last = held_out.window_source[name]
+        # a whole text ends at its last position; a window as `prepare_held_out` cut it
+        text, last = held_out.window_source.get(name, (name, logits.shape[0] - 1))
         first = last - logits.shape[0] + 1
         want = held_out.references[text].logits[first : last + 1] if base is None else base[name]
         positions = list(range(first, last + 1))
         rows += compare_positions(text, "held-out", last + 1, positions, logits, want)
         psnr += psnr_db(logits, want)
-    return _compared(rows, psnr)
+    return Compared(psnr, all(np.isfinite(r.logit_error) for r in rows), rows)
 
 
-def decoder_gates(
-    levels: list[VariantLevel],
-    min_top1: float,
-    max_mean_kl: float,
-    max_abs_dprob: float | None,
-    mil_fp32_error: float,
-    mil_fp32_threshold: float,
-    decode_mismatches: list[str],
-    quantizer_mismatches: int | None = None,
-) -> list[GateResult]:
-    """The variant's own gates: each level against the original checkpoint.
+@dataclass
+class DecoderKind:
+    """The decoder side of `parity.variant.variant_parity`: logits per held-out position;
+    ``wrap`` and ``quantizers`` are a method's changes beyond weights (int8 activations:
+    ``compress.methods.base.Inspected``)."""
 
-    ``decode_mismatches`` names the weights whose decodings differ (the gate's ``where``).
-    """
-    gates = []
-    for level in levels:
-        s, impl = level.vs_original.summary, level.implementation
+    module: BC1LDecoder
+    embed_table: torch.Tensor
+    held_out: HeldOut
+    threshold: float  # gates.mil_fp32_layer_rel_error
+    wrap: Wrap | None = None
+    quantizers: Callable[[Any, dict[str, Any]], int] | None = None
+    output: str = "logits"
+    fp32_steps: int = FP32_WINDOWS
+
+    @property
+    def descriptions(self) -> dict[str, str]:
+        """What runs at each level."""
+        mil = (
+            "its all-positions copy (the same weight constants, the last-position slice "
+            "removed): every real position of each held-out text, one evaluation per text"
+            if self.held_out.all_positions
+            else "the last position of each held-out prefix window"
+        )
+        return {
+            "torch-fp16": "the BC1L module with the variant's decoded weights, cast to fp16, "
+            "torch on the CPU; every real position of each held-out text",
+            "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage "
+            "profile; " + mil,
+        }
+
+    def run(self, implementation: str, program: Any, decoded: dict[str, np.ndarray],
+            advance: Callable[[], None]) -> Logits:  # fmt: skip
+        """Logits of every held-out text (torch) or window (the program, MIL fp16)."""
+        from parity.mil import Evaluator
+
+        held_out, table = self.held_out, self.embed_table
+        if implementation == "torch-fp16":
+            return torch_logits(self.module, decoded, held_out, table, self.wrap)
+        if held_out.all_positions:  # the program becomes its all-positions copy, in place
+            all_positions(program)
+        evaluator = Evaluator(program, "fp16")
+        return mil_logits(evaluator, self.module, held_out, table, progress=advance)
+
+    def compare(self, got: Logits, baseline: Logits | None) -> Compared:
+        """Every position of ``got`` against the reference or ``baseline``."""
+        return compare_logits(got, self.held_out, baseline)
+
+    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+        """Top-1 agreement, mean KL, finiteness and (when the variant sets it) max |dp|."""
+        s = compared.summary
         # No held-out position measured: nothing is shown, so the value is NaN and fails.
         top1 = s.argmax_agreement if s.positions else math.nan
         kl = s.mean_kl if s.positions else math.nan
-        gates += [
-            _variant("min_top1_agreement").check(
-                top1, min_top1, implementation=impl,
-                detail=f"{s.positions} held-out positions, against the original checkpoint",
-            ),
-            _variant("max_mean_kl").check(
-                kl, max_mean_kl, implementation=impl,
-                detail="KL(p_original || p_variant), nats, mean over held-out positions",
-            ),
-            _variant("finite_outputs").check(float(level.finite), implementation=impl),
+        found = [
+            Score("min_top1_agreement", top1, gates.min_top1_agreement,
+                  detail=f"{s.positions} held-out positions, against the original checkpoint"),
+            Score("max_mean_kl", kl, gates.max_mean_kl,
+                  detail="KL(p_original || p_variant), nats, mean over held-out positions"),
+            Score("finite_outputs", float(compared.finite)),
         ]  # fmt: skip
-        if max_abs_dprob is not None:
-            gates.append(
-                _variant("max_abs_dprob").check(
-                    s.max_abs_dprob, max_abs_dprob, implementation=impl,
-                    detail="softmax at T=1, held-out positions",
-                )
-            )  # fmt: skip
-    if quantizer_mismatches is None:
-        gates.append(
-            _variant("mil_fp32_layer_rel_error").check(
-                mil_fp32_error,
-                mil_fp32_threshold,
-                implementation="mil-fp32",
-                where="logits",
-                detail="the variant program in fp32 against the torch module with the same "
-                "decoded weights: compression is in the weights only",
-            )
-        )
-    else:  # int8 activations: end-to-end agreement is reported, each quantizer is gated
-        gates.append(
-            _variant("activation_quantizers_alike").check(
-                float(quantizer_mismatches),
-                implementation="mil-fp32",
-                detail="int8 quantize/dequantize pairs whose torch fake-quantization of the "
-                "program's own input differs from the program's output in any bit",
-            )
-        )
-    gates.append(
-        _variant("weights_decoded_alike").check(
-            float(len(decode_mismatches)),
-            implementation="mil-fp32",
-            where=first_few(decode_mismatches),
-            detail="compressed weights whose MIL-evaluator decoding, rounded to fp16, differs "
-            "from coremltools' own decoding",
-        )
-    )
-    return gates
+        if gates.max_abs_dprob is not None:
+            found.append(Score("max_abs_dprob", s.max_abs_dprob, gates.max_abs_dprob,
+                               detail="softmax at T=1, held-out positions"))  # fmt: skip
+        return found
 
+    def program_check(self, program: Any, decoded: dict[str, np.ndarray]
+                      ) -> tuple[float, list[Score]]:  # fmt: skip
+        """The program in fp32 against torch with the same weights (`mil_fp32_check`) and,
+        with int8 activations, each quantizer on the program's own input: end-to-end
+        agreement is then reported, each quantizer gated."""
+        from parity.mil import Evaluator
 
-def _variant(name: str) -> Gate:
-    return gate("compression", name)
+        module, held_out, table = self.module, self.held_out, self.embed_table
+        error, mismatched = mil_fp32_check(
+            program, module, decoded, held_out, table, FP32_WINDOWS, self.wrap
+        )
+        if self.quantizers is None:
+            check = Score("mil_fp32_layer_rel_error", error, self.threshold, "logits",
+                          "the variant program in fp32 against the torch module with the same "
+                          "decoded weights: compression is in the weights only")  # fmt: skip
+        else:
+            evaluator = Evaluator(program, "fp32")
+            (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
+            feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, table)
+            check = Score("activation_quantizers_alike", float(self.quantizers(evaluator, feed)),
+                          detail="int8 quantize/dequantize pairs whose torch fake-quantization of "
+                          "the program's own input differs from the program's output in any "
+                          "bit")  # fmt: skip
+        return error, [check, decoded_alike(len(mismatched), first_few(mismatched))]
 
 
 def mil_fp32_check(

@@ -9,9 +9,12 @@ peak. Identical outputs give +inf; a non-finite candidate gives -inf.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
+
+from parity.result import clean_json
 
 
 def psnr_db(candidate: torch.Tensor, reference: torch.Tensor) -> list[float]:
@@ -45,10 +48,9 @@ class PsnrSummary:
 
     def to_json(self) -> dict[str, object]:
         """JSON-ready data (infinities as strings)."""
-        return {
-            k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-            for k, v in vars(self).items()
-        } | {"definition": "20 log10(max|z_ref| / RMS(z - z_ref)) per output vector, dB"}
+        return {k: clean_json(v) for k, v in vars(self).items()} | {
+            "definition": "20 log10(max|z_ref| / RMS(z - z_ref)) per output vector, dB"
+        }
 
 
 def summarize_psnr(values: list[float]) -> PsnrSummary:
@@ -56,12 +58,10 @@ def summarize_psnr(values: list[float]) -> PsnrSummary:
     if not values:
         return PsnrSummary(0, math.nan, math.nan, math.nan)
     ordered = sorted(values)
-    n = len(ordered)
-    mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     # The mean skips identical outputs (+inf); a non-finite output (-inf) makes it -inf.
     finite = [v for v in ordered if math.isfinite(v)]
     if ordered[0] == -math.inf:
         mean = -math.inf
     else:
         mean = sum(finite) / len(finite) if finite else math.inf
-    return PsnrSummary(n, ordered[0], mid, mean)
+    return PsnrSummary(len(ordered), ordered[0], statistics.median(ordered), mean)

@@ -1,29 +1,18 @@
-"""Quality of a compressed encoder variant, at torch and MIL level, and its own gates.
+"""A compressed encoder variant's `VariantKind` (``parity.variant``): the task output per
+held-out sentence (``compression.held_out``), right-padded in the artifact's (B, L) batches;
+the original runs each sentence alone. Gated: min cosine of the task output (per sentence
+embedding or logits, per real token for hidden states) and, for a classifier, argmax agreement.
 
-The encoder counterpart of ``parity.compression_gates``. Every figure is measured on the
-recipe's held-out sentences (``compression.held_out``, not the conversion fixtures), right-
-padded in the artifact's (B, L) batches, against two baselines:
-
-* the original checkpoint (transformers, fp32, each sentence alone): the function the
-  artifact promises - gated: min cosine of the task output (per sentence for a sentence
-  embedding or logits, per real token for hidden states) and, for a classifier, argmax
-  agreement;
-* the fp16 artifact (the uncompressed module in fp16 at torch level, the fp16 program at MIL
-  level): what compression alone costs - reported.
-
-Levels: ``torch-fp16`` - the BC1L encoder holding the variant's decoded weights (coremltools'
-own decompression) with the fp16 epsilon floors, cast to fp16; ``mil-fp16`` - the emitted
-variant program in anec's MIL evaluator (fp16 storage profile); ``mil-fp32`` - the program in
-fp32 against the uncompressed program holding the same decoded weights: compression lives in
-the weights alone, so nothing else may differ. (Against torch the fp16 conversion's own gates
-already hold the program; this level isolates what compression changed.)
+``torch-fp16`` has the fp16 epsilon floors; ``mil-fp32`` is the program against the
+uncompressed program holding the same decoded weights (against torch the fp16 conversion's own
+gates already hold the program; this level isolates what compression changed).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -39,12 +28,20 @@ from parity.encoder_gates import (
 )
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, gate, worst_of
+from parity.gate import worst_of
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner, rel_error
-from parity.variant import Compared, VariantLevel, evaluator_weights
+from parity.variant import Compared, Score, decoded_alike, evaluator_weights
 
 SentenceOutputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
+# Batches the fp32 consistency check runs (the program against the same decoded weights).
+FP32_BATCHES = 1
+# What one cosine is of, by task output (a gate's detail).
+_PER = {
+    "sentence-embedding": "sentence embedding",
+    "last-hidden-state": "real token (min over each sentence's tokens)",
+    "logits": "sentence's logits",
+}
 
 
 @dataclass
@@ -60,21 +57,18 @@ class EncoderHeldOut:
     pad_id: int = 0
 
 
-def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut) -> SentenceOutputs:
-    """Each held-out sentence's task output (its real positions) from ``runner``."""
+def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut,
+            advance: Callable[[], None] = lambda: None) -> SentenceOutputs:  # fmt: skip
+    """Each held-out sentence's task output (its real positions) from ``runner`` (``advance``
+    after each batch)."""
     out: SentenceOutputs = {}
     for batch in held_out.batches:
         result = runner(batch)[1][OUTPUT]
         for r, fixture in enumerate(batch.fixtures):
             n = len(fixture.token_ids)
             out[fixture.name] = real_part(result, module.io.output, r, n).float()
+        advance()
     return out
-
-
-def fp16_runner(module: BC1LEncoder, weights: dict[str, np.ndarray] | None = None) -> Runner:
-    """The torch fp16 level: ``module`` (with ``weights`` when given) as the fp16 program
-    stores it - epsilon floors, every value fp16."""
-    return encoder_runner(fp16_module(with_weights(module, weights or {})), torch.float16)
 
 
 def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
@@ -93,7 +87,8 @@ def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
 # ---- comparisons ------------------------------------------------------------------------------
 
 
-def compare(candidate: SentenceOutputs, baseline: dict[str, Any], logits: bool) -> Compared:
+def compare_outputs(candidate: SentenceOutputs, baseline: dict[str, Any], logits: bool
+                    ) -> Compared:  # fmt: skip
     """Cosines (and argmax agreement for logits) of ``candidate`` against ``baseline`` outputs
     (tensors or `EncoderReference`)."""
     cos, kept, finite, psnr = {}, {}, True, []
@@ -103,63 +98,79 @@ def compare(candidate: SentenceOutputs, baseline: dict[str, Any], logits: bool) 
         ok = bool(torch.isfinite(got).all())
         finite &= ok
         cos[name] = float(cosines(got, want).min()) if ok else float("-inf")
-        g, w = (got.double()[None], want[None]) if got.dim() == 1 else (got.double(), want)
-        psnr.append(min(psnr_db(g, w)))  # per output vector (a token's for hidden states)
+        psnr.append(min(psnr_db(got, want)))  # per output vector (a token's for hidden states)
         if logits:
             kept[name] = ok and int(got.argmax()) == int(want.argmax())
     return Compared(psnr, finite, cosine=cos, argmax_kept=kept)
 
 
-def encoder_gates(
-    levels: list[VariantLevel],
-    min_cosine: float,
-    min_top1: float | None,
-    mil_fp32_error: float,
-    mil_fp32_threshold: float,
-    decode_mismatches: int,
-    what: str,
-) -> list[GateResult]:
-    """The variant's own gates: each level against the original checkpoint, then the program
-    in fp32 against torch with the same weights, and the two decoders of its weights."""
-    gates = []
-    for level in levels:
-        s, impl = level.vs_original, level.implementation
-        worst = worst_of(((cosine, sentence) for sentence, cosine in s.cosine.items()), True)
-        gates.append(
-            gate("compression", "min_cosine").check(
-                s.min_cosine if s.cosine else math.nan, min_cosine, implementation=impl,
-                where=worst.where,
-                detail=f"per {what}, {len(s.cosine)} held-out sentences, against the original "
-                f"checkpoint; mean {s.mean_cosine:.6f}",
-            )
-        )  # fmt: skip
-        agreement = s.argmax_agreement
-        if agreement is not None and min_top1 is not None:
-            gates.append(
-                gate("compression", "min_top1_agreement").check(
-                    agreement, min_top1, implementation=impl,
-                    detail="predicted label of each held-out sentence, against the original "
-                    "checkpoint",
-                )
-            )  # fmt: skip
-        gates.append(
-            gate("compression", "finite_outputs").check(float(s.finite), implementation=impl)
+@dataclass
+class EncoderKind:
+    """The encoder side of `parity.variant.variant_parity`: the task output per held-out
+    sentence; ``fp16_program`` is the uncompressed program the fp32 check compares with."""
+
+    module: BC1LEncoder
+    held_out: EncoderHeldOut
+    threshold: float  # gates.mil_fp32_layer_rel_error
+    fp16_program: Any = None
+    output: str = "output"
+    fp32_steps: int = FP32_BATCHES
+
+    descriptions: ClassVar[dict[str, str]] = {
+        "torch-fp16": "the BC1L encoder with the variant's decoded weights and the fp16 epsilon "
+        "floors, cast to fp16, torch on the CPU; right-padded (B, L) batches",
+        "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage profile",
+    }
+
+    def run(self, implementation: str, program: Any, decoded: dict[str, np.ndarray],
+            advance: Callable[[], None]) -> SentenceOutputs:  # fmt: skip
+        """Each held-out sentence's task output from torch or the program (MIL fp16)."""
+        from parity.mil import Evaluator
+
+        module, held_out = self.module, self.held_out
+        if implementation == "torch-fp16":
+            # as the fp16 program stores it: epsilon floors, every value fp16
+            half = fp16_module(with_weights(module, decoded))
+            return outputs(encoder_runner(half, torch.float16), module, held_out)
+        run = program_runner(Evaluator(program, "fp16"), module)
+        return outputs(run, module, held_out, advance)
+
+    def compare(self, got: SentenceOutputs, baseline: SentenceOutputs | None) -> Compared:
+        """Each sentence of ``got`` against the original checkpoint's or ``baseline``."""
+        base = self.held_out.references if baseline is None else baseline
+        return compare_outputs(got, base, self.module.io.output == "logits")
+
+    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+        """Min cosine, argmax agreement (a classifier, when the variant sets it), finiteness."""
+        c = compared
+        worst = worst_of(((cosine, sentence) for sentence, cosine in c.cosine.items()), True)
+        found = [
+            Score("min_cosine", c.min_cosine, gates.min_cosine, worst.where,
+                  f"per {_PER[self.module.io.output]}, {len(c.cosine)} held-out sentences, "
+                  f"against the original checkpoint; mean {c.mean_cosine:.6f}"),
+        ]  # fmt: skip
+        if c.argmax_agreement is not None and gates.min_top1_agreement is not None:
+            found.append(Score("min_top1_agreement", c.argmax_agreement,
+                               gates.min_top1_agreement, detail="predicted label of each "
+                               "held-out sentence, against the original checkpoint"))  # fmt: skip
+        return found + [Score("finite_outputs", float(c.finite))]
+
+    def program_check(self, program: Any, decoded: dict[str, np.ndarray]
+                      ) -> tuple[float, list[Score]]:  # fmt: skip
+        """The program against the uncompressed one holding the same decoded weights."""
+        batches = self.held_out.batches[:FP32_BATCHES]
+        error, mismatched = mil_fp32_against_program(
+            program, self.fp16_program, self.module, decoded, batches
         )
-    gates.append(
-        gate("compression", "mil_fp32_layer_rel_error").check(
-            mil_fp32_error, mil_fp32_threshold, implementation="mil-fp32", where="task output",
-            detail="the variant program against the uncompressed program holding the same "
+        check = Score(
+            "mil_fp32_layer_rel_error",
+            error,
+            self.threshold,
+            "task output",
+            "the variant program against the uncompressed program holding the same "
             "decoded weights, both MIL fp32: compression is in the weights only",
         )
-    )  # fmt: skip
-    gates.append(
-        gate("compression", "weights_decoded_alike").check(
-            float(decode_mismatches), implementation="mil-fp32",
-            detail="compressed weights whose MIL-evaluator decoding, rounded to fp16, differs "
-            "from coremltools' own decoding",
-        )
-    )  # fmt: skip
-    return gates
+        return error, [check, decoded_alike(mismatched)]
 
 
 # ---- the program in fp32 ----------------------------------------------------------------------

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from parity.gate import GateResult, json_number
-from parity.result import ParityReport
+from parity.result import ParityReport, rows_to_json
 from parity.stream_report import stream_to_json, stream_to_text
 
 SCHEMA_VERSION = 1
@@ -21,22 +20,10 @@ def report_to_json(report: ParityReport, extra: dict[str, Any] | None = None) ->
         "implementations": report.implementations,
         "gates": [g.to_json() for g in report.gates],
         "layers": [
-            {
-                **{
-                    k: json_number(v) if isinstance(v, float) else v
-                    for k, v in dataclasses.asdict(row).items()
-                },
-                "fp16_overflow_margin": json_number(row.fp16_overflow_margin),
-            }
-            for row in report.layers
+            doc | {"fp16_overflow_margin": json_number(row.fp16_overflow_margin)}
+            for doc, row in zip(rows_to_json(report.layers), report.layers, strict=True)
         ],
-        "fixtures": [
-            {
-                k: json_number(v) if isinstance(v, float) else v
-                for k, v in dataclasses.asdict(row).items()
-            }
-            for row in report.fixtures
-        ],
+        "fixtures": rows_to_json(report.fixtures),
         **({"stream": stream_to_json(report.stream)} if report.stream else {}),
         **(extra or {}),
     }

@@ -20,28 +20,15 @@ from converter.compress.corpus import slice_fixtures
 from converter.compress.methods.base import Inspected, Scheme, VariantFields
 from converter.compress.sites import WeightSite
 from graph_passes.decoder import BC1LDecoder
-from parity.compression_gates import (
-    HeldOut,
-    Logits,
-    compare_torch,
-    compare_windows,
-    decoder_gates,
-    mil_fp32_check,
-    mil_logits,
-    torch_logits,
-)
+from parity.compression_gates import FP32_WINDOWS, DecoderKind, HeldOut
 from parity.conversion import input_dtypes, program_feed
 from parity.fixtures import Fixture, make_batches
-from parity.memory import release_memory
 from parity.model_copies import with_weights
 from parity.reference import run_reference
-from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
+from parity.variant import Outputs, VariantParity, baselines, variant_parity, variant_report
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
-
-# Windows the fp32 consistency check runs (the program against torch with the same weights).
-FP32_WINDOWS = 2
 
 
 def prepare_held_out(
@@ -92,9 +79,9 @@ class DecoderSubject:
     )
     # compression.acceptance (a `config.AcceptanceSpec`): each variant's speculative acceptance
     acceptance: Any = None
-    # The fp16 artifact's own logits, computed once for all variants by `baselines`.
-    torch_fp16: Logits = field(default_factory=dict)
-    mil_fp16: Logits = field(default_factory=dict)
+    # The fp16 artifact's own logits at each level, computed once for all variants by
+    # `baselines`.
+    fp16: dict[str, Outputs] = field(default_factory=dict)
 
     @property
     def baseline_steps(self) -> int:
@@ -109,14 +96,7 @@ class DecoderSubject:
 
     def baselines(self, program: Any, advance: Callable[[], None]) -> None:
         """The fp16 artifact's logits: the torch module in fp16 and the program (MIL fp16)."""
-        from parity.mil import Evaluator
-
-        self._positions(program)
-        self.torch_fp16 = torch_logits(self.module, self.held_out, self.embed_table, torch.float16)
-        self.mil_fp16 = mil_logits(
-            Evaluator(program, "fp16"), self.module, self.held_out, self.embed_table,
-            progress=advance,
-        )  # fmt: skip
+        self.fp16 = baselines(self._kind(None), program, advance)
 
     def calibration_stages(self) -> Stages:
         """The decoder's stages on the calibration texts, one left-padded batch."""
@@ -154,62 +134,20 @@ class DecoderSubject:
     ) -> VariantParity:
         """Torch fp16 and MIL fp16 logits of the variant against the original checkpoint (gated)
         and the fp16 artifact (reported), and the program in fp32 against torch."""
-        from parity.mil import Evaluator
-
-        self._positions(program)
-        module, held_out, table = self.module, self.held_out, self.embed_table
         wrap = inspected.wrap if inspected is not None else None
-        torch16 = torch_logits(
-            with_weights(module, decoded, torch.float16), held_out, table, torch.float16, wrap
-        )
-        release_memory()
-        torch_level = VariantLevel(
-            "torch-fp16",
-            "the BC1L module with the variant's decoded weights, cast to fp16, torch on the "
-            "CPU; every real position of each held-out text",
-            compare_torch(torch16, held_out.references),
-            compare_torch(torch16, self.torch_fp16),
-        )
         acceptance = self._acceptance(decoded, wrap, advance)
-        # Each level frees its copy of the model before the next makes one: at Qwen2.5-0.5B
-        # size each is GBs (bench compress.py methods).
-        mil16 = mil_logits(Evaluator(program, "fp16"), module, held_out, table, progress=advance)
-        release_memory()
-        mil_level = VariantLevel(
-            "mil-fp16",
-            "the emitted variant program in anec's MIL evaluator, fp16 storage profile; "
-            + (
-                "its all-positions copy (the same weight constants, the last-position slice "
-                "removed): every real position of each held-out text, one evaluation per text"
-                if held_out.all_positions
-                else "the last position of each held-out prefix window"
-            ),
-            compare_windows(mil16, held_out, None),
-            compare_windows(mil16, held_out, self.mil_fp16),
+        kind = self._kind(inspected)
+        notes = list(inspected.notes) if inspected is not None else []
+        return variant_parity(
+            kind, variant.gates, program, decoded, advance, self.fp16, notes, acceptance
         )
-        fp32_error, mismatches = mil_fp32_check(
-            program, module, decoded, held_out, table, FP32_WINDOWS, wrap
-        )
-        release_memory()
-        for _ in range(FP32_WINDOWS):
-            advance()
-        g = variant.gates
-        assert g.min_top1_agreement is not None and g.max_mean_kl is not None  # recipe rule
-        levels = [torch_level, mil_level]
-        quantizers = None
-        notes: list[str] = []
-        if inspected is not None and inspected.check is not None:
-            evaluator = Evaluator(program, "fp32")
-            (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
-            feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, table)
-            quantizers = inspected.check(evaluator, feed)
+
+    def _kind(self, inspected: Inspected | None) -> DecoderKind:
+        """How a level runs and is scored, with the method's changes beyond weights."""
+        kind = DecoderKind(self.module, self.embed_table, self.held_out, self.mil_fp32_threshold)
         if inspected is not None:
-            notes += inspected.notes
-        gates = decoder_gates(
-            levels, g.min_top1_agreement, g.max_mean_kl, g.max_abs_dprob, fp32_error,
-            self.mil_fp32_threshold, mismatches, quantizers,
-        )  # fmt: skip
-        return VariantParity(levels, gates, fp32_error, notes, acceptance)
+            kind.wrap, kind.quantizers = inspected.wrap, inspected.check
+        return kind
 
     def _acceptance(
         self, decoded: dict[str, np.ndarray], wrap: Any, advance: Callable[[], None]
@@ -243,13 +181,6 @@ class DecoderSubject:
             rows = draft_acceptance(draft, target, self.embed_table, setup, advance)
         return acceptance_json(rows, setup)
 
-    def _positions(self, program: Any) -> None:
-        """Make ``program`` its all-positions copy in place when the slice asks for it."""
-        if self.held_out.all_positions:
-            from parity.compression_positions import all_positions
-
-            all_positions(program)
-
     def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
         """The variant's parity.json content and its parity.txt section."""
         h = self.held_out
@@ -263,9 +194,9 @@ class DecoderSubject:
             f"held-out slice: {h.source}; {len(h.texts)} texts, {h.positions} positions "
             "scored at torch level"
         )
-        text = line + "\n" + parity_text(parity)
+        doc, text = variant_report(parity, about, line)
         if parity.acceptance is not None:
             from converter.compress.acceptance import acceptance_text
 
             text += "\n" + acceptance_text(parity.acceptance)
-        return parity_json(parity) | {"held_out": about}, text
+        return doc, text

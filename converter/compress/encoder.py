@@ -31,32 +31,15 @@ from converter.errors import InputError
 from converter.progress import Steps
 from converter.recipe.compression import Compression
 from graph_passes.encoder import BC1LEncoder
-from parity.encoder_compression_gates import (
-    EncoderHeldOut,
-    SentenceOutputs,
-    compare,
-    encoder_gates,
-    fp16_runner,
-    mil_fp32_against_program,
-    outputs,
-    program_runner,
-)
+from parity.encoder_compression_gates import FP32_BATCHES, EncoderHeldOut, EncoderKind
 from parity.encoder_gates import run_encoder_reference
 from parity.fixtures import make_batches
-from parity.variant import VariantLevel, VariantParity, parity_json, parity_text
+from parity.variant import Outputs, VariantParity, baselines, variant_parity, variant_report
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
 
 __all__ = ["EncoderSubject", "emit_encoder_variants", "prepare_encoder_held_out"]
-
-# Batches the fp32 consistency check runs (the program against torch with the same weights).
-FP32_BATCHES = 1
-_PER = {
-    "sentence-embedding": "sentence embedding",
-    "last-hidden-state": "real token (min over each sentence's tokens)",
-    "logits": "sentence's logits",
-}
 
 
 def prepare_encoder_held_out(
@@ -92,9 +75,9 @@ class EncoderSubject:
         "activations, embedding tables, norms' parameters, biases and masks stay as in the "
         "fp16 artifact"
     )
-    # The fp16 artifact's own outputs, computed once for all variants by `baselines`.
-    torch_fp16: SentenceOutputs = field(default_factory=dict)
-    mil_fp16: SentenceOutputs = field(default_factory=dict)
+    # The fp16 artifact's own outputs at each level, computed once for all variants by
+    # `baselines`.
+    fp16: dict[str, Outputs] = field(default_factory=dict)
     fp16_program: Any = None  # kept for the mil-fp32 level
 
     @property
@@ -109,11 +92,7 @@ class EncoderSubject:
 
     def baselines(self, program: Any, advance: Callable[[], None]) -> None:
         """The fp16 artifact's outputs: the torch module in fp16 and the program (MIL fp16)."""
-        from parity.mil import Evaluator
-
-        self.torch_fp16 = outputs(fp16_runner(self.module), self.module, self.held_out)
-        run = program_runner(Evaluator(program, "fp16"), self.module)
-        self.mil_fp16 = outputs(_advancing(run, advance), self.module, self.held_out)
+        self.fp16 = baselines(self._kind(), program, advance)
         self.fp16_program = program
 
     def parity(
@@ -125,52 +104,24 @@ class EncoderSubject:
         inspected: Inspected | None,
     ) -> VariantParity:
         """Torch fp16 and MIL fp16 outputs of the variant against the original checkpoint
-        (gated) and the fp16 artifact (reported), and the program in fp32 against torch."""
-        from parity.mil import Evaluator
-
+        (gated) and the fp16 artifact (reported), and the program in fp32 against the
+        uncompressed program holding the same weights."""
         if inspected is not None:
             raise InputError(f"{variant.method}: changes beyond weights are not implemented for "
                              "encoders")  # fmt: skip
-        module, held_out = self.module, self.held_out
-        logits = module.io.output == "logits"
-        refs = held_out.references
-        torch16 = outputs(fp16_runner(module, decoded), module, held_out)
-        run = _advancing(program_runner(Evaluator(program, "fp16"), module), advance)
-        mil16 = outputs(run, module, held_out)
-        levels = [
-            VariantLevel(
-                "torch-fp16",
-                "the BC1L encoder with the variant's decoded weights and the fp16 epsilon "
-                "floors, cast to fp16, torch on the CPU; right-padded (B, L) batches",
-                compare(torch16, refs, logits),
-                compare(torch16, self.torch_fp16, logits),
-            ),
-            VariantLevel(
-                "mil-fp16",
-                "the emitted variant program in anec's MIL evaluator, fp16 storage profile",
-                compare(mil16, refs, logits),
-                compare(mil16, self.mil_fp16, logits),
-            ),
-        ]
-        fp32_error, mismatches = mil_fp32_against_program(
-            program, self.fp16_program, module, decoded, held_out.batches[:FP32_BATCHES]
-        )
-        for _ in range(FP32_BATCHES):
-            advance()
-        g = variant.gates
-        assert g.min_cosine is not None  # recipe rule for encoder variants
-        gates = encoder_gates(
-            levels, g.min_cosine, g.min_top1_agreement, fp32_error, self.mil_fp32_threshold,
-            mismatches, _PER[module.io.output],
-        )  # fmt: skip
-        return VariantParity(levels, gates, fp32_error, output="output")
+        return variant_parity(self._kind(), variant.gates, program, decoded, advance, self.fp16)
+
+    def _kind(self) -> EncoderKind:
+        """How a level runs and is scored."""
+        return EncoderKind(self.module, self.held_out, self.mil_fp32_threshold, self.fp16_program)
 
     def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
         """The variant's parity.json content and its parity.txt section."""
         h = self.held_out
         about = {"source": h.source, "sentences": len(h.fixtures)}
-        line = f"held-out slice: {h.source}; {len(h.fixtures)} sentences"
-        return parity_json(parity) | {"held_out": about}, line + "\n" + parity_text(parity)
+        return variant_report(
+            parity, about, f"held-out slice: {h.source}; {len(h.fixtures)} sentences"
+        )
 
     def calibration_stages(self) -> Stages:
         """The encoder's stages on the calibration sentences, in the program's batches."""
@@ -187,15 +138,6 @@ class EncoderSubject:
     ) -> tuple[dict[str, Scheme], dict[str, Any]]:
         """Not implemented for encoders (the recipe schema refuses mixed for them)."""
         raise InputError("the mixed-bit search is implemented for text-generation only")
-
-
-def _advancing(run: Any, advance: Callable[[], None]) -> Any:
-    def wrapped(batch: Any) -> Any:
-        out = run(batch)
-        advance()
-        return out
-
-    return wrapped
 
 
 def emit_encoder_variants(
