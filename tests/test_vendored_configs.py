@@ -22,6 +22,7 @@ EXPECTED = {
     "mmbert-base-shape": ("ModernBertConfig", "ModernBertModel", 306.9),
     "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", 596.0),
     "gemma-3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", 268.1),
+    "llama-3.2-1b": ("LlamaConfig", "LlamaForCausalLM", 1235.8),
 }
 
 

@@ -15,7 +15,7 @@ from converter.steps import Advance
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
-from parity.gate import GateResult
+from parity.gate import GateResult, gate
 from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
@@ -36,8 +36,6 @@ def cache_gates(
     """Every cache gate on the multifunction ``packages`` (one per chunk, in call order, run
     as one chain) in the MIL evaluator's fp16 profile, and whether each stores its weights
     once (``sizes`` from `combine_measured`, per chunk)."""
-    from parity.gate import gate
-
     programs = [load_package(p) for p in packages]
     mil = _mil_functions(programs, chunks, "fp16")
     kv = check_kv(_sessions(mil, chunks[0], table, advance), continuations, "prefill", extend,
