@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import resource
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -191,6 +192,7 @@ class VariantRun:
     stream: dict[str, Any] = field(default_factory=dict)
     inspected: Inspected | None = None
     parity: Any = None  # the subject's parity result: .gates (GateResult), .passed
+    seconds: dict[str, float] = field(default_factory=dict)  # `timed` steps' times
 
     @property
     def method(self) -> Any:
@@ -202,14 +204,6 @@ class VariantRun:
         """The method's report and manifest entries (a search, activation quantizers)."""
         inspected = self.inspected.doc if self.inspected is not None else {}
         return self.selection.doc | inspected
-
-
-# A step's time under its key in `VariantResult.seconds` (the other steps are not listed).
-SECONDS = {
-    "compress": "compress",
-    "parity (torch, MIL": "parity",
-    "parity of the functions": "kv_parity",
-}
 
 
 def publish_variant(
@@ -228,12 +222,7 @@ def publish_variant(
         selection = methods.get(variant.method).select(ctx, variant)
         run = start(stage.path, selection)
         run_steps(steps, run, ctx.progress)
-        seconds = dict(selection.seconds)
-        for step in steps:
-            what = step.name.split(": ", 1)[-1]
-            key = next((k for prefix, k in SECONDS.items() if what.startswith(prefix)), None)
-            if key is not None:
-                seconds[key] = ctx.progress.timings[step.name]
+        seconds = selection.seconds | run.seconds
         peak = _peak_rss_mib()
         if not run.parity.passed:
             write_log_into(stage.path, f"a variant gate failed; reports kept in {vname}.failed")
@@ -243,6 +232,17 @@ def publish_variant(
         write_log_into(stage.path, f"every variant gate passed; publishing {out_dir / vname}")
         final = stage.commit()
     return VariantResult(vname, variant.suffix, True, final, run.size, run.parity, seconds, peak)
+
+
+def timed(key: str, step: Step[Any]) -> Step[Any]:
+    """``step``, its time kept under ``key`` in the run's ``seconds`` (`VariantResult`)."""
+
+    def run(state: Any, advance: Advance) -> None:
+        start = time.perf_counter()
+        step.run(state, advance)
+        state.seconds[key] = time.perf_counter() - start
+
+    return Step(step.name, run, step.total)
 
 
 def parity(name: str) -> Step[VariantRun]:
@@ -319,9 +319,9 @@ def _reports(run: VariantRun, advance: Advance) -> None:
 def single_program_steps(suffix: str) -> tuple[Step[VariantRun], ...]:
     """A single-program variant's steps (window decoder, encoder)."""
     return (
-        Step(f"{suffix}: compress", _compress),
+        timed("compress", Step(f"{suffix}: compress", _compress)),
         Step(f"{suffix}: records and size", _records),
-        parity(f"{suffix}: parity (torch, MIL)"),
+        timed("parity", parity(f"{suffix}: parity (torch, MIL)")),
         Step(f"{suffix}: reports and manifest", _reports),
     )
 

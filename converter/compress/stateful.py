@@ -49,6 +49,7 @@ from converter.compress.emit import (
     ne_stream_text,
     parity,
     publish_variant,
+    timed,
     write_reports,
 )
 from converter.compress.methods.base import BuildContext
@@ -84,16 +85,15 @@ class KvBuild:
     ``singles(folder)`` saves one fp16 single-function package per function of each chunk
     package (one chunk without a weight budget) under ``folder``; ``window(path)`` saves the
     fp16 window program (the same weights, markers on its layer outputs) as ``path``;
-    ``gates(packages, sizes)`` runs the cache gates on the chunk packages in call order
-    (`KvParity`); ``per_layer(packages, decoded)`` the per-layer MIL fp32 gate of every
-    function against the module holding the variant's decoded weights;
+    ``gates(packages, sizes, weights)`` runs, on the chunk packages in call order, the
+    per-layer MIL fp32 gate of every function against the module holding ``weights`` (the
+    variant's decoded weights) and the cache gates (`KvParity`);
     ``package_file(name, i)`` names chunk ``i``'s package of artifact ``name``.
     ``parameters`` are the window module's parameter names."""
 
     singles: Callable[[Path], list[dict[str, Path]]]
     window: Callable[[Path], Path]
-    gates: Callable[[list[Path], list[dict[str, Any]]], Any]
-    per_layer: Callable[[list[Path], dict[str, Any]], list[Any]]
+    gates: Callable[[list[Path], list[dict[str, Any]], dict[str, Any]], tuple[list[Any], Any]]
     combine: Callable[[dict[str, Path], Path], dict[str, Any]]
     parameters: list[str]
     package_file: Callable[[str, int], str]
@@ -309,9 +309,8 @@ def _kv_gates(run: KvVariantRun, advance: Advance) -> None:
     # The evaluator's own decoding (the fp32 profile keeps an int8 weight's scale * q
     # unrounded), as the window program's check gives it: the functions hold the same bytes.
     weights, _ = evaluator_weights(Evaluator(run.program, "fp32"), run.decoded)
-    run.cache_gates = run.kv_build.per_layer(run.packages, weights)
+    run.cache_gates, run.kv = run.kv_build.gates(run.packages, run.sizes, weights)
     del weights
-    run.kv = run.kv_build.gates(run.packages, run.sizes)
     identical = gate("kv-cache", "kv_weights_identical").check(
         float(len(run.odd)),
         implementation="package",
@@ -346,10 +345,10 @@ def _kv_reports(run: KvVariantRun, advance: Advance) -> None:
 def kv_steps(suffix: str, functions: int) -> tuple[Step[Any], ...]:
     """A cached decoder's variant's steps."""
     return (
-        Step(f"{suffix}: compress window + {functions} functions", _kv_compress),
+        timed("compress", Step(f"{suffix}: compress window + {functions} functions", _kv_compress)),
         Step(f"{suffix}: records and size", _kv_records),
-        Step(f"{suffix}: parity of the functions (MIL evaluator)", _kv_gates),
-        parity(f"{suffix}: parity (torch, MIL window)"),
+        timed("kv_parity", Step(f"{suffix}: parity of the functions (MIL evaluator)", _kv_gates)),
+        timed("parity", parity(f"{suffix}: parity (torch, MIL window)")),
         Step(f"{suffix}: reports and manifest", _kv_reports),
     )
 

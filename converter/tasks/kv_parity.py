@@ -24,8 +24,35 @@ from parity.kv_session import CacheSession, MilFunctions, session_for
 from parity.mil.program import load_package
 
 
+def function_gates(
+    packages: list[Path],
+    chunks: list[dict[str, CachedDecoder]],
+    continuations: list[Continuation],
+    extend: int,
+    table: np.ndarray,
+    sizes: list[dict[str, Any]],
+    per_layer: tuple[str, float] | None,
+    weights: Weights = None,
+    advance: Advance = lambda: None,
+) -> tuple[list[GateResult], KvParity]:
+    """Both MIL levels of the cached functions on ``packages`` (one per chunk, call order),
+    each loaded once: the per-layer fp32 gate (``per_layer``: the program's precision and the
+    threshold; None leaves it out) against the module holding ``weights`` where given, and
+    the cache gates."""
+    programs = [load_package(p) for p in packages]
+    layers = []
+    if per_layer is not None:
+        precision, threshold = per_layer
+        layers = cached_fp32_check(
+            programs, chunks, continuations, table, precision, threshold, advance, weights
+        )
+    return layers, cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
+                               advance)  # fmt: skip
+
+
 def cache_gates(
     packages: list[Path],
+    programs: list[Any],
     chunks: list[dict[str, CachedDecoder]],
     continuations: list[Continuation],
     extend: int,
@@ -34,9 +61,8 @@ def cache_gates(
     advance: Advance = lambda: None,
 ) -> KvParity:
     """Every cache gate on the multifunction ``packages`` (one per chunk, in call order, run
-    as one chain) in the MIL evaluator's fp16 profile, and whether each stores its weights
-    once (``sizes`` from `combine_measured`, per chunk)."""
-    programs = [load_package(p) for p in packages]
+    as one chain; ``programs``: them loaded) in the MIL evaluator's fp16 profile, and whether
+    each stores its weights once (``sizes`` from `combine_measured`, per chunk)."""
     mil = _mil_functions(programs, chunks, "fp16")
     kv = check_kv(_sessions(mil, chunks[0], table, advance), continuations, "prefill", extend,
                   "mil-fp16")  # fmt: skip

@@ -47,13 +47,12 @@ from converter.tasks.kv_contract import (
     kv_manifest_section,
     state_contract,
 )
-from converter.tasks.kv_parity import KV_LEVELS, PROFILE, cache_gates, cached_fp32_check
+from converter.tasks.kv_parity import KV_LEVELS, PROFILE, function_gates
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
 from parity.kv_gates import KvParity
 from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import rope_rows
-from parity.mil.program import load_package
 from parity.torch_settings import with_parity_torch
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
@@ -238,20 +237,16 @@ def published_functions(run: KvRun, advance: Advance) -> None:
 
 
 def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
-    """The cache gates on the emitted package in the MIL evaluator's fp16 profile."""
+    """Every function per layer (MIL fp32) and the cache gates (MIL fp16) on the emitted
+    packages."""
     rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
-    packages, table = [p.path for p in run.programs], rw.embed_table.numpy()
     per_layer = PROFILE in run.profiles  # `anec parity --profile` may leave it out
-    if per_layer:
-        report.gates += cached_fp32_check(
-            [load_package(p) for p in packages], run.chunks, run.continuations, table,
-            run.recipe.precision, run.recipe.gates.mil_fp32_layer_rel_error, advance,
-        )  # fmt: skip
-    run.kv = cache_gates(
-        packages, run.chunks, run.continuations, run.cache.extend, table, run.chunk_sizes,
-        advance,
+    layers, run.kv = function_gates(
+        [p.path for p in run.programs], run.chunks, run.continuations, run.cache.extend,
+        rw.embed_table.numpy(), run.chunk_sizes, _per_layer(run) if per_layer else None,
+        advance=advance,
     )  # fmt: skip
-    report.gates.extend(run.kv.gates)
+    report.gates += layers + run.kv.gates
     if per_layer:
         report.implementations["mil-fp32"] = (
             "anec MIL evaluator, fp32 profile, each call of each cached function"
@@ -269,6 +264,11 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
     levels = KV_LEVELS if per_layer else KV_LEVELS[1:]
     write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name}, levels)
     return None if report.passed else Stop("kv-cache", run.kv.flips[:10])
+
+
+def _per_layer(run: KvRun) -> tuple[str, float]:
+    """The per-layer fp32 gate's program precision and threshold."""
+    return run.recipe.precision, run.recipe.gates.mil_fp32_layer_rel_error
 
 
 def manifest(run: KvRun, advance: Advance) -> None:
@@ -354,20 +354,18 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
             for i, c in enumerate(run.chunks)
         ]
 
-    def gates(packages: list[Path], sizes: list[dict[str, Any]]) -> KvParity:
-        return cache_gates(packages, run.chunks, run.continuations, run.cache.extend, table, sizes)
-
-    def per_layer(packages: list[Path], decoded: dict[str, Any]) -> list[GateResult]:
-        return cached_fp32_check(
-            [load_package(p) for p in packages], run.chunks, run.continuations, table,
-            recipe.precision, recipe.gates.mil_fp32_layer_rel_error, weights=decoded,
+    def gates(
+        packages: list[Path], sizes: list[dict[str, Any]], weights: dict[str, Any]
+    ) -> tuple[list[GateResult], KvParity]:
+        return function_gates(
+            packages, run.chunks, run.continuations, run.cache.extend, table, sizes,
+            _per_layer(run), weights,
         )  # fmt: skip
 
     build = KvBuild(
         singles,
         lambda path: window_package(run, path),
         gates,
-        per_layer,
         combine_measured,
         [n for n, _ in rw.module.named_parameters()],
         lambda name, i: package_file(name, run.split[i], len(run.split)),
