@@ -1,15 +1,21 @@
 """A Llama-3.2-1B-shaped model (issue 22 item 4): does it convert in 12 GiB, window and cache?
 
-    python bench/llama_1b.py WORK [--kv] [--layers 16] [--limit 12GiB]
+    python bench/llama_1b.py WORK [--kv] [--layers 16] [--residual 0.01] [--limit 12GiB]
 
 Builds transformers' ``LlamaForCausalLM`` at the vendored config
 (``tests/data/configs/llama-3.2-1b.json``, random weights perturbed as the real-shape tests do,
-the final norm's gain x 8 so the logits are peaked) into ``WORK/ckpt`` once (in a fresh
-process), writes a window recipe (``--kv``: the same with a state cache) with token-id
-fixtures, and runs ``anec convert`` under ``ANEC_MEMORY_LIMIT`` in a child process measured by
-``/usr/bin/time -v``. Prints the exit code, whether every gate passed, wall and CPU time, the
-child's peak RSS beside the checkpoint's fp32 bytes, and each step's time and "peak RSS so
-far" from convert.log. Random weights say nothing about quality: the gates are reported.
+the final norm's gain x 8 so the logits are peaked, each layer's o and down projections times
+``--residual``) into ``WORK/ckpt`` once (in a fresh process), writes a window recipe (``--kv``:
+the same with a state cache) with token-id fixtures, and runs ``anec convert`` under
+``ANEC_MEMORY_LIMIT`` in a child process measured by ``/usr/bin/time -v``. Prints the exit
+code, whether every gate passed, wall and CPU time, the child's peak RSS beside the
+checkpoint's fp32 bytes, and each step's time and "peak RSS so far" from convert.log.
+
+Random weights say nothing about quality. At full residual scale their logits hold near ties
+that no fp16 program keeps (transformers' own fp16 forward agrees with its fp32 on 98.75 % of
+the fixtures' argmaxes, max |dp| 0.049), so the fp16 gates stop the run before conversion. At
+0.01 each token's embedding dominates the stream, the tied head's argmax is the input token by
+more than 40 logits, and every gate checks the conversion's arithmetic on all 16 layers.
 """
 
 from __future__ import annotations
@@ -30,14 +36,14 @@ LENGTH = 64
 CACHE = "cache:\n  style: state\n  length: 256\n  prefill: 64\n  extend: 4\n  decode_steps: 16\n"
 
 
-def build(path: Path, layers: int) -> None:
+def build(path: Path, layers: int, residual: float) -> None:
     """Save the checkpoint into ``path`` (run in its own process: its memory is not ours)."""
     sys.path.insert(0, str(REPO / "tests"))
     from real_configs import build_causal_lm
 
     build_causal_lm("llama-3.2-1b", "LlamaForCausalLM", "LlamaConfig", path, layers, VOCAB,
-                    peak=PEAK)  # fmt: skip
-    (path / "bench_layers.txt").write_text(str(layers))
+                    peak=PEAK, residual=residual)  # fmt: skip
+    (path / "bench_layers.txt").write_text(f"{layers} {residual}")
 
 
 def recipe(work: Path, kv: bool) -> Path:
@@ -62,17 +68,19 @@ def main() -> None:
     parser.add_argument("work", type=Path)
     parser.add_argument("--kv", action="store_true", help="a state-cache recipe")
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--residual", type=float, default=0.01, help="o / down weight factor")
     parser.add_argument("--limit", default="12GiB", help="ANEC_MEMORY_LIMIT of the conversion")
     parser.add_argument("--_build", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ckpt = args.work / "ckpt"
     if args._build:
-        build(ckpt, args.layers)
+        build(ckpt, args.layers, args.residual)
         return
     marker = ckpt / "bench_layers.txt"
-    if not marker.is_file() or marker.read_text() != str(args.layers):
+    if not marker.is_file() or marker.read_text() != f"{args.layers} {args.residual}":
         args.work.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, str(args.work), "--layers", str(args.layers), "--_build"]
+        cmd = [sys.executable, __file__, str(args.work), "--layers", str(args.layers),
+               "--residual", str(args.residual), "--_build"]  # fmt: skip
         subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     fp32 = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     file = recipe(args.work, args.kv)

@@ -12,7 +12,6 @@ fp32 on each fixture without padding:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Worst, first_few, gate
+from parity.model_copies import cast_copy
 from parity.reference import ReferenceRun
 from parity.result import FixtureRow, LayerRow, ParityReport, Thresholds, first_diverging, rel_error
 
@@ -108,7 +108,7 @@ def check_decoder(
     n_layers = len(module.layers)
     layers = [LayerRow(i) for i in range(n_layers)]
     rows: list[FixtureRow] = []
-    fp16 = copy.deepcopy(module).half().eval()
+    fp16 = cast_copy(module, torch.float16)
     t = _Tally()
     length = module.io.length
     stream_scale = module.spec.stream_scale

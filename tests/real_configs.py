@@ -40,13 +40,16 @@ def build_causal_lm(
     vocab: int,
     layer_types: tuple[str, ...] = (),
     peak: float = 1.0,
+    residual: float = 1.0,
 ) -> transformers.PretrainedConfig:
     """transformers' ``model_class`` at the vendored config ``name``, cut to ``layers`` layers
     and a ``vocab``-row vocabulary (special ids 0-2 inside it), every parameter perturbed after
     random initialisation (zero biases and unit norm weights would hide a dropped bias or a
     wrong norm), the final norm's gain times ``peak`` (random weights give near-uniform logits;
-    a peak spreads them so argmax margins exceed the gates' certificates), saved as safetensors
-    in ``path``; returns its config."""
+    a peak spreads them so argmax margins exceed the gates' certificates), each layer's residual
+    branches (attention output and MLP down projections) times ``residual`` (below about 0.01
+    the stream keeps each token's embedding and a tied head's argmax is the input token, with
+    margins no fp16 error reaches), saved as safetensors in ``path``; returns its config."""
     data = config_dict(name)
     data.pop("architectures", None)
     data["num_hidden_layers"] = layers
@@ -61,5 +64,8 @@ def build_causal_lm(
     with torch.no_grad():
         perturb_(model, scale=0.02)
         model.model.norm.weight.mul_(peak)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(residual)
+            layer.mlp.down_proj.weight.mul_(residual)
     model.save_pretrained(path, safe_serialization=True)
     return config
