@@ -187,7 +187,7 @@ def cached(out: Path, arch: str, style: str) -> Built:
     target = TARGETS["macOS15"].ct_target()
     emitted = emit_functions(functions, "float16", "float16", target, folder / f"{name}.mlpackage")
     return Built(
-        name, emitted.package, tiny, None, "float16", emitted.decode.mlmodel, None, "kv",
+        name, emitted.package, tiny, None, "float16", None, None, "kv",
         functions,
     )  # fmt: skip
 

@@ -22,6 +22,7 @@ from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
 from parity.kv_reference import Continuation, continuation
 from parity.mil import load_package
+from parity.mil.program import walk_ops
 
 THRESHOLD = 1e-5
 
@@ -43,6 +44,36 @@ def emitted(
     emit_functions(functions, "float16", "float16", target, package)
     conts = [continuation(tiny.model, f, 12) for f in tiny.fixtures[:2]]
     return tiny, functions, package, conts
+
+
+def test_the_functions_of_a_package_hold_each_weight_once(emitted: Any) -> None:
+    """Prefill, decode and extend name the same weight blobs: loaded, each blob is one array
+    (coremltools' own loader made one per function), with coremltools' values."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load
+
+    package = emitted[2]
+    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    weights = package / "Data" / "com.apple.CoreML" / "weights"
+    theirs = load(spec, spec.specificationVersion, file_weights_dir=str(weights))
+
+    def weights_of(program: Any) -> dict[tuple[str, str], np.ndarray]:
+        return {
+            (name, op.name): op.outputs[0].val
+            for name, op in walk_ops(program)
+            if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) > 1000
+        }
+
+    ours, expected = weights_of(load_package(package)), weights_of(theirs)
+    assert ours.keys() == expected.keys() and len(ours) > 30
+    for key, value in ours.items():
+        np.testing.assert_array_equal(value, expected[key])
+    by_name: dict[str, list[np.ndarray]] = {}
+    for (_, op_name), value in ours.items():
+        by_name.setdefault(op_name, []).append(value)
+    shared = [values for values in by_name.values() if len(values) == 3]
+    assert len(shared) > 10
+    assert all(v is values[0] for values in shared for v in values)
 
 
 def check(

@@ -329,7 +329,7 @@ def plan_chunks(programs: list[Any], directory: Path, platform: str, gates: Any)
         scratch = directory / f".plan-chunk{i}"
         scratch.mkdir()
         result = plan_artifact(
-            program.mlmodel._mil_program,
+            program.plan_table,
             program.path,
             mlpackage_content_hash(program.path),
             platform,

@@ -53,6 +53,7 @@ from parity.gate import GateResult
 from parity.kv_gates import KvParity
 from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import rope_rows
+from parity.memory import release_memory
 from parity.torch_settings import with_parity_torch
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
@@ -122,6 +123,7 @@ def convert_singles(
     """Trace and convert each function (a state for the ``state`` style) and save each as
     its own single-function package in ``scratch``; also the default function's program."""
     from converter.coreml import to_mlprogram, trace
+    from converter.plan.ops import op_table
     from graph_passes.markers import mark_layer_outputs
 
     scratch.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,13 @@ def convert_singles(
         mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
         singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
         if name == DEFAULT_FUNCTION:
-            decode = Program(name, inputs, outputs, scratch, mlmodel, live_ops(mlmodel))
+            # The plan's op table now, not the program: held to the plan step, each chunk's
+            # decode program kept its weights through the cache parity (1.2 GB per chunk at
+            # the Llama-1B shape).
+            table = op_table(mlmodel._mil_program)
+            decode = Program(name, inputs, outputs, scratch, None, live_ops(mlmodel), table)
+        del mlmodel
+        release_memory()
         advance()
     return singles, need(decode, "the decode function")
 

@@ -15,15 +15,75 @@ CONST_OP_PREFIX = "constexpr_"
 
 
 def load_package(package: Path) -> Any:
-    """The MIL program of a saved ``.mlpackage`` with its weights (coremltools ``Program``)."""
+    """The MIL program of a saved ``.mlpackage`` with its weights (coremltools ``Program``),
+    each weight blob held once however many functions name it.
+
+    coremltools' own loader (``milproto.load``) makes one array per const: the prefill,
+    decode and extend functions of a cached decoder name the same blobs, so it held three
+    copies of every weight (7.4 GB of a 16.2 GB peak at the Llama-1B shape). This is its
+    ``load_mil_proto`` with a context that gives each const naming an already-read blob the
+    array read first, as the const is made; the private names are coremltools 9.0's (pinned).
+    The arrays are shared, so a change to one function's weight replaces its const op rather
+    than writing into the array.
+    """
     import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load as load_milproto
+    from coremltools.converters.mil.frontend.milproto import load as milproto
+    from coremltools.converters.mil.mil import Program
 
     spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
-    weights = Path(package) / "Data" / "com.apple.CoreML" / "weights"
-    return load_milproto(
-        spec, specification_version=spec.specificationVersion, file_weights_dir=str(weights)
-    )
+    program_spec = spec.mlProgram
+    if spec.WhichOneof("Type") != "mlProgram" or program_spec.version != 1:
+        raise ValueError(f"{package}: not an ML Program (version 1)")
+    context = _shared_constants(str(Path(package) / "Data" / "com.apple.CoreML" / "weights"))
+    program = Program()
+    for name, function in program_spec.functions.items():
+        context.blobs = _const_blobs(function)
+        loaded = milproto._load_function(context, function, spec.specificationVersion)
+        program.add_function(name, loaded)
+    milproto._load_program_spec_attributes(context, program_spec, program)
+    return program
+
+
+def _const_blobs(function: Any) -> dict[str, tuple[str, int]]:
+    """Each const of a function spec whose value is in a weight file: its (file, offset)."""
+    blobs: dict[str, tuple[str, int]] = {}
+
+    def walk(block: Any) -> None:
+        for op in block.operations:
+            value = op.attributes["val"] if op.type == "const" and "val" in op.attributes else None
+            if value is not None and value.WhichOneof("value") == "blobFileValue":
+                blob = value.blobFileValue
+                blobs[op.outputs[0].name] = (blob.fileName, blob.offset)
+            for inner in op.blocks:
+                walk(inner)
+
+    for block in function.block_specializations.values():
+        walk(block)
+    return blobs
+
+
+def _shared_constants(weights: str) -> Any:
+    """coremltools' loading context for one package, sharing const arrays by blob."""
+    from coremltools.converters.mil.frontend.milproto.load import TranscriptionContext
+
+    class SharedConstants(TranscriptionContext):
+        def __init__(self) -> None:
+            super().__init__(weights)
+            self.blobs: dict[str, tuple[str, int]] = {}  # the function being loaded
+            self.arrays: dict[tuple[str, int], Any] = {}  # every function's, first read
+
+        def register_var_with_name(self, name: str, var: Any) -> None:
+            super().register_var_with_name(name, var)
+            blob = self.blobs.get(name)
+            if blob is None or var.op is None or var.op.op_type != "const":
+                return
+            value = var._sym_val.val
+            first = self.arrays.setdefault(blob, value)
+            if first is not value:  # the const's input and output hold the one array
+                var._sym_val.val = first
+                var.op.val._sym_val.val = first
+
+    return SharedConstants()
 
 
 def dtype_name(var: Any) -> str:
