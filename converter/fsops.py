@@ -171,7 +171,26 @@ def os_reason(e: OSError) -> str:
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, replace.
+    """Write ``data`` to ``path`` atomically (see ``write_atomic``)."""
+    return write_atomic(path, lambda f: f.write(data))
+
+
+class FileWriter:
+    """The open temp file ``write_atomic`` gives its writer: ``write`` writes all of ``data``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        return len(data)
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[FileWriter], object]) -> Path:
+    """Write ``path`` atomically through ``write``, given the open file: temp file in the same
+    directory, fsync, replace.
 
     Readers see either the old file or the complete new one. Any OSError (ENOSPC, EACCES,
     ...) becomes an InputError naming the path, and the temp file is removed.
@@ -182,10 +201,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            write(FileWriter(fd))
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -543,3 +543,24 @@ def test_real_sigterm_in_subprocess(tmp_path: Path) -> None:
     assert not stage_path.exists()
     assert snapshot(out / "m") == old
     assert entries(out) == ["m"]
+
+
+@pytest.mark.parametrize("dtype", [None, "float16"])
+def test_write_npy_writes_np_save_bytes_a_block_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str | None
+) -> None:
+    """A host table is cast and written in blocks of rows (no whole copy), as np.save's bytes."""
+    import io
+
+    import numpy as np
+
+    from converter import manifest_fields
+
+    monkeypatch.setattr(manifest_fields, "_NPY_BLOCK", 1000)  # many blocks
+    table = np.random.default_rng(0).standard_normal((1001, 37)).astype(np.float32)
+    cast = np.float16 if dtype else None
+    entry = manifest_fields.write_npy(tmp_path / "t.npy", table, "rows", cast)
+    expected = io.BytesIO()
+    np.save(expected, table.astype(cast) if cast else table, allow_pickle=False)
+    assert (tmp_path / "t.npy").read_bytes() == expected.getvalue()
+    assert entry.dtype == (dtype or "float32") and entry.shape == [1001, 37]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from converter.checkpoint import Checkpoint
@@ -245,11 +246,11 @@ def manifest(run: DecoderRun, advance: Advance) -> None:
     )
     embeddings = None
     if rw.module.io.inputs == "embeddings":
-        dtype = torch.float16 if run.recipe.io.dtype == "float16" else torch.float32
         embeddings = write_npy(
             directory / "embeddings.npy",
-            rw.embed_table.to(dtype).numpy(),
+            rw.embed_table.numpy(),
             "embedding table (vocab, hidden); row t is the input for token id t",
+            np.float16 if run.recipe.io.dtype == "float16" else np.float32,
         )
     tokenizer = write_tokenizer(
         directory,
