@@ -4,6 +4,7 @@ fp32 inside an op; fp16-acc holds running sums in fp16 and flushes subnormals.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from mil_ops import rand, run1
 
@@ -78,6 +79,28 @@ def test_fp16_acc_rounds_the_running_sum_after_every_block() -> None:
     for start in range(0, 100, FP16_ACC.acc_block):  # blocks of 32, 32, 32, 4
         acc = (acc + at[:, start : start + 32] @ bt[start : start + 32]).half().double()
     np.testing.assert_allclose(out, acc.float().numpy(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 100, 4), (960, 576, 64), (16384, 64, 1), (5, 64, 7)])
+def test_fp16_acc_matmul_is_the_per_block_rounding_bit_for_bit(
+    shape: tuple[int, int, int],
+) -> None:
+    """The buffered running sum (`Arithmetic._block_sums`) has the bits of its definition:
+    ``round_fp16(acc + block product, flush)`` on new arrays per block, on values spanning
+    fp16's subnormals and normals."""
+    m, k, n = shape
+    rng = np.random.default_rng(m + k + n)
+    a = round_fp16(rand(m, k, seed=78) * rng.choice([1e-4, 0.05, 3.0], size=(m, k)))
+    b = round_fp16(rand(k, n, seed=79) * rng.choice([1e-5, 1.0, 2e3], size=(k, n)))
+    arith = Arithmetic(FP16_ACC)
+    step = FP16_ACC.acc_block
+    acc = round_fp16(a[:, :step] @ b[:step], flush=True)
+    for start in range(step, k, step):
+        block = slice(start, start + step)
+        acc = round_fp16(acc + a[:, block] @ b[block], flush=True)
+    out = arith.matmul(a, b)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out.view(np.uint32), acc.view(np.uint32))
 
 
 def test_fp16_acc_sum_is_rounded_and_worse_than_fp32_accumulation() -> None:
