@@ -34,7 +34,7 @@ from parity import runtime
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
-from parity.head_outputs import ChoiceCheck, run_capturing_logits
+from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
@@ -279,11 +279,11 @@ def _run_against_module(
     layers = [0.0] * len(module.layers)
     logits_err = 0.0
     finite = True
-    seconds = 0.0
-    for batch, (inputs, _, _), (states, want_logits) in zip(batches, feeds, baseline, strict=True):
-        start = time.perf_counter()
-        result = run_capturing_logits(evaluator, inputs, markers)
-        seconds += time.perf_counter() - start
+    start = time.perf_counter()
+    # Every batch op by op (`Evaluator.run_many`): each weight widened once, not per batch.
+    results = run_many_capturing_logits(evaluator, [inputs for inputs, _, _ in feeds], markers)
+    seconds = time.perf_counter() - start
+    for batch, result, (states, want_logits) in zip(batches, results, baseline, strict=True):
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all())
         for r, fixture in enumerate(batch.fixtures):
@@ -326,14 +326,13 @@ def _run_against_reference(
     finite = True
     non_finite: list[str] = []
     rows: list[PositionRow] = []
-    seconds = 0.0
     choice = ChoiceCheck(module.chunk_sizes) if module.io.output != "logits" else None
-    for batch in batches:
-        inputs, _, _ = program_feed(specs, module, batch, embed_table)
-        start = time.perf_counter()
-        where = ", ".join(f.name for f in batch.fixtures)
-        result = run_capturing_logits(evaluator, inputs, markers, check=choice, where=where)
-        seconds += time.perf_counter() - start
+    feeds = [program_feed(specs, module, batch, embed_table)[0] for batch in batches]
+    wheres = [", ".join(f.name for f in batch.fixtures) for batch in batches]
+    start = time.perf_counter()
+    results = run_many_capturing_logits(evaluator, feeds, markers, check=choice, wheres=wheres)
+    seconds = time.perf_counter() - start
+    for batch, result in zip(batches, results, strict=True):
         non_finite += [name for name in result.non_finite if name not in non_finite]
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all()) and all(

@@ -13,7 +13,7 @@ is (margin above the thresholds).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,9 +81,33 @@ def run_capturing_logits(
     logit_vars = head_logit_vars(evaluator.function)
     wanted = list(capture) + list(logit_vars.values())
     result = evaluator.run(inputs, capture=wanted, states=states)
+    _add_logits(result, logit_vars, check, where)
+    return result
+
+
+def run_many_capturing_logits(
+    evaluator: Any,
+    feeds: Sequence[dict[str, np.ndarray]],
+    capture: Iterable[str] = (),
+    check: ChoiceCheck | None = None,
+    wheres: Sequence[str] = (),
+) -> list[Any]:
+    """`run_capturing_logits` on each of ``feeds`` through ``evaluator.run_many`` (each
+    result that input's own run's); ``check`` sees them in order, ``wheres[i]`` naming
+    feed i."""
+    logit_vars = head_logit_vars(evaluator.function)
+    wanted = list(capture) + list(logit_vars.values())
+    results = evaluator.run_many(feeds, capture=wanted)
+    for i, result in enumerate(results):
+        _add_logits(result, logit_vars, check, wheres[i] if wheres else "")
+    return list(results)
+
+
+def _add_logits(
+    result: Any, logit_vars: dict[str, str], check: ChoiceCheck | None, where: str
+) -> None:
     if logit_vars:
         for name, var in logit_vars.items():
             result.outputs[name] = result.captured[var]
         if check is not None:
             check.see(result.outputs, where)
-    return result
