@@ -8,7 +8,7 @@ import pytest
 import torch
 from mil_ops import rand, run1
 
-from parity.mil.numerics import Arithmetic, round_fp16
+from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16
 from parity.mil.profiles import FP16, FP16_ACC, FP32
 
 
@@ -101,6 +101,15 @@ def test_fp16_acc_matmul_is_the_per_block_rounding_bit_for_bit(
     out = arith.matmul(a, b)
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out.view(np.uint32), acc.view(np.uint32))
+
+
+def test_has_fp16_subnormal_reads_fp16_bits_as_the_fp32_test_does() -> None:
+    """Every fp16 value alone (fp16 bits path) against its exact fp32 widening (generic)."""
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    want = [has_fp16_subnormal(v) for v in every.astype(np.float32).reshape(-1, 1)]
+    assert [has_fp16_subnormal(v) for v in every.reshape(-1, 1)] == want
+    assert sum(want) == 2 * 1023  # both signs, mantissa 1..1023
+    assert has_fp16_subnormal(np.array([1.0, 2.0**-20, 3.0], np.float16)[::2]) is False
 
 
 def test_fp16_acc_sum_is_rounded_and_worse_than_fp32_accumulation() -> None:
