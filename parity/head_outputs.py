@@ -22,6 +22,7 @@ import numpy as np
 from graph_passes.logits_layout import candidates, head_output_of, top_ids
 
 _VALUE = re.compile(r"(argmax|topk)_value_(\d+)")
+RESULTS_BYTES = 256 * 2**20  # the results `run_many_capturing_logits` holds at once, at most
 
 
 def head_logit_vars(function: Any) -> dict[str, str]:
@@ -93,14 +94,19 @@ def run_many_capturing_logits(
     wheres: Sequence[str] = (),
 ) -> list[Any]:
     """`run_capturing_logits` on each of ``feeds`` through ``evaluator.run_many`` (each
-    result that input's own run's); ``check`` sees them in order, ``wheres[i]`` naming
-    feed i."""
+    result that input's own run's), in groups holding at most ``RESULTS_BYTES`` of results;
+    ``check`` sees them in order, ``wheres[i]`` naming feed i."""
     logit_vars = head_logit_vars(evaluator.function)
     wanted = list(capture) + list(logit_vars.values())
-    results = evaluator.run_many(feeds, capture=wanted)
+    # In groups whose results stay under RESULTS_BYTES: a recipe returning every position's
+    # logits over a large vocabulary holds tens of MB per input.
+    size = max(1, RESULTS_BYTES // max(1, evaluator.result_bytes(wanted)))
+    results: list[Any] = []
+    for start in range(0, len(feeds), size):
+        results += evaluator.run_many(feeds[start : start + size], capture=wanted)
     for i, result in enumerate(results):
         _add_logits(result, logit_vars, check, wheres[i] if wheres else "")
-    return list(results)
+    return results
 
 
 def _add_logits(

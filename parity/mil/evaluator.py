@@ -301,6 +301,19 @@ class Evaluator:
         """Names of every value the function computes, in program order."""
         return [name for step in self._steps for name, _, _ in step.outputs]
 
+    def result_bytes(self, capture: Iterable[str] = ()) -> int:
+        """Bytes one run's outputs and ``capture`` values hold (fp32 or their integer type;
+        values without a static shape count 0): what each input adds to `run_many`."""
+        shapes = {name: (dtype, shape) for s in self._steps for name, dtype, shape in s.outputs}
+        shapes.update(self.inputs)
+        total = 0
+        for name in {*self.output_names, *capture}:
+            dtype, shape = shapes.get(name, ("fp32", None))
+            if shape is not None:
+                size = np.dtype(INT_TYPES.get(dtype, np.float32)).itemsize
+                total += size * int(np.prod(shape, dtype=np.int64))
+        return total
+
     def run(
         self,
         inputs: dict[str, np.ndarray],
