@@ -34,7 +34,7 @@ from parity import runtime
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate
-from parity.head_outputs import ChoiceCheck, run_capturing_logits
+from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
@@ -210,6 +210,7 @@ def check_conversion(
 
     runs: list[ProfileRun] = []
     first: Evaluator | None = None  # the fp32 profile's constants serve the others (same bits)
+    norms: dict[Any, float] = {}  # the reference's norms, the same for every profile
     for name in profiles:
         profile = get_profile(name)
         evaluator = Evaluator(program, profile, like=first)
@@ -220,7 +221,7 @@ def check_conversion(
             )
         else:
             run = _run_against_reference(
-                evaluator, module, batches, references, embed_table, markers, specs, progress
+                evaluator, module, batches, references, embed_table, markers, specs, progress, norms
             )
         run.description = f"anec MIL evaluator on the emitted program, profile {name}: " + (
             profile.description
@@ -237,17 +238,26 @@ def check_conversion(
     return ConversionReport(gates, runs, markers, runtime_level, length, implementations)
 
 
-def rel_error_np(candidate: Any, reference: Any) -> float:
+def rel_error_np(
+    candidate: Any, reference: Any, norms: dict[Any, float] | None = None, key: Any = None
+) -> float:
     """``||c - r|| / ||r||`` in fp64 with numpy (inf if c is not finite).
 
     ``parity.result.rel_error`` in numpy: torch's small-tensor overhead made it a tenth of
-    this level's time on SmolLM2.
+    this level's time on SmolLM2. ``norms``: ``||r||`` by ``key``, filled on first use, for
+    a reference compared in several profiles (the same value: the same computation on the
+    same array).
     """
     c = np.asarray(candidate, dtype=np.float64)
     r = np.asarray(reference, dtype=np.float64)
     if not np.isfinite(c).all():
         return math.inf
-    return float(np.linalg.norm(c - r) / max(float(np.linalg.norm(r)), 1e-30))
+    if norms is None:
+        return float(np.linalg.norm(c - r) / max(float(np.linalg.norm(r)), 1e-30))
+    diff = np.linalg.norm(c - r)
+    if key not in norms:
+        norms[key] = float(np.linalg.norm(r))
+    return float(diff / max(norms[key], 1e-30))
 
 
 def _logits(outputs: dict[str, np.ndarray]) -> torch.Tensor:
@@ -279,11 +289,11 @@ def _run_against_module(
     layers = [0.0] * len(module.layers)
     logits_err = 0.0
     finite = True
-    seconds = 0.0
-    for batch, (inputs, _, _), (states, want_logits) in zip(batches, feeds, baseline, strict=True):
-        start = time.perf_counter()
-        result = run_capturing_logits(evaluator, inputs, markers)
-        seconds += time.perf_counter() - start
+    start = time.perf_counter()
+    # Every batch op by op (`Evaluator.run_many`): each weight widened once, not per batch.
+    results = run_many_capturing_logits(evaluator, [inputs for inputs, _, _ in feeds], markers)
+    seconds = time.perf_counter() - start
+    for batch, result, (states, want_logits) in zip(batches, results, baseline, strict=True):
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all())
         for r, fixture in enumerate(batch.fixtures):
@@ -319,21 +329,23 @@ def _run_against_reference(
     markers: list[str],
     specs: dict[str, str],
     progress: Callable[[], None],
+    norms: dict[Any, float],
 ) -> ProfileRun:
+    """One profile against the reference; ``norms`` (the reference's, by fixture and layer)
+    are filled by the first profile and read by the next."""
     length, n_logits = module.io.length, module.io.logit_positions
     layers = [0.0] * len(module.layers)
     logits_err = 0.0
     finite = True
     non_finite: list[str] = []
     rows: list[PositionRow] = []
-    seconds = 0.0
     choice = ChoiceCheck(module.chunk_sizes) if module.io.output != "logits" else None
-    for batch in batches:
-        inputs, _, _ = program_feed(specs, module, batch, embed_table)
-        start = time.perf_counter()
-        where = ", ".join(f.name for f in batch.fixtures)
-        result = run_capturing_logits(evaluator, inputs, markers, check=choice, where=where)
-        seconds += time.perf_counter() - start
+    feeds = [program_feed(specs, module, batch, embed_table)[0] for batch in batches]
+    wheres = [", ".join(f.name for f in batch.fixtures) for batch in batches]
+    start = time.perf_counter()
+    results = run_many_capturing_logits(evaluator, feeds, markers, check=choice, wheres=wheres)
+    seconds = time.perf_counter() - start
+    for batch, result in zip(batches, results, strict=True):
         non_finite += [name for name in result.non_finite if name not in non_finite]
         logits = _logits(result.outputs)
         finite &= bool(torch.isfinite(logits).all()) and all(
@@ -345,11 +357,13 @@ def _run_against_reference(
             real = slice(length - n, length)
             for i, marker in enumerate(markers):
                 h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
-                layers[i] = max(layers[i], rel_error_np(h, ref.hidden[i].numpy()))
+                err = rel_error_np(h, ref.hidden[i].numpy(), norms, (fixture.name, i))
+                layers[i] = max(layers[i], err)
             positions, out_slice = _logit_slots(n, length, n_logits)
             cand = logits[r, out_slice]
             want = ref.logits[positions]
-            logits_err = max(logits_err, rel_error_np(cand, want.numpy()))
+            err = rel_error_np(cand, want.numpy(), norms, (fixture.name, "logits"))
+            logits_err = max(logits_err, err)
             rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
         progress()
     if not markers:

@@ -13,7 +13,7 @@ is (margin above the thresholds).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 from graph_passes.logits_layout import candidates, head_output_of, top_ids
 
 _VALUE = re.compile(r"(argmax|topk)_value_(\d+)")
+RESULTS_BYTES = 256 * 2**20  # the results `run_many_capturing_logits` holds at once, at most
 
 
 def head_logit_vars(function: Any) -> dict[str, str]:
@@ -81,9 +82,38 @@ def run_capturing_logits(
     logit_vars = head_logit_vars(evaluator.function)
     wanted = list(capture) + list(logit_vars.values())
     result = evaluator.run(inputs, capture=wanted, states=states)
+    _add_logits(result, logit_vars, check, where)
+    return result
+
+
+def run_many_capturing_logits(
+    evaluator: Any,
+    feeds: Sequence[dict[str, np.ndarray]],
+    capture: Iterable[str] = (),
+    check: ChoiceCheck | None = None,
+    wheres: Sequence[str] = (),
+) -> list[Any]:
+    """`run_capturing_logits` on each of ``feeds`` through ``evaluator.run_many`` (each
+    result that input's own run's), in groups holding at most ``RESULTS_BYTES`` of results;
+    ``check`` sees them in order, ``wheres[i]`` naming feed i."""
+    logit_vars = head_logit_vars(evaluator.function)
+    wanted = list(capture) + list(logit_vars.values())
+    # In groups whose results stay under RESULTS_BYTES: a recipe returning every position's
+    # logits over a large vocabulary holds tens of MB per input.
+    size = max(1, RESULTS_BYTES // max(1, evaluator.result_bytes(wanted)))
+    results: list[Any] = []
+    for start in range(0, len(feeds), size):
+        results += evaluator.run_many(feeds[start : start + size], capture=wanted)
+    for i, result in enumerate(results):
+        _add_logits(result, logit_vars, check, wheres[i] if wheres else "")
+    return results
+
+
+def _add_logits(
+    result: Any, logit_vars: dict[str, str], check: ChoiceCheck | None, where: str
+) -> None:
     if logit_vars:
         for name, var in logit_vars.items():
             result.outputs[name] = result.captured[var]
         if check is not None:
             check.see(result.outputs, where)
-    return result

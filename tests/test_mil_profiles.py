@@ -4,10 +4,11 @@ fp32 inside an op; fp16-acc holds running sums in fp16 and flushes subnormals.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from mil_ops import rand, run1
 
-from parity.mil.numerics import Arithmetic, round_fp16
+from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16
 from parity.mil.profiles import FP16, FP16_ACC, FP32
 
 
@@ -78,6 +79,37 @@ def test_fp16_acc_rounds_the_running_sum_after_every_block() -> None:
     for start in range(0, 100, FP16_ACC.acc_block):  # blocks of 32, 32, 32, 4
         acc = (acc + at[:, start : start + 32] @ bt[start : start + 32]).half().double()
     np.testing.assert_allclose(out, acc.float().numpy(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 100, 4), (960, 576, 64), (16384, 64, 1), (5, 64, 7)])
+def test_fp16_acc_matmul_is_the_per_block_rounding_bit_for_bit(
+    shape: tuple[int, int, int],
+) -> None:
+    """The buffered running sum (`Arithmetic._block_sums`) has the bits of its definition:
+    ``round_fp16(acc + block product, flush)`` on new arrays per block, on values spanning
+    fp16's subnormals and normals."""
+    m, k, n = shape
+    rng = np.random.default_rng(m + k + n)
+    a = round_fp16(rand(m, k, seed=78) * rng.choice([1e-4, 0.05, 3.0], size=(m, k)))
+    b = round_fp16(rand(k, n, seed=79) * rng.choice([1e-5, 1.0, 2e3], size=(k, n)))
+    arith = Arithmetic(FP16_ACC)
+    step = FP16_ACC.acc_block
+    acc = round_fp16(a[:, :step] @ b[:step], flush=True)
+    for start in range(step, k, step):
+        block = slice(start, start + step)
+        acc = round_fp16(acc + a[:, block] @ b[block], flush=True)
+    out = arith.matmul(a, b)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out.view(np.uint32), acc.view(np.uint32))
+
+
+def test_has_fp16_subnormal_reads_fp16_bits_as_the_fp32_test_does() -> None:
+    """Every fp16 value alone (fp16 bits path) against its exact fp32 widening (generic)."""
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    want = [has_fp16_subnormal(v) for v in every.astype(np.float32).reshape(-1, 1)]
+    assert [has_fp16_subnormal(v) for v in every.reshape(-1, 1)] == want
+    assert sum(want) == 2 * 1023  # both signs, mantissa 1..1023
+    assert has_fp16_subnormal(np.array([1.0, 2.0**-20, 3.0], np.float16)[::2]) is False
 
 
 def test_fp16_acc_sum_is_rounded_and_worse_than_fp32_accumulation() -> None:

@@ -301,6 +301,19 @@ class Evaluator:
         """Names of every value the function computes, in program order."""
         return [name for step in self._steps for name, _, _ in step.outputs]
 
+    def result_bytes(self, capture: Iterable[str] = ()) -> int:
+        """Bytes one run's outputs and ``capture`` values hold (fp32 or their integer type;
+        values without a static shape count 0): what each input adds to `run_many`."""
+        shapes = {name: (dtype, shape) for s in self._steps for name, dtype, shape in s.outputs}
+        shapes.update(self.inputs)
+        total = 0
+        for name in {*self.output_names, *capture}:
+            dtype, shape = shapes.get(name, ("fp32", None))
+            if shape is not None:
+                size = np.dtype(INT_TYPES.get(dtype, np.float32)).itemsize
+                total += size * int(np.prod(shape, dtype=np.int64))
+        return total
+
     def run(
         self,
         inputs: dict[str, np.ndarray],
@@ -312,10 +325,53 @@ class Evaluator:
         ``states`` holds the value of every state the function declares; the run replaces
         each with the state's value after the run (a state the function never writes keeps
         its value)."""
+        return self.run_many([inputs], capture, [states])[0]
+
+    def run_many(
+        self,
+        feeds: Sequence[dict[str, np.ndarray]],
+        capture: Iterable[str] = (),
+        states: Sequence[dict[str, np.ndarray] | None] | None = None,
+    ) -> list[Evaluation]:
+        """`run` on each of ``feeds`` (and its ``states``), op by op across them: each constant
+        an op reads is made fp32 once for all of them instead of once per input (widening the
+        packed fp16 weights was a sixth of SmolLM2's MIL parity step, run one batch at a
+        time). Each input goes through the same kernels on the same values as alone, so each
+        result has the bits of its own `run`; every input's live values exist at once."""
         wanted = set(capture)
         unknown = wanted - set(self.var_names()) - set(self.inputs)
         if unknown:
             raise MILError(f"cannot capture {sorted(unknown)}: no such values in the function")
+        given = list(states) if states is not None else [None] * len(feeds)
+        runs = [
+            self._begin(inputs, state, wanted) for inputs, state in zip(feeds, given, strict=True)
+        ]
+        with blas_threads(self.threads):
+            for step in self._steps:
+                shared = self._constant_inputs(step)
+                for env, _, captured, non_finite in runs:
+                    self._execute(step, env, shared)
+                    for name, dtype, _ in step.outputs:
+                        if name in wanted:
+                            captured[name] = env[name]
+                        if dtype in FLOAT_TYPES and not np.isfinite(env[name]).all():
+                            non_finite.append(name)
+                    for name in step.free:
+                        env.pop(name, None)
+        results = []
+        for (env, slots, captured, non_finite), state in zip(runs, given, strict=True):
+            if state is not None:
+                for name, slot in slots.items():
+                    state[name] = slot.value
+            outputs = {name: _widen(env[name]) for name in self.output_names}
+            results.append(Evaluation(outputs, captured, non_finite))
+        return results
+
+    def _begin(
+        self, inputs: dict[str, np.ndarray], states: dict[str, np.ndarray] | None, wanted: set[str]
+    ) -> tuple[dict[str, Any], dict[str, StateSlot], dict[str, np.ndarray], list[str]]:
+        """One run's environment (constants, states, inputs), its state slots, its captured
+        inputs and its (empty) list of non-finite values."""
         env: dict[str, Any] = dict(self._constants)
         slots = self._state_slots(states or {})
         env.update(slots)
@@ -331,24 +387,15 @@ class Evaluator:
         extra = set(inputs) - set(self.inputs)
         if extra:
             raise MILError(f"unknown inputs {sorted(extra)}; expected {sorted(self.inputs)}")
-
         captured: dict[str, np.ndarray] = {n: env[n] for n in wanted if n in self.inputs}
-        non_finite: list[str] = []
-        with blas_threads(self.threads):
-            for step in self._steps:
-                self._execute(step, env)
-                for name, dtype, _ in step.outputs:
-                    if name in wanted:
-                        captured[name] = env[name]
-                    if dtype in FLOAT_TYPES and not np.isfinite(env[name]).all():
-                        non_finite.append(name)
-                for name in step.free:
-                    env.pop(name, None)
-        if states is not None:
-            for name, slot in slots.items():
-                states[name] = slot.value
-        outputs = {name: _widen(env[name]) for name in self.output_names}
-        return Evaluation(outputs, captured, non_finite)
+        return env, slots, captured, []
+
+    def _constant_inputs(self, step: _Step) -> dict[str, Any]:
+        """The constants ``step`` reads, by name, as ops read them (`_widen`)."""
+        names: list[str] = []
+        for kind, ref in step.inputs.values():
+            names += ref if kind == "list" else [ref] if kind == "var" else []
+        return {n: _widen(self._constants[n]) for n in names if n in self._constants}
 
     def _state_slots(self, states: dict[str, np.ndarray]) -> dict[str, StateSlot]:
         slots = {}
@@ -366,14 +413,19 @@ class Evaluator:
             raise MILError(f"unknown states {sorted(extra)}; expected {sorted(self.states)}")
         return slots
 
-    def _execute(self, step: _Step, env: dict[str, Any]) -> None:
+    def _execute(
+        self, step: _Step, env: dict[str, Any], shared: dict[str, Any] | None = None
+    ) -> None:
+        """Run ``step`` on ``env``; ``shared``: values of some of its inputs as ops read them
+        (`_constant_inputs`), used instead of reading them from ``env``."""
         op = step.op
+        read = shared or {}
         values: dict[str, Any] = {}
         for name, (kind, ref) in step.inputs.items():
             if kind == "var":
-                values[name] = _widen(env[ref])
+                values[name] = read[ref] if ref in read else _widen(env[ref])
             elif kind == "list":
-                values[name] = [_widen(env[r]) for r in ref]
+                values[name] = [read[r] if r in read else _widen(env[r]) for r in ref]
             else:
                 values[name] = ref
         try:

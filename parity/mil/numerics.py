@@ -77,6 +77,13 @@ def has_fp16_subnormal(x: np.ndarray) -> bool:
     """True if some value of ``x`` is non-zero and below fp16's smallest normal number."""
     if x.size == 0 or not np.issubdtype(x.dtype, np.floating):
         return False
+    if x.dtype == np.float16:
+        # Its bits: magnitude field in 1..0x3FF (exponent 0, mantissa not 0). Integer passes
+        # instead of fp16 comparisons numpy makes per element: 8x faster on SmolLM2's
+        # weights, the same answer for every fp16 value (tests/test_mil_profiles.py).
+        magnitude = np.bitwise_and(x.view(np.uint16), np.uint16(0x7FFF))
+        magnitude -= np.uint16(1)  # 0 wraps to 0xFFFF
+        return bool((magnitude < 0x3FF).any())
     tiny = np.abs(x) < FP16_MIN_NORMAL
     return bool((tiny & (x != 0)).any())
 
@@ -134,11 +141,45 @@ class Arithmetic:
         # copying every block out first cost a whole weight copy per product (measured on
         # SmolLM2: 1.5 s of a 14 s fp16-acc run; same bits).
         a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        if a.dtype == b.dtype == np.float32:
+            return self._block_sums(a, b, blocks, step)
         acc = self._acc_round(a[:, :step] @ b[:step])
         for j in range(1, blocks):
-            # The exact (fp32) sum of one block of terms, added to the fp16 running sum.
+            # The exact sum of one block of terms, added to the fp16 running sum.
             block = slice(j * step, (j + 1) * step)
             acc = self._acc_round(acc + a[:, block] @ b[block])
+        return acc
+
+    def _block_sums(self, a: np.ndarray, b: np.ndarray, blocks: int, step: int) -> np.ndarray:
+        """The fp16 running sum of ``a @ b``'s block products (fp32 operands, K a multiple of
+        ``step``).
+
+        Each step is ``_acc_round(acc + block product)``, computed in buffers made once per
+        product instead of new arrays per block: the same BLAS call, fp32 addition, torch's
+        fp16 rounding and widening (`to_fp16`, `widen_fp16`) and subnormal flush, so the same
+        bits (tests/test_mil_numerics.py); the allocations and page faults were a third of
+        the fp16-acc profile's convolutions on SmolLM2.
+        """
+        import torch  # as in `_as_torch`: not at the module's import
+
+        shape = (a.shape[0], b.shape[1])
+        acc, prod = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        half = np.empty(shape, np.float16)
+        acc_t, prod_t = torch.from_numpy(acc), torch.from_numpy(prod)
+        half_t = torch.from_numpy(half)
+        bits, exponent, subnormal = half.view(np.uint16), np.empty(shape, np.uint16), None
+        if self.profile.flush_subnormals:
+            subnormal = np.empty(shape, np.bool_)
+        for j in range(blocks):
+            block = slice(j * step, (j + 1) * step)
+            np.matmul(a[:, block], b[block], out=prod)  # the exact (fp32) sum of one block
+            if j:
+                np.add(acc, prod, out=prod)  # added to the fp16 running sum
+            half_t.copy_(prod_t)  # rounded to fp16, as `to_fp16`
+            if subnormal is not None:  # as `round_fp16(flush=True)`: keep only the sign
+                np.equal(np.bitwise_and(bits, 0x7C00, out=exponent), 0, out=subnormal)
+                np.bitwise_and(bits, 0x8000, out=bits, where=subnormal)
+            acc_t.copy_(half_t)  # widened, as `widen_fp16`
         return acc
 
     def _accumulate(self, parts: np.ndarray, axis: int, count: int) -> np.ndarray:
