@@ -289,7 +289,10 @@ CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step("load checkpoint", load),
     Step("rewrite to BC1L", with_parity_torch(rewrite)),
     Step("reference (original model)", with_parity_torch(references), _fixture_count),
-    Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity), _batch_count),
+    # Each level runs every batch in turn (check_decoder advances per batch and level).
+    Step(
+        "parity (torch fp32, fp16)", with_parity_torch(torch_parity), lambda r: 2 * _batch_count(r)
+    ),
     Step("convert to ML Program", convert),
     Step(
         "parity (MIL evaluator)",
