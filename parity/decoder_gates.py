@@ -20,7 +20,7 @@ import torch
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, first_few, gate, worst_of
+from parity.gate import GateResult, first_few, gate, stability_gates, worst_of
 from parity.measure import Measured, measure
 from parity.model_copies import cast_copy
 from parity.reference import ReferenceRun
@@ -152,13 +152,9 @@ def _gates(m32: Measured, m16: Measured, rows: list[FixtureRow], thresholds: Thr
             where=dprob.where,
             detail="softmax at T=1 over the whole vocabulary, real positions",
         ),
-        gate("torch-fp16", "finite_outputs").check(
-            float(m16.finite), detail="every layer and logit, padded positions included"
-        ),
-        gate("torch-fp16", "deterministic").check(
-            float(m16.deterministic), detail="two runs, identical bits"
-        ),
-    ]
+        *stability_gates("torch-fp16", "torch-fp16", m16.finite, m16.deterministic,
+                         "every layer and logit, padded positions included"),
+    ]  # fmt: skip
 
 
 def _fixture_row(
