@@ -15,9 +15,8 @@ Candidates run the fixtures right-padded in fixed (B, L) batches:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +28,7 @@ from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
 from parity.measure import Measured, folded_rows, measure
+from parity.reference import layer_states
 from parity.result import (
     OUTPUT,
     LayerRow,
@@ -88,29 +88,11 @@ def reference_sentence_embedding(hidden: torch.Tensor) -> torch.Tensor:
     return (mean / mean.norm().clamp_min(1e-12)).float()
 
 
-@contextlib.contextmanager
-def layer_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While active, the yielded list receives each transformer layer's output (n, D) of the
-    one (unpadded) sequence the model runs."""
-    hidden: list[torch.Tensor] = []
-
-    def keep(_: nn.Module, __: object, out: object) -> None:
-        tensor = out[0] if isinstance(out, tuple) else out
-        hidden.append(tensor[0].detach().clone())  # type: ignore[index]
-
-    handles = [layer.register_forward_hook(keep) for layer in encoder_layers(model)]
-    try:
-        yield hidden
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def run_encoder_reference(
     model: nn.Module, token_ids: tuple[int, ...], output: EncoderOutput
 ) -> EncoderReference:
     """Run the unpadded fixture at positions 0..n-1 as the checkpoint itself would."""
-    with layer_states(model) as hidden, torch.no_grad():
+    with layer_states(encoder_layers(model)) as hidden, torch.no_grad():
         result = model(input_ids=torch.tensor([token_ids], dtype=torch.int64))
     if output == "logits":
         out = result.logits[0]
