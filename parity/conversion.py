@@ -33,7 +33,7 @@ from graph_passes.markers import MarkerError, find_markers
 from parity import runtime
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
-from parity.gate import GateResult, Worst, all_passed, first_few, gate
+from parity.gate import GateResult, Worst, all_passed, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluator, get_profile, load_package
@@ -420,9 +420,9 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
         summary = gated.summary()
         kept = sum(r.argmax_kept for r in gated.positions)
         flipped = sorted({r.fixture for r in gated.positions if not r.argmax_kept})
-        dprob = Worst(0.0)
-        for r in gated.positions:
-            dprob.see(r.abs_dprob, f"{r.fixture} position {r.position}")
+        dprob = worst_of(
+            (r.abs_dprob, f"{r.fixture} position {r.position}") for r in gated.positions
+        )
         gates += [
             gate("mil-fp16", "fp16_argmax_agreement").check(
                 summary.argmax_agreement if summary.positions else math.nan,

@@ -4,19 +4,17 @@ rendered with the torch levels' (``parity.report``)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from parity import runtime
 from parity.conversion import MODULE_BASELINE, ConversionReport, ProfileRun
+from parity.gate import json_number
 from parity.metrics import slices
+from parity.result import clean_json, rows_to_json
 
 
 def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
     """The conversion and runtime levels as JSON-ready data (inf spelt as a string)."""
-
-    def num(value: float) -> float | str:
-        return value if math.isfinite(value) else str(value)
 
     def run_doc(run: ProfileRun) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -25,18 +23,17 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
             "description": run.description,
             "status": "run",
             "finite": run.finite,
-            "layer_rel_error": [num(v) for v in run.layer_rel_error],
-            "logits_rel_error": num(run.logits_rel_error),
+            "layer_rel_error": [json_number(v) for v in run.layer_rel_error],
+            "logits_rel_error": json_number(run.logits_rel_error),
         }
         if run.positions:
             doc["slices"] = {
-                name: {k: num(v) if isinstance(v, float) else v for k, v in vars(s).items()}
+                name: clean_json(vars(s))
                 for name, s in slices(run.positions, report.length).items()
             }
             doc["positions"] = [
-                {k: num(v) if isinstance(v, float) else v for k, v in vars(row).items()}
-                | {"certified": row.certified}
-                for row in run.positions
+                row_doc | {"certified": row.certified}
+                for row_doc, row in zip(rows_to_json(run.positions), run.positions, strict=True)
             ]
         return doc
 

@@ -36,14 +36,10 @@ import torch
 from graph_passes.decision import OUTPUT_NAMES, DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
 from parity.decision_reference import DecisionReferenceResult
-from parity.encoder_gates import (
-    Measured,
-    encoder_runner,
-    level_of,
-    measure,
-)
+from parity.encoder_gates import encoder_runner, level_of
 from parity.fixtures import Batch, Fixture, make_batches
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
+from parity.measure import Measured, folded_rows, measure
 from parity.result import (
     FP16_DIVERGENCE,
     LayerRow,
@@ -265,7 +261,7 @@ def check_decision(
     """Every decision gate: torch fp32 and fp16 (``fp16``: the fp16 module and tail to run,
     else ``module`` and ``tail`` cast to fp16 by the caller), then each ``extra`` candidate
     gated like torch fp16. ``torch_levels=False`` runs only the extra candidates."""
-    spec, length = tail.spec, module.io.length
+    spec, rows_of = tail.spec, folded_rows(module.io.length)
     layers = [LayerRow(i) for i in range(len(module.layers))]
     rows: dict[str, DecisionRow] = {}
     for b in batches:
@@ -295,7 +291,7 @@ def check_decision(
             _score(rows[fixture.name], name, got, ref, spec, tolerance, fp16)
             return ref.hidden
 
-        m = measure(runner, batches, score, length, layers if name in runners else None, fp32)
+        m = measure(runner, batches, score, rows_of, layers if name in runners else None, fp32)
         gates += (
             _fp32_gates(row_list, layers, module, thresholds)
             if fp32

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from graph_passes.decision_spec import DecisionHeadSpec, MlpHeadSpec, candidate_positions
-from parity.encoder_gates import layer_states
+from parity.encoder_gates import encoder_layers
+from parity.reference import layer_states
 
 _ACT = {"gelu": nn.GELU(), "tanh": nn.Tanh(), "relu": nn.ReLU()}
 
@@ -122,7 +123,7 @@ def run_decision_reference(
     from transformers.masking_utils import create_bidirectional_sliding_window_mask
 
     ids = torch.tensor([token_ids], dtype=torch.int64)
-    with layer_states(encoder) as hidden, torch.no_grad():
+    with layer_states(encoder_layers(encoder)) as hidden, torch.no_grad():
         h = encoder(input_ids=ids).last_hidden_state
         positions = torch.arange(len(token_ids)).unsqueeze(0)
         masks = {

@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Worst, first_few, gate
+from parity.gate import GateResult, first_few, gate, stability_gates, worst_of
+from parity.measure import Measured, measure
 from parity.model_copies import cast_copy
 from parity.reference import ReferenceRun
-from parity.result import FixtureRow, LayerRow, ParityReport, Thresholds, first_diverging, rel_error
+from parity.result import (
+    FixtureRow,
+    LayerRow,
+    Outputs,
+    ParityReport,
+    Runner,
+    Thresholds,
+    first_diverging,
+    rel_error,
+)
 
 
 def module_inputs(
@@ -47,53 +56,19 @@ def run_module(
     return states, logits
 
 
-@dataclass
-class _Tally:
-    """What the torch levels measured over every batch, for the gates."""
+# The decoder runner's one output: logits at every position (B, V, 1, L).
+LOGITS = "logits"
 
-    finite: bool = True
-    deterministic: bool = True
-    agree: int = 0
-    total: int = 0
-    worst_layer: Worst = field(default_factory=lambda: Worst(0.0))
-    worst_logits: Worst = field(default_factory=lambda: Worst(0.0))
-    worst_dprob: Worst = field(default_factory=lambda: Worst(0.0))
-    flipped: list[str] = field(default_factory=list)  # fixtures where the fp16 argmax moved
 
-    def gates(self, thresholds: Thresholds) -> list[GateResult]:
-        """The torch-fp32 and torch-fp16 gates on what was measured."""
-        agreement = self.agree / self.total if self.total else math.nan
-        return [
-            gate("torch-fp32", "fp32_layer_rel_error").check(
-                self.worst_layer.value,
-                thresholds.fp32_layer_rel_error,
-                where=self.worst_layer.where,
-                detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
-            ),
-            gate("torch-fp32", "fp32_logits_rel_error").check(
-                self.worst_logits.value,
-                thresholds.fp32_logits_rel_error,
-                where=self.worst_logits.where,
-            ),
-            gate("torch-fp16", "fp16_argmax_agreement").check(
-                agreement,
-                thresholds.fp16_argmax_agreement,
-                where=first_few(self.flipped),
-                detail=f"{self.agree}/{self.total} real positions",
-            ),
-            gate("torch-fp16", "fp16_max_abs_dprob").check(
-                self.worst_dprob.value,
-                thresholds.fp16_max_abs_dprob,
-                where=self.worst_dprob.where,
-                detail="softmax at T=1 over the whole vocabulary, real positions",
-            ),
-            gate("torch-fp16", "finite_outputs").check(
-                float(self.finite), detail="every layer and logit, padded positions included"
-            ),
-            gate("torch-fp16", "deterministic").check(
-                float(self.deterministic), detail="two runs, identical bits"
-            ),
-        ]
+def decoder_runner(module: BC1LDecoder, embed_table: torch.Tensor, dtype: torch.dtype) -> Runner:
+    """Run the window module on a left-padded batch in ``dtype``: per-layer states and
+    `LOGITS` (`run_module`)."""
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
+        states, logits = run_module(module, *module_inputs(module, batch, embed_table, dtype))
+        return states, {LOGITS: logits}
+
+    return run
 
 
 def check_decoder(
@@ -104,64 +79,39 @@ def check_decoder(
     thresholds: Thresholds,
     progress: Callable[[], None] = lambda: None,
 ) -> ParityReport:
-    """Run every gate of SPEC section 4 for a decoder; ``progress`` is called per batch."""
-    n_layers = len(module.layers)
-    layers = [LayerRow(i) for i in range(n_layers)]
-    rows: list[FixtureRow] = []
-    fp16 = cast_copy(module, torch.float16)
-    t = _Tally()
+    """Run every gate of SPEC section 4 for a decoder; ``progress`` is called per batch and
+    level (twice per batch)."""
     length = module.io.length
-    stream_scale = module.spec.stream_scale
+    layers = [LayerRow(i) for i in range(len(module.layers))]
+    logit_errors: list[float] = []  # torch fp32, per fixture in batch order
+    fixtures: list[FixtureRow] = []
 
-    for batch in batches:
-        x32, m32 = module_inputs(module, batch, embed_table, torch.float32)
-        x16, m16 = module_inputs(fp16, batch, embed_table, torch.float16)
-        states32, logits32 = run_module(module, x32, m32)
-        states16, logits16 = run_module(fp16, x16, m16)
-        again16, again_logits16 = run_module(fp16, x16, m16)
-        t.deterministic &= torch.equal(logits16, again_logits16) and all(
-            torch.equal(a, b) for a, b in zip(states16, again16, strict=True)
-        )
-        t.finite &= bool(torch.isfinite(logits16).all()) and all(
-            bool(torch.isfinite(s).all()) for s in states16
-        )
-        for i in range(n_layers):
-            layers[i].fp16_max_abs = max(
-                layers[i].fp16_max_abs, float(states16[i].float().abs().max())
-            )
+    def rows(state: torch.Tensor, r: int, n: int) -> torch.Tensor:  # `StateRows`
+        # The module carries the stream times its (power-of-two) stream scale.
+        return state[r, :, 0, length - n : length].T.float() / module.spec.stream_scale
 
-        for r, fixture in enumerate(batch.fixtures):
-            ref = references[fixture.name]
-            n = len(fixture.token_ids)
-            real = slice(length - n, length)
-            for i in range(n_layers):
-                ref_h = ref.hidden[i]
-                # The module carries the stream times its (power-of-two) stream scale.
-                h32 = states32[i][r, :, 0, real].T / stream_scale
-                h16 = states16[i][r, :, 0, real].T.float() / stream_scale
-                row = layers[i]
-                err32 = rel_error(h32, ref_h)
-                t.worst_layer.see(err32, f"layer {i}, {fixture.name}")
-                row.fp32_rel_error = max(row.fp32_rel_error, err32)
-                row.fp16_rel_error = max(row.fp16_rel_error, rel_error(h16, ref_h))
-                row.fp32_max_abs = max(row.fp32_max_abs, float(h32.abs().max()))
-            fixture_row = _fixture_row(
-                fixture, ref, logits32[r, :, 0, real].T, logits16[r, :, 0, real].T.float()
-            )
-            rows.append(fixture_row)
-            kept = round(fixture_row.fp16_argmax_agreement * n)
-            t.agree += kept
-            t.total += n
-            if kept < n:
-                t.flipped.append(fixture.name)
-            t.worst_logits.see(fixture_row.fp32_logits_rel_error, fixture.name)
-            t.worst_dprob.see(fixture_row.fp16_max_abs_dprob, fixture.name)
-        progress()
+    def logits_of(fixture: Fixture, r: int, out: Outputs) -> torch.Tensor:
+        return out[LOGITS][r, :, 0, length - len(fixture.token_ids) : length].T.float()
 
+    def score32(fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
+        ref = references[fixture.name]
+        logit_errors.append(rel_error(logits_of(fixture, r, out), ref.logits))
+        return ref.hidden
+
+    def score16(fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
+        ref = references[fixture.name]
+        error32 = logit_errors[len(fixtures)]
+        fixtures.append(_fixture_row(fixture, ref, error32, logits_of(fixture, r, out)))
+        return ref.hidden
+
+    runner32 = decoder_runner(module, embed_table, torch.float32)
+    m32 = measure(runner32, batches, score32, rows, layers, True, progress)
+    runner16 = decoder_runner(cast_copy(module, torch.float16), embed_table, torch.float16)
+    m16 = measure(runner16, batches, score16, rows, layers, False, progress)
     return ParityReport(
-        gates=t.gates(thresholds),
+        gates=_gates(m32, m16, fixtures, thresholds),
         layers=layers,
-        fixtures=rows,
+        fixtures=fixtures,
         first_diverging_layer=first_diverging(layers, thresholds),
         implementations={
             "reference": "transformers, fp32, each fixture unpadded at positions 0..n-1",
@@ -172,8 +122,43 @@ def check_decoder(
     )
 
 
+def _gates(m32: Measured, m16: Measured, rows: list[FixtureRow], thresholds: Thresholds
+           ) -> list[GateResult]:  # fmt: skip
+    """The torch-fp32 and torch-fp16 gates on what the two levels measured."""
+    kept = [round(row.fp16_argmax_agreement * row.tokens) for row in rows]
+    agree, total = sum(kept), sum(row.tokens for row in rows)
+    flipped = [row.name for row, k in zip(rows, kept, strict=True) if k < row.tokens]
+    logits = worst_of((row.fp32_logits_rel_error, row.name) for row in rows)
+    dprob = worst_of((row.fp16_max_abs_dprob, row.name) for row in rows)
+    return [
+        gate("torch-fp32", "fp32_layer_rel_error").check(
+            m32.worst_layer.value,
+            thresholds.fp32_layer_rel_error,
+            where=m32.worst_layer.where,
+            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
+        ),
+        gate("torch-fp32", "fp32_logits_rel_error").check(
+            logits.value, thresholds.fp32_logits_rel_error, where=logits.where
+        ),
+        gate("torch-fp16", "fp16_argmax_agreement").check(
+            agree / total if total else math.nan,
+            thresholds.fp16_argmax_agreement,
+            where=first_few(flipped),
+            detail=f"{agree}/{total} real positions",
+        ),
+        gate("torch-fp16", "fp16_max_abs_dprob").check(
+            dprob.value,
+            thresholds.fp16_max_abs_dprob,
+            where=dprob.where,
+            detail="softmax at T=1 over the whole vocabulary, real positions",
+        ),
+        *stability_gates("torch-fp16", "torch-fp16", m16.finite, m16.deterministic,
+                         "every layer and logit, padded positions included"),
+    ]  # fmt: skip
+
+
 def _fixture_row(
-    fixture: Fixture, ref: ReferenceRun, logits32: torch.Tensor, logits16: torch.Tensor
+    fixture: Fixture, ref: ReferenceRun, fp32_logits_rel_error: float, logits16: torch.Tensor
 ) -> FixtureRow:
     top2 = ref.logits.topk(2, dim=-1).values
     margin = top2[:, 0] - top2[:, 1]
@@ -184,7 +169,7 @@ def _fixture_row(
         name=fixture.name,
         slice=fixture.slice,
         tokens=len(fixture.token_ids),
-        fp32_logits_rel_error=rel_error(logits32, ref.logits),
+        fp32_logits_rel_error=fp32_logits_rel_error,
         fp16_argmax_agreement=float((logits16.argmax(-1) == ref.logits.argmax(-1)).float().mean()),
         fp16_max_abs_dprob=float(dprob) if finite else float("inf"),
         fp16_max_logit_error=float(delta.max()) if finite else float("inf"),

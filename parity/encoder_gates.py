@@ -15,9 +15,8 @@ Candidates run the fixtures right-padded in fixed (B, L) batches:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,9 @@ from graph_passes.encoder import BC1LEncoder, EncoderOutput
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Level, Worst, agreement, gate, stability_gates, worst_of
+from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
+from parity.measure import Measured, folded_rows, measure
+from parity.reference import layer_states
 from parity.result import (
     OUTPUT,
     LayerRow,
@@ -87,29 +88,11 @@ def reference_sentence_embedding(hidden: torch.Tensor) -> torch.Tensor:
     return (mean / mean.norm().clamp_min(1e-12)).float()
 
 
-@contextlib.contextmanager
-def layer_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While active, the yielded list receives each transformer layer's output (n, D) of the
-    one (unpadded) sequence the model runs."""
-    hidden: list[torch.Tensor] = []
-
-    def keep(_: nn.Module, __: object, out: object) -> None:
-        tensor = out[0] if isinstance(out, tuple) else out
-        hidden.append(tensor[0].detach().clone())  # type: ignore[index]
-
-    handles = [layer.register_forward_hook(keep) for layer in encoder_layers(model)]
-    try:
-        yield hidden
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def run_encoder_reference(
     model: nn.Module, token_ids: tuple[int, ...], output: EncoderOutput
 ) -> EncoderReference:
     """Run the unpadded fixture at positions 0..n-1 as the checkpoint itself would."""
-    with layer_states(model) as hidden, torch.no_grad():
+    with layer_states(encoder_layers(model)) as hidden, torch.no_grad():
         result = model(input_ids=torch.tensor([token_ids], dtype=torch.int64))
     if output == "logits":
         out = result.logits[0]
@@ -160,64 +143,6 @@ def encoder_runner(module: BC1LEncoder, dtype: torch.dtype, head: Head | None = 
 def real_part(output: torch.Tensor, kind: EncoderOutput, row: int, n: int) -> torch.Tensor:
     """One sample's output at its real positions."""
     return output[row, :n] if kind == "last-hidden-state" else output[row]
-
-
-def state_rows(state: torch.Tensor, length: int, row: int, n: int) -> torch.Tensor:
-    """(n, D): sample ``row``'s real slots of a folded (1, D, 1, B*L) state."""
-    start = row * length
-    return state[0, :, 0, start : start + n].T
-
-
-# ---- measuring: shared by encoders and decision models --------------------------------------
-
-
-@dataclass
-class Measured:
-    """What running a candidate over every batch showed, besides its per-fixture figures."""
-
-    finite: bool = True  # every output and state, padded slots included
-    deterministic: bool = True  # two runs, identical bits
-    worst_layer: Worst = field(default_factory=lambda: Worst(0.0))  # fp32 only
-
-
-# Scores one fixture (its row ``r`` of the batch's outputs) and returns its reference's
-# per-layer states (n, D), for the per-layer comparison.
-Score = Callable[[Fixture, int, Outputs], list[torch.Tensor]]
-
-
-def measure(runner: Runner, batches: list[Batch], score: Score, length: int,
-            layers: list[LayerRow] | None, fp32: bool) -> Measured:  # fmt: skip
-    """Run every batch twice (determinism and finiteness of every output and state), score
-    every fixture and, with ``layers``, fold each layer's relative error at real slots (and
-    its largest |h|) into the fp32 or fp16 columns."""
-    m = Measured()
-    for batch in batches:
-        states, out = runner(batch)
-        again_states, again = runner(batch)
-        m.deterministic &= all(torch.equal(v, again[k]) for k, v in out.items())
-        m.finite &= all(bool(torch.isfinite(v).all()) for v in out.values())
-        if states is not None and again_states is not None:
-            m.deterministic &= all(
-                torch.equal(a, b) for a, b in zip(states, again_states, strict=True)
-            )
-            m.finite &= all(bool(torch.isfinite(s).all()) for s in states)
-        for r, fixture in enumerate(batch.fixtures):
-            hidden = score(fixture, r, out)
-            if states is None or layers is None:
-                continue
-            for i, state in enumerate(states):
-                h = state_rows(state, length, r, len(fixture.token_ids)).float()
-                err, row = rel_error(h, hidden[i]), layers[i]
-                if fp32:
-                    m.worst_layer.see(err, f"layer {i}, {fixture.name}")
-                    row.fp32_rel_error = max(row.fp32_rel_error, err)
-                    row.fp32_max_abs = max(row.fp32_max_abs, float(h.abs().max()))
-                else:
-                    row.fp16_rel_error = max(row.fp16_rel_error, err)
-        if states is not None and layers is not None and not fp32:
-            for i, state in enumerate(states):  # every slot, padding included
-                layers[i].fp16_max_abs = max(layers[i].fp16_max_abs, float(state.abs().max()))
-    return m
 
 
 def level_of(implementation: str) -> Level:
@@ -308,7 +233,7 @@ def check_encoder(
     (e.g. ``{"partitioned-fp16": ..., MIL_LEVEL: ...}``) gated like ``torch-fp16``. With
     ``torch_levels=False`` only the extra candidates run (when the torch levels already
     passed in an earlier call)."""
-    kind, length = module.io.output, module.io.length
+    kind, rows_of = module.io.output, folded_rows(module.io.length)
     layers = [LayerRow(i) for i in range(len(module.layers))]
     fixtures = [f for b in batches for f in b.fixtures]
     rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
@@ -326,7 +251,7 @@ def check_encoder(
             _score(rows[fixture.name], name, got, ref.output, kind)
             return ref.hidden
 
-        m = measure(runner, batches, score, length, layers if name in runners else None, fp32)
+        m = measure(runner, batches, score, rows_of, layers if name in runners else None, fp32)
         if fp32:
             gates.append(
                 gate("torch-fp32", "fp32_layer_rel_error").check(

@@ -207,11 +207,13 @@ def agreement(kept: dict[str, bool]) -> tuple[float, str]:
     return sum(kept.values()) / len(kept), first_few([k for k, ok in kept.items() if not ok])
 
 
-def stability_gates(level: Level, implementation: str, finite: bool, deterministic: bool
-                    ) -> list[GateResult]:  # fmt: skip
+def stability_gates(level: Level, implementation: str, finite: bool, deterministic: bool,
+                    finite_detail: str = "") -> list[GateResult]:  # fmt: skip
     """``finite_outputs`` and ``deterministic`` (two runs, identical bits) of a candidate."""
     return [
-        gate(level, "finite_outputs").check(float(finite), implementation=implementation),
+        gate(level, "finite_outputs").check(
+            float(finite), implementation=implementation, detail=finite_detail
+        ),
         gate(level, "deterministic").check(
             float(deterministic), implementation=implementation, detail="two runs, identical bits"
         ),

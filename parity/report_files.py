@@ -15,21 +15,10 @@ from parity.report import report_to_json
 from parity.result import ParityReport
 
 TORCH_LEVELS = [
-    {
-        "level": "rewrite",
-        "implementation": "torch-fp32",
-        "against": "reference",
-        "status": "run",
-        "gated": True,
-    },
-    {
-        "level": "rewrite",
-        "implementation": "torch-fp16",
-        "against": "reference",
-        "status": "run",
-        "gated": True,
-    },
-]
+    {"level": "rewrite", "implementation": name, "against": "reference", "status": "run",
+     "gated": True}
+    for name in ("torch-fp32", "torch-fp16")
+]  # fmt: skip
 
 
 def merge(report: ParityReport, conversion: ConversionReport) -> None:

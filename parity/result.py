@@ -21,8 +21,9 @@ from parity.gate import GateResult, all_passed, json_number
 # under graph_passes.decision.OUTPUT_NAMES.
 Outputs = dict[str, torch.Tensor]
 OUTPUT = "output"
-# One implementation of an encoder or decision model: a right-padded (B, L) batch -> the
-# folded per-layer states (None where the implementation does not expose them) and outputs.
+# One implementation: a batch (right-padded for encoders and decision models, left-padded for
+# decoders) -> its per-layer states (None where the implementation does not expose them) and
+# outputs (`parity.measure`).
 Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 
 FP16_MAX = 65504.0

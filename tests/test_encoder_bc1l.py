@@ -25,7 +25,8 @@ from graph_passes.archs import ENCODER_ADAPTERS, adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, fold, real_weights, unfold
 from graph_passes.layer_norm import FP16_EPS_FLOOR, LayerNorm
 from graph_passes.masks import MASKED, folded_band_mask, key_mask_from_padding
-from parity.encoder_gates import check_encoder, encoder_inputs, state_rows
+from parity.encoder_gates import check_encoder, encoder_inputs
+from parity.measure import folded_rows
 
 TOLERANCE = 1e-5
 OUTPUTS = ["last-hidden-state", "sentence-embedding", "logits"]
@@ -299,9 +300,9 @@ def test_fold_unfold_roundtrip_and_real_weights() -> None:
     assert real_weights(km).tolist() == [[1.0, 1.0, 0.0]]
 
 
-def test_state_rows_reads_each_sample_block() -> None:
+def test_folded_rows_reads_each_sample_block() -> None:
     h = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(1, 2, 1, 12)
-    assert torch.equal(state_rows(h, 4, 1, 2), h[0, :, 0, 4:6].T)
+    assert torch.equal(folded_rows(4)(h, 1, 2), h[0, :, 0, 4:6].T)
 
 
 def test_padded_fp16_rows_are_finite_for_every_layer() -> None:

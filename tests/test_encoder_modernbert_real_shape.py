@@ -24,8 +24,9 @@ from converter.tasks.encoder_contract import island_contract
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import Island, host_embedding
-from parity.encoder_gates import MIL_LEVEL, check_encoder, encoder_inputs, state_rows
+from parity.encoder_gates import MIL_LEVEL, check_encoder, encoder_inputs
 from parity.encoder_mil import output_runner
+from parity.measure import folded_rows
 
 pytestmark = pytest.mark.slow
 
@@ -142,6 +143,6 @@ def test_mmbert_shape_folded_batch_is_exact_in_fp32() -> None:
         n = len(fixture.token_ids)
         for i, state in enumerate(states):
             ref = t.references[fixture.name].hidden[i]
-            got = state_rows(state, 64, r, n)
+            got = folded_rows(64)(state, r, n)
             err = float((got.double() - ref.double()).norm() / ref.double().norm())
             assert err <= THRESHOLDS.fp32_layer_rel_error, (fixture.name, i, err)

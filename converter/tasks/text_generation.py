@@ -282,7 +282,7 @@ def _fixture_count(run: DecoderRun) -> int:
     return len(need(run.rewrite, "the rewrite").fixtures)
 
 
-def _batch_count(run: DecoderRun) -> int:
+def _batches(run: DecoderRun) -> int:
     return len(need(run.rewrite, "the rewrite").batches)
 
 
@@ -290,12 +290,12 @@ CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step("load checkpoint", load),
     Step("rewrite to BC1L", with_parity_torch(rewrite)),
     Step("reference (original model)", with_parity_torch(references), _fixture_count),
-    Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity), _batch_count),
+    Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity), lambda r: 2 * _batches(r)),
     Step("convert to ML Program", convert),
     Step(
         "parity (MIL evaluator)",
         with_parity_torch(mil_parity),
-        lambda run: len(run.profiles) * _batch_count(run),
+        lambda run: len(run.profiles) * _batches(run),
     ),
     Step("write manifest", manifest),
     Step("plan (static)", plan),

@@ -399,7 +399,7 @@ CONVERT_STEPS: tuple[Step[KvRun], ...] = (
     Step("reference (original model)", with_parity_torch(window_task.references),
          window_task._fixture_count),
     Step("parity (torch fp32, fp16)", with_parity_torch(window_task.torch_parity),
-         window_task._batch_count),
+         lambda run: 2 * window_task._batches(run)),  # check_decoder: per batch and level
     Step("split into packages (weight budget)", split_packages),
     Step("convert prefill, decode, extend", convert_functions, lambda run: 3 * len(run.split)),
     Step("parity through the cache (MIL evaluator)", with_parity_torch(kv_parity),

@@ -1,0 +1,88 @@
+"""One measuring loop for every model kind's torch-level candidates (SPEC section 4).
+
+A candidate is a `Runner`: a batch in, its per-layer states and its outputs by name out.
+`measure` runs it over every batch (an fp16 candidate twice, for bitwise determinism), checks
+that every output and state is finite, hands each fixture's row of the outputs to the model
+kind's `Score` and, given the per-layer rows, folds each layer's relative error at the
+fixture's real positions (and its largest |h|) into the fp32 or fp16 columns. Decoders,
+encoders and decision models differ only in their runners, their scores and where a sample's
+real positions sit in a state (`StateRows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from parity.fixtures import Batch, Fixture
+from parity.gate import Worst
+from parity.result import LayerRow, Outputs, Runner, rel_error
+
+
+@dataclass
+class Measured:
+    """What running a candidate over every batch showed, besides its per-fixture figures."""
+
+    finite: bool = True  # every output and state, padded slots included (fp16 only)
+    deterministic: bool = True  # two runs, identical bits (fp16 only)
+    worst_layer: Worst = field(default_factory=lambda: Worst(0.0))  # fp32 only
+
+
+# Scores one fixture (its row ``r`` of the batch's outputs) and returns its reference's
+# per-layer states (n, D), for the per-layer comparison.
+Score = Callable[[Fixture, int, Outputs], list[torch.Tensor]]
+# (state, row, n) -> (n, D): sample ``row``'s ``n`` real positions of one layer's state, as
+# the checkpoint's own hidden state (any stream scale divided out).
+StateRows = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def folded_rows(length: int) -> StateRows:
+    """Real slots of right-padded (B, L) batches folded into (1, D, 1, B*L) states (encoders
+    and decision models)."""
+
+    def rows(state: torch.Tensor, row: int, n: int) -> torch.Tensor:
+        start = row * length
+        return state[0, :, 0, start : start + n].T
+
+    return rows
+
+
+def measure(runner: Runner, batches: list[Batch], score: Score, rows: StateRows,
+            layers: list[LayerRow] | None, fp32: bool,
+            progress: Callable[[], None] = lambda: None) -> Measured:  # fmt: skip
+    """Run every batch (an fp16 candidate twice: determinism and finiteness of every output
+    and state), score every fixture and, with ``layers``, fold each layer's relative error at
+    real slots (and its largest |h|) into the fp32 or fp16 columns; ``progress`` is called
+    per batch. The fp32 level's determinism and finiteness are not gated, so it runs once."""
+    m = Measured()
+    for batch in batches:
+        states, out = runner(batch)
+        if not fp32:
+            again_states, again = runner(batch)
+            m.deterministic &= all(torch.equal(v, again[k]) for k, v in out.items())
+            m.finite &= all(bool(torch.isfinite(v).all()) for v in out.values())
+            if states is not None and again_states is not None:
+                m.deterministic &= all(
+                    torch.equal(a, b) for a, b in zip(states, again_states, strict=True)
+                )
+                m.finite &= all(bool(torch.isfinite(s).all()) for s in states)
+        for r, fixture in enumerate(batch.fixtures):
+            hidden = score(fixture, r, out)
+            if states is None or layers is None:
+                continue
+            for i, state in enumerate(states):
+                h = rows(state, r, len(fixture.token_ids)).float()
+                err, row = rel_error(h, hidden[i]), layers[i]
+                if fp32:
+                    m.worst_layer.see(err, f"layer {i}, {fixture.name}")
+                    row.fp32_rel_error = max(row.fp32_rel_error, err)
+                    row.fp32_max_abs = max(row.fp32_max_abs, float(h.abs().max()))
+                else:
+                    row.fp16_rel_error = max(row.fp16_rel_error, err)
+        if states is not None and layers is not None and not fp32:
+            for i, state in enumerate(states):  # every slot, padding included
+                layers[i].fp16_max_abs = max(layers[i].fp16_max_abs, float(state.abs().max()))
+        progress()
+    return m
