@@ -57,11 +57,19 @@ def preflight(
         size = sum(f.stat().st_size for f in files)
         n_parameters = size // _PICKLE_BYTES_PER_PARAMETER
     variants = recipe.compression is not None and bool(recipe.compression.variants)
-    memory = estimate_peak_memory(n_parameters, variants)
+    memory = estimate_peak_memory(n_parameters, variants, table_elements(tables))
     check_memory(memory, recipe.name)
     artifact = artifact_bytes(tables, n_parameters)
     check_disk(out_dir, artifact, recipe.name)
     return PreflightReport(files, tables, n_parameters, memory, artifact)
+
+
+def table_elements(tables: list[WeightTable]) -> int:
+    """Elements of the token embedding table: the largest tensor named as an embedding
+    (``embed_tokens``, ``token_embd``, ``word_embeddings``, ``tok_embeddings``); 0 if none."""
+    sizes = [t.n_elements for table in tables for name, t in table.tensors.items()
+             if "emb" in name and "position" not in name]  # fmt: skip
+    return max(sizes, default=0)
 
 
 def artifact_bytes(tables: list[WeightTable], n_parameters: int) -> int:

@@ -4,14 +4,24 @@ A conversion that runs out of memory is killed after minutes of work, with no me
 that runs out of disk fails while saving. Both are estimated from the checkpoint's parameter
 count (read from the weight files' headers) and checked before any work starts.
 
-Memory model: a base (the interpreter with torch, transformers and coremltools loaded) plus
-a multiple of the fp32 weights: the loaded model (whose tensors the canonical weights and the
-BC1L module's convs share), the module's fused and scaled matrices, its fp16 copy for the
-torch parity level and the converted program's fp16 constants. Peaks of the fp16 artifact
-measured after those stopped copying the checkpoint (bench/README.md, issue 22): SmolLM2-135M
-1.86 GiB (0.50 GiB of fp32 weights), Gemma 3 270M 3.58 GiB (1.00), Qwen2.5-0.5B-shaped random
-weights 5.27 GiB (1.84). 0.75 GiB + 3.0 x fp32 lies above all three (estimates 2.25, 3.75 and
-6.27 GiB), the tightest round multiple that does (2.9 leaves Gemma 0.07 GiB).
+Memory model: a base (the interpreter with torch, transformers and coremltools loaded, the
+tokenizer) plus a multiple of the fp32 weights (the loaded model, whose tensors the canonical
+weights and the BC1L module's convs share; the fused q/k/v and gate/up matrices; the fp16
+copy for the torch parity level; the converted program's fp16 constants) plus a multiple of
+the fp32 embedding table (the host table, scaled when the model scales its embeddings; the
+vocabulary-wide logits and softmaxes of every parity level). Peaks measured with
+``/usr/bin/time -v`` (bench/README.md, issue 22), fp32 weights / table in GiB:
+
+    MiniLM-L6            1.08 GiB   0.085 / 0.044
+    SmolLM2-135M         1.86 GiB   0.501 / 0.105
+    Gemma 3 270M         3.59 GiB   0.999 / 0.625
+    Qwen2.5-0.5B shape   4.71 GiB   1.840 / 0.507
+    Llama-3.2-1B shape  10.48 GiB   4.604 / 0.979   (10.52 with a state cache)
+
+1 GiB + 2.0 x weights + 1.4 x table lies above each (1.23, 2.15, 3.87, 5.39, 11.58 GiB), so a
+1B model's conversion is let through under a 12 GiB limit. Weights alone cannot fit both:
+Gemma's table is 63 % of its weights, and a single multiple above Gemma's peak refuses the
+1B model at 12 GiB.
 """
 
 from __future__ import annotations
@@ -27,10 +37,12 @@ from pathlib import Path
 from converter.errors import InputError
 
 GIB = 1 << 30
-# A 130k-parameter model peaked at 0.40 GiB (measured); the base leaves room above that.
-BASE_BYTES = int(0.75 * GIB)
-# Peak bytes per byte of fp32 weights, above the base (see the module docstring).
-FP32_MULTIPLE = 3.0
+# What a tiny model peaks at (MiniLM: 1.08 GiB, of it 0.13 GiB of fp32 weights and table).
+BASE_BYTES = 1 * GIB
+# Peak bytes per byte of fp32 weights and of the fp32 embedding table, above the base (see
+# the module docstring).
+FP32_MULTIPLE = 2.0
+TABLE_MULTIPLE = 1.4
 # More for a recipe with compressed variants, whose parity step holds the variant's models
 # beside the fp16 ones: measured +3.66 GiB for int8 at the Qwen2.5-0.5B shape (8.93 against
 # 5.27 GiB, 2.0 x its 1.84 GiB of fp32 weights) and +1.89 GiB for SmolLM2's four variants
@@ -48,6 +60,7 @@ class MemoryEstimate:
 
     n_parameters: int
     variants: bool = False  # compressed variants after the fp16 artifact
+    table_elements: int = 0  # the token embedding table's (vocab x hidden)
 
     @property
     def fp32_bytes(self) -> int:
@@ -62,14 +75,16 @@ class MemoryEstimate:
     @property
     def peak_bytes(self) -> int:
         """The estimated peak."""
-        return BASE_BYTES + int(self.multiple * self.fp32_bytes)
+        table = TABLE_MULTIPLE * 4 * self.table_elements
+        return BASE_BYTES + int(self.multiple * self.fp32_bytes + table)
 
     def describe(self) -> str:
         """One sentence that shows where the figure comes from."""
         return (
-            f"{self.n_parameters / 1e6:.1f}M parameters ({gib(self.fp32_bytes)} as fp32) need "
-            f"about {gib(self.peak_bytes)} at the peak ({gib(BASE_BYTES)} + "
-            f"{self.multiple:g} x the fp32 weights"
+            f"{self.n_parameters / 1e6:.1f}M parameters ({gib(self.fp32_bytes)} as fp32, "
+            f"embedding table {gib(4 * self.table_elements)}) need about "
+            f"{gib(self.peak_bytes)} at the peak ({gib(BASE_BYTES)} + {self.multiple:g} x the "
+            f"fp32 weights + {TABLE_MULTIPLE:g} x the table"
             + (", compressed variants included)" if self.variants else ")")
         )
 
@@ -79,10 +94,13 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def estimate_peak_memory(n_parameters: int, variants: bool = False) -> MemoryEstimate:
-    """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size,
-    with or without compressed variants after the fp16 artifact."""
-    return MemoryEstimate(n_parameters, variants)
+def estimate_peak_memory(
+    n_parameters: int, variants: bool = False, table_elements: int = 0
+) -> MemoryEstimate:
+    """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size
+    (and this many embedding-table elements), with or without compressed variants after the
+    fp16 artifact."""
+    return MemoryEstimate(n_parameters, variants, table_elements)
 
 
 def parse_size(text: str) -> int:
