@@ -278,8 +278,8 @@ def _kv_records(run: KvVariantRun, advance: Advance) -> None:
     run.records, run.decoded = weight_records(run.program.functions["main"], run.ctx.sites,
                                               plan, kept)  # fmt: skip
     stored = {WINDOW: payloads(run.records)}
-    for i, package in enumerate(run.packages):
-        combined = load_package(package)
+    programs = {package.name: load_package(package) for package in run.packages}
+    for i, combined in enumerate(programs.values()):
         for label, (j, f, _) in run.programs.items():
             if j == i:
                 per, _ = weight_records(combined.functions[f], run.fsites[label], plan, kept)
@@ -294,7 +294,7 @@ def _kv_records(run: KvVariantRun, advance: Advance) -> None:
     module = run.ctx.subject.module
     fp16 = {n: module.get_parameter(n).detach().half().numpy() for n in run.decoded}
     run.errors = weight_errors(run.decoded, fp16)
-    run.stream = ne_stream({p.name: load_package(p) for p in run.packages})
+    run.stream = ne_stream(programs)
 
 
 def _kv_gates(run: KvVariantRun, advance: Advance) -> None:
