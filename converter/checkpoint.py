@@ -206,8 +206,9 @@ def _from_read_tensors(
 
     A tensor of a mapped file keeps every page of the mapping it touched resident until the
     file's last tensor is freed. The rewrite fuses q / k / v and gate / up into new tensors and
-    the original model is deleted after the reference step, but the mapped originals stayed:
-    2.4 GiB held to the end on a Llama-3.2-1B shape (bench/README.md, ``llama_1b.py``).
+    the original model is deleted after the reference step, but the mapped originals stayed
+    resident to the end: at the Llama-3.2-1B shape RSS stayed 2.8 GiB above the live tensors
+    (bench/README.md, ``llama_1b.py``).
     """
     from safetensors import safe_open
 

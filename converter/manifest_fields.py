@@ -42,8 +42,8 @@ def write_npy(
 ) -> FileEntry:
     """Write ``array`` (cast to ``dtype``, if given) to ``path`` as ``.npy`` (no pickle),
     atomically; returns its entry. The bytes are ``np.save``'s, written a block of rows at a
-    time: a whole cast copy and a whole in-memory file were 1.5 GB at the Llama-1B shape's
-    fp16 embedding table."""
+    time: ``np.save`` into memory held a whole cast copy, the in-memory file and its bytes
+    (Gemma 3's peak fell from 3.59 to 3.36 GiB without them)."""
     out = np.dtype(dtype if dtype is not None else array.dtype)
     header = {"descr": np.lib.format.dtype_to_descr(out), "fortran_order": False,
               "shape": array.shape}  # fmt: skip

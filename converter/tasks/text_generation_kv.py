@@ -138,8 +138,7 @@ def convert_singles(
         singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
         if name == DEFAULT_FUNCTION:
             # The plan's op table now, not the program: held to the plan step, each chunk's
-            # decode program kept its weights through the cache parity (1.2 GB per chunk at
-            # the Llama-1B shape).
+            # decode program kept its fp16 weights through the cache parity.
             table = op_table(mlmodel._mil_program)
             decode = Program(name, inputs, outputs, scratch, None, live_ops(mlmodel), table)
         del mlmodel

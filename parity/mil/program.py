@@ -20,7 +20,8 @@ def load_package(package: Path) -> Any:
 
     coremltools' own loader (``milproto.load``) makes one array per const: the prefill,
     decode and extend functions of a cached decoder name the same blobs, so it held three
-    copies of every weight (7.4 GB of a 16.2 GB peak at the Llama-1B shape). This is its
+    copies of every weight (with the next change, the Llama-1B shape's cached recipe peaked at
+    10.52 GiB instead of 16.49: bench/README.md, ``llama_1b.py``). This is its
     ``load_mil_proto`` with a context that gives each const naming an already-read blob the
     array read first, as the const is made; the private names are coremltools 9.0's (pinned).
     The arrays are shared, so a change to one function's weight replaces its const op rather
