@@ -4,11 +4,20 @@ is a valid pick, so a difference there is reported, not failed."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import tiny_hf_model
 
-from parity.kv_reference import NEAR_TIE, check_greedy, greedy_ids, greedy_steps
+from parity.fixtures import Fixture
+from parity.kv_reference import (
+    NEAR_TIE,
+    SpilledRows,
+    check_greedy,
+    continuation,
+    greedy_ids,
+    greedy_steps,
+)
 
 WIDE, TIE = 1.0, NEAR_TIE / 2
 
@@ -51,3 +60,24 @@ def test_greedy_steps_gives_the_greedy_tokens_and_their_gaps_by_full_recompute()
     top2 = logits[len(prompt) - 1 : -1].topk(2, dim=-1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     assert [g for _, g in steps] == pytest.approx(gaps, abs=1e-4)
+
+
+def test_a_continuation_reads_back_the_full_recompute_logits_bit_for_bit() -> None:
+    # The reference rows live in a temporary file (parity.kv_reference.SpilledRows): what
+    # the cache gates read must be the recompute's own fp32 values.
+    model = tiny_hf_model("llama")
+    fixture = Fixture("f", (1, 2, 3, 4), "padded")
+    c = continuation(model, fixture, 5)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([c.ids]), use_cache=False).logits[0].numpy()
+    for position in range(len(fixture.token_ids) - 1, len(c.ids)):
+        assert np.array_equal(c.reference(position), logits[position])
+    with pytest.raises(IndexError, match="row 6 of 6 logit rows"):
+        c.logits[6]
+
+
+def test_spilled_rows_refuse_anything_but_a_matrix() -> None:
+    rows = SpilledRows(np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert np.array_equal(rows[-1], [3, 4, 5]) and len(rows) == 2
+    with pytest.raises(ValueError, match=r"must be 2-D \(positions, vocabulary\), not \(6,\)"):
+        SpilledRows(np.zeros(6, np.float32))
