@@ -13,18 +13,19 @@ The thresholds are fixed (issue 11), not recipe keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from parity.gate import GateResult, Worst, first_few, gate
-from parity.kv_reference import Continuation
+from parity.kv_reference import Continuation, SpilledRows
 from parity.kv_session import CacheSession
 
 LEVEL = "kv-cache"
 MARGIN = 0.5  # argmax must agree where the reference's top1 - top2 exceeds this
 LARGE = 3.0e4  # finite in fp16; a score from it would overflow fp16
+STALE_STEPS = 8  # decode steps checked after a rejected draft
 
 
 @dataclass
@@ -54,28 +55,39 @@ def margin(logits: np.ndarray) -> float:
     return float(top[1] - top[0])
 
 
-def sequential(session: CacheSession, c: Continuation, prefill: str) -> dict[int, np.ndarray]:
-    """Prefill the prompt, then decode the continuation one token per call: the logits at
-    every position from the prompt's last on."""
-    out = {len(c.prompt) - 1: session.prefill(prefill, list(c.prompt))}
+def decode_steps(
+    session: CacheSession, c: Continuation, prefill: str
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Prefill the prompt, then decode the continuation one token per call: (position,
+    logits) from the prompt's last position on."""
+    yield len(c.prompt) - 1, session.prefill(prefill, list(c.prompt))
     for p in range(len(c.prompt), len(c.ids)):
-        out[p] = session.call("decode", [c.ids[p]])[:, -1]
-    return out
+        yield p, session.call("decode", [c.ids[p]])[:, -1]
 
 
-def extended(session: CacheSession, c: Continuation, prefill: str, k: int) -> dict[int, np.ndarray]:
+def sequential(session: CacheSession, c: Continuation, prefill: str) -> dict[int, np.ndarray]:
+    """`decode_steps`' logits by position."""
+    return dict(decode_steps(session, c, prefill))
+
+
+def extend_steps(
+    session: CacheSession, c: Continuation, prefill: str, k: int
+) -> Iterator[tuple[int, np.ndarray]]:
     """Prefill the prompt, then absorb the continuation K tokens per ``extend`` call (the
-    last call left-padded when fewer remain)."""
+    last call left-padded when fewer remain): (position, logits) in position order."""
     session.prefill(prefill, list(c.prompt))
-    out = {}
     p = len(c.prompt)
     while p < len(c.ids):
         chunk = list(c.ids[p : p + k])
         logits = session.call("extend", chunk)
         for u in range(len(chunk)):
-            out[p + u] = logits[:, k - len(chunk) + u]
+            yield p + u, logits[:, k - len(chunk) + u]
         p += len(chunk)
-    return out
+
+
+def extended(session: CacheSession, c: Continuation, prefill: str, k: int) -> dict[int, np.ndarray]:
+    """`extend_steps`' logits by position."""
+    return dict(extend_steps(session, c, prefill, k))
 
 
 def extend_vs_decode(
@@ -112,9 +124,17 @@ def check_kv(
     flips: list[str] = []
     ext_flips: list[str] = []
     for c in continuations:
-        single = sequential(make_session(), c, prefill)
+        # The extend run first, kept on disk: at Gemma 3's 262,144-wide vocabulary and 513
+        # positions a fixture's logits are 0.5 GB a run, so the decode run is compared with
+        # the reference and with it step by step instead of holding both runs.
+        first = len(c.prompt)
+        batched = SpilledRows()
+        for _, logits in extend_steps(make_session(), c, prefill, extend_tokens):
+            finite &= bool(np.isfinite(logits).all())
+            batched.append(logits)
+        clean: dict[int, np.ndarray] = {}  # the first decode steps, for the stale check
         row_err, judged = 0.0, 0
-        for p, logits in single.items():
+        for p, logits in decode_steps(make_session(), c, prefill):
             ref = c.reference(p)
             where = f"{c.name} position {p}"
             finite &= bool(np.isfinite(logits).all())
@@ -127,10 +147,13 @@ def check_kv(
             if m > MARGIN and int(logits.argmax()) != int(ref.argmax()):
                 flips.append(f"{where}: reference {int(ref.argmax())} (margin {m:.3f}), "
                              f"program {int(logits.argmax())}")  # fmt: skip
-        batched = extended(make_session(), c, prefill, extend_tokens)
-        finite &= all(bool(np.isfinite(v).all()) for v in batched.values())
-        ext_flips += extend_vs_decode(single, batched, c.name, ext_diff)
-        stale.see(stale_difference(make_session(), c, prefill, extend_tokens, single), c.name)
+            if p >= first:
+                ext_flips += extend_vs_decode({p: logits}, {p: batched[p - first]}, c.name,
+                                              ext_diff)  # fmt: skip
+            if p < first + STALE_STEPS:
+                clean[p] = logits
+        del batched
+        stale.see(stale_difference(make_session(), c, prefill, extend_tokens, clean), c.name)
         result.rows.append(
             {"fixture": c.name, "prompt_tokens": len(c.prompt),
              "decode_steps": len(c.ids) - len(c.prompt), "max_abs_logit_error": row_err,
@@ -160,7 +183,7 @@ def stale_difference(
     prefill: str,
     k: int,
     clean: dict[int, np.ndarray],
-    steps: int = 8,
+    steps: int = STALE_STEPS,
 ) -> float:
     """Largest |difference| of the decode steps after a rejected draft and large values in
     every slot beyond the position, against the clean run's logits at the same positions."""

@@ -22,7 +22,7 @@ class Rows(Protocol):
 
 
 class SpilledRows:
-    """fp32 rows kept in an unnamed temporary file and read back one at a time.
+    """fp32 rows of one width kept in an unnamed temporary file, read back one at a time.
 
     A cached decoder's reference holds every decoded position's full-vocabulary logits: for
     Gemma 3's recipe (3 prompts x 513 positions x 262,144) that is 1.6 GB, held from the
@@ -31,24 +31,41 @@ class SpilledRows:
     this object.
     """
 
-    def __init__(self, rows: np.ndarray) -> None:
-        array = np.ascontiguousarray(rows, dtype=np.float32)
-        if array.ndim != 2:
-            raise ValueError(f"logit rows must be 2-D (positions, vocabulary), not {array.shape}")
-        self.shape: tuple[int, int] = (int(array.shape[0]), int(array.shape[1]))
+    def __init__(self, width: int | None = None) -> None:
+        self.width = width  # set by the first row when not given
+        self._rows = 0
         self._file: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - lives with self
-        array.tofile(self._file)
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> SpilledRows:
+        """The rows of a (positions, width) array."""
+        if rows.ndim != 2:
+            raise ValueError(f"logit rows must be 2-D (positions, vocabulary), not {rows.shape}")
+        spilled = cls(int(rows.shape[1]))
+        np.ascontiguousarray(rows, dtype=np.float32).tofile(spilled._file)
+        spilled._file.flush()
+        spilled._rows = int(rows.shape[0])
+        return spilled
+
+    def append(self, row: np.ndarray) -> None:
+        """Add one row (any float dtype; fp16 and fp32 values are kept exactly)."""
+        if self.width is None and row.ndim == 1:
+            self.width = int(row.shape[0])
+        if row.shape != (self.width,):
+            raise ValueError(f"a logit row of width {self.width}, not shape {row.shape}")
+        self._file.seek(0, os.SEEK_END)
+        np.ascontiguousarray(row, dtype=np.float32).tofile(self._file)
         self._file.flush()
+        self._rows += 1
 
     def __len__(self) -> int:
-        return self.shape[0]
+        return self._rows
 
     def __getitem__(self, row: int) -> np.ndarray:
         """Row ``row`` (negative counts from the end), read-only fp32."""
-        n, width = self.shape
+        n, size = self._rows, (self.width or 0) * 4
         if not -n <= row < n:
             raise IndexError(f"row {row} of {n} logit rows")
-        size = width * 4
         data = os.pread(self._file.fileno(), size, (row % n) * size)
         if len(data) != size:
             raise OSError(f"logit rows: row {row} read {len(data)} of {size} bytes")
@@ -127,7 +144,7 @@ def continuation(model: nn.Module, fixture: Fixture, steps: int) -> Continuation
     prompt = tuple(fixture.token_ids)
     ids = prompt + tuple(greedy_ids(model, prompt, steps))
     logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
-    kept = SpilledRows(logits[len(prompt) - 1 :].float().numpy())
+    kept = SpilledRows.of(logits[len(prompt) - 1 :].float().numpy())
     return Continuation(fixture.name, prompt, ids, kept)
 
 

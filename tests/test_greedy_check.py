@@ -76,8 +76,13 @@ def test_a_continuation_reads_back_the_full_recompute_logits_bit_for_bit() -> No
         c.logits[6]
 
 
-def test_spilled_rows_refuse_anything_but_a_matrix() -> None:
-    rows = SpilledRows(np.arange(6, dtype=np.float32).reshape(2, 3))
-    assert np.array_equal(rows[-1], [3, 4, 5]) and len(rows) == 2
+def test_spilled_rows_keep_appended_rows_exactly_and_refuse_other_shapes() -> None:
+    rows = SpilledRows.of(np.arange(6, dtype=np.float32).reshape(2, 3))
+    half = np.array([0.1, -65504.0, 6e-8], np.float16)  # fp16 rows come back exact
+    rows.append(half)
+    assert np.array_equal(rows[1], [3, 4, 5]) and len(rows) == 3
+    assert np.array_equal(rows[-1], half.astype(np.float32))
     with pytest.raises(ValueError, match=r"must be 2-D \(positions, vocabulary\), not \(6,\)"):
-        SpilledRows(np.zeros(6, np.float32))
+        SpilledRows.of(np.zeros(6, np.float32))
+    with pytest.raises(ValueError, match=r"width 3, not shape \(4,\)"):
+        rows.append(np.zeros(4, np.float32))
