@@ -33,6 +33,7 @@ from parity.metrics import PositionRow, compare_positions
 from parity.model_copies import in_float64, program_constants, set_weights, with_weights
 from parity.reference import ReferenceRun
 from parity.result import rel_error
+from parity.torch_settings import TORCH_CPU
 from parity.variant import Compared, Score, decoded_alike, evaluator_weights
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
@@ -148,7 +149,8 @@ class DecoderKind:
         )
         return {
             "torch-fp16": "the BC1L module with the variant's decoded weights, cast to fp16, "
-            "torch on the CPU; every real position of each held-out text",
+            + TORCH_CPU
+            + "; every real position of each held-out text",
             "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage "
             "profile; " + mil,
         }

@@ -50,6 +50,7 @@ from parity.result import (
     first_diverging,
     rel_error,
 )
+from parity.torch_settings import TORCH_CPU
 
 ADVERSARIAL = "adversarial-mask"
 NARROW = "narrow-margin"
@@ -302,6 +303,6 @@ def check_decision(
         "reference": "transformers ModernBertModel + ModernBertEncoderLayer head layers + "
         "nn.Linear scorer / action head, fp32, each request alone, unpadded",
         "torch-fp32": "anec BC1L encoder + head stack and tail, torch fp32, right-padded batches",
-        "torch-fp16": "the same with fp16 epsilon floors, cast to fp16, torch on the CPU",
+        "torch-fp16": "the same with fp16 epsilon floors, cast to fp16, " + TORCH_CPU,
     })  # fmt: skip
     return report, row_list

@@ -34,6 +34,7 @@ from parity.result import (
     first_diverging,
     rel_error,
 )
+from parity.torch_settings import TORCH_CPU
 
 
 def module_inputs(
@@ -116,8 +117,7 @@ def check_decoder(
         implementations={
             "reference": "transformers, fp32, each fixture unpadded at positions 0..n-1",
             "torch-fp32": "anec BC1L module, torch fp32 on the CPU, left-padded window",
-            "torch-fp16": "anec BC1L module cast to fp16, torch on the CPU "
-            "(fp16 storage between ops)",
+            "torch-fp16": "anec BC1L module cast to fp16 (fp16 storage between ops), " + TORCH_CPU,
         },
     )
 

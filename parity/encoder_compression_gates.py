@@ -31,6 +31,7 @@ from parity.fixtures import Batch, Fixture
 from parity.gate import worst_of
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner, rel_error
+from parity.torch_settings import TORCH_CPU
 from parity.variant import Compared, Score, decoded_alike, evaluator_weights
 
 SentenceOutputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
@@ -118,7 +119,7 @@ class EncoderKind:
 
     descriptions: ClassVar[dict[str, str]] = {
         "torch-fp16": "the BC1L encoder with the variant's decoded weights and the fp16 epsilon "
-        "floors, cast to fp16, torch on the CPU; right-padded (B, L) batches",
+        "floors, cast to fp16, " + TORCH_CPU + "; right-padded (B, L) batches",
         "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage profile",
     }
 

@@ -39,6 +39,7 @@ from parity.result import (
     first_diverging,
     rel_error,
 )
+from parity.torch_settings import TORCH_CPU
 
 # What runs after the layers: (finished stream, key mask, batch) -> the outputs by name.
 Head = Callable[[torch.Tensor, torch.Tensor, Batch], Outputs]
@@ -264,7 +265,7 @@ def check_encoder(
     implementations = {
         "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
         "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
-        "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, torch on the CPU",
+        "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, " + TORCH_CPU,
         **(descriptions or {}),
     }
     first = first_diverging(layers, thresholds)

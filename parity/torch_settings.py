@@ -21,6 +21,13 @@ import torch
 from parity.fp16_conv import fast_fp16_convs
 
 PARITY_THREADS = 1
+# Where the torch levels ran, for their reports: torch picks its CPU kernels by instruction
+# set, and its fp16 kernels sum in another order on an AVX2 host than on an AVX-512 one, so a
+# torch-fp16 figure (and a near tie decided by it) can differ between hosts (bench/README.md,
+# "Gemma 3 270M on 2026-12-02 (afternoon)"). The MIL evaluator's levels do not depend on it.
+TORCH_CPU = (
+    f"torch {torch.__version__} on the CPU ({torch.backends.cpu.get_cpu_capability()} kernels)"
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
