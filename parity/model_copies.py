@@ -114,8 +114,8 @@ def in_float64(module: torch.nn.Module) -> Iterator[None]:
         return {n: t.data for n, t in tensors.items() if t is not None and t.is_floating_point()}
 
     def to64(piece: torch.nn.Module, args: Any) -> None:
-        # The tensors themselves are put back, not fp32 copies made: a copy beside freed
-        # originals lifted the fp32 check's peak by 0.83 GiB at Qwen2.5-0.5B size.
+        # The tensors themselves are put back, not fp32 copies made: with copies the fp32
+        # check's torch run rose 0.83 GiB at Qwen2.5-0.5B size, put back 0.4 (bench/README).
         held[piece] = [(m, floats(m._parameters), floats(m._buffers)) for m in piece.modules()]
         piece.double()
 
