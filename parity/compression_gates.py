@@ -30,7 +30,7 @@ from parity.gate import first_few
 from parity.head_outputs import run_capturing_logits
 from parity.memory import release_memory
 from parity.metrics import PositionRow, compare_positions
-from parity.model_copies import in_float64, program_constants, set_weights, with_weights
+from parity.model_copies import float64_program_copy, in_float64, with_weights
 from parity.reference import ReferenceRun
 from parity.result import rel_error
 from parity.torch_settings import TORCH_CPU
@@ -192,9 +192,9 @@ class DecoderKind:
 
     def program_check(self, program: Any, decoded: dict[str, np.ndarray]
                       ) -> tuple[float, list[Score]]:  # fmt: skip
-        """The program in fp32 against torch with the same weights (`mil_fp32_check`) and,
-        with int8 activations, each quantizer on the program's own input: end-to-end
-        agreement is then reported, each quantizer gated."""
+        """The program in fp32 against torch with the same weights (`mil_fp32_check`, which
+        empties ``decoded``) and, with int8 activations, each quantizer on the program's own
+        input: end-to-end agreement is then reported, each quantizer gated."""
         from parity.mil import Evaluator
 
         module, held_out, table = self.module, self.held_out, self.embed_table
@@ -232,21 +232,28 @@ def mil_fp32_check(
     that these are coremltools' decoded weights up to fp16 rounding is counted separately:
     the second result names the weights whose evaluator decoding, rounded to fp16, differs
     from coremltools' decoding in any value, or that the evaluator did not decode (none
-    expected).
+    expected). ``decoded`` is emptied once compared: the caller's last use of it.
     """
     from parity.mil import Evaluator
 
     evaluator = Evaluator(program, "fp32")
-    # The evaluator decodes constexpr ops once, when it prepares the program.
-    weights, mismatched = evaluator_weights(evaluator, decoded)
+    # The evaluator decodes constexpr ops once, when it prepares the program; its own arrays
+    # (fp16 where exact: a palette's values) are torch's weights below, widened in fp64.
+    weights, mismatched = evaluator_weights(evaluator, decoded, widen=False)
+    # decoded's last use (the caller's too): its fp16 arrays, 0.6 GiB at Qwen2.5-0.5B size,
+    # go before the evaluator runs and the torch copy is made (bench/README.md).
+    decoded.clear()
+    release_memory()
     chosen = held_out.windows[:windows]
     got = mil_logits(evaluator, module, held_out, embed_table, chosen)  # feeds: fp32 inputs
-    # One more copy of the model, made only once the evaluator's constants are freed, and
-    # fp64 one piece at a time: at Qwen2.5-0.5B size a whole fp64 copy is 4 GB, the
-    # evaluator's constants 2 GB (bench/README.md).
+    # One more copy of the model, made only once the evaluator's other constants are freed,
+    # holding the evaluator's decoded weights themselves, and fp64 one piece at a time: at
+    # Qwen2.5-0.5B size a whole fp64 copy is 4 GB, the evaluator's constants 2 GB
+    # (bench/README.md). A wrap scales tensors in place: those stay fp32, as fp16 could
+    # overflow where fp32 does not.
     del evaluator
     release_memory()
-    baseline = set_weights(program_constants(module), weights)
+    baseline = float64_program_copy(module, weights, others_in_fp16=wrap is None)
     del weights
     worst = 0.0
     length = module.io.length

@@ -59,11 +59,46 @@ def program_constants(module: M, precision: str = "float16") -> M:
     return out
 
 
+def float64_program_copy(
+    module: M, weights: dict[str, np.ndarray], others_in_fp16: bool = True
+) -> M:
+    """A copy of ``module`` for `in_float64` holding the values an fp16 program stores, the
+    named parameters holding ``weights``: in fp64 it computes exactly what
+    ``set_weights(program_constants(module), weights)`` computes, without that whole fp32 copy.
+
+    Each named parameter holds its array itself, in the array's own dtype (shared, not copied;
+    a read-only or already used array is copied); every other floating-point parameter and
+    buffer its fp16-rounded value, held in fp16 (``others_in_fp16``) or in its own dtype.
+    `in_float64` widens every value exactly. At Qwen2.5-0.5B size the whole copy was 1.84 GiB
+    beside 1.33 GiB of fp32 weights (bench/README.md, ``compress.py methods``); the caller
+    drops its own references to ``weights`` so the copy owns them."""
+    params = dict(module.named_parameters())
+    memo: dict[int, Any] = {}
+    used: set[int] = set()
+    for name, value in weights.items():
+        param = params[name]
+        array = np.asarray(value)
+        if not array.flags.writeable or array.ctypes.data in used:
+            array = array.copy()  # torch may not share a read-only array; no two share one
+        used.add(array.ctypes.data)
+        shared = torch.from_numpy(array).reshape(param.shape)
+        memo[id(param)] = torch.nn.Parameter(shared, requires_grad=param.requires_grad)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point() and id(tensor) not in memo:
+            rounded = tensor.detach().half()  # as program_constants rounds
+            rounded = rounded if others_in_fp16 else rounded.to(tensor.dtype)
+            if isinstance(tensor, torch.nn.Parameter):
+                rounded = torch.nn.Parameter(rounded, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = rounded
+    return copy.deepcopy(module, memo).eval()
+
+
 @contextlib.contextmanager
 def in_float64(module: torch.nn.Module) -> Iterator[None]:
     """Run ``module`` in fp64 holding one fp64 piece at a time: each called submodule (the
-    children, list entries unpacked) is made fp64 just before its forward and fp32 again just
-    after (exact: fp32 values are fp64 values), the root's own buffers for the whole block."""
+    children, list entries unpacked) is made fp64 just before its forward and given its own
+    floating-point tensors back just after (exact: fp32 values are fp64 values), the root's
+    own buffers for the whole block."""
 
     def pieces(parent: torch.nn.Module) -> Iterator[torch.nn.Module]:
         for child in parent.children():
@@ -72,11 +107,28 @@ def in_float64(module: torch.nn.Module) -> Iterator[None]:
             else:
                 yield child
 
+    Held = list[tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+    held: dict[torch.nn.Module, Held] = {}
+
+    def floats(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {n: t.data for n, t in tensors.items() if t is not None and t.is_floating_point()}
+
     def to64(piece: torch.nn.Module, args: Any) -> None:
+        # The tensors themselves are put back, not fp32 copies made: with copies the fp32
+        # check's torch run rose 0.83 GiB at Qwen2.5-0.5B size, put back 0.4 (bench/README).
+        held[piece] = [(m, floats(m._parameters), floats(m._buffers)) for m in piece.modules()]
         piece.double()
 
+    def restore(piece: torch.nn.Module) -> None:
+        for owner, params, buffers in held.pop(piece):
+            for name, data in params.items():
+                param = owner._parameters[name]
+                assert param is not None
+                param.data = data
+            owner._buffers.update(buffers)
+
     def to32(piece: torch.nn.Module, args: Any, out: Any) -> None:
-        piece.float()
+        restore(piece)
 
     own = {name: b for name, b in module.named_buffers(recurse=False) if b.is_floating_point()}
     handles = []
@@ -89,5 +141,7 @@ def in_float64(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+        for piece in list(held):  # a forward that raised: its piece is still fp64
+            restore(piece)
         for name, buffer in own.items():
             setattr(module, name, buffer)

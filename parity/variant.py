@@ -165,7 +165,8 @@ class VariantKind(Protocol):
 
     def program_check(self, program: Any, decoded: dict[str, np.ndarray]
                       ) -> tuple[float, list[Score]]:  # fmt: skip
-        """The program in fp32 against the same weights: its relative error and figures."""
+        """The program in fp32 against the same weights: its relative error and figures.
+        The last use of ``decoded``: a kind may empty it once compared (GBs at full size)."""
 
 
 def baselines(kind: VariantKind, program: Any, advance: Callable[[], None]) -> dict[str, Outputs]:
@@ -184,14 +185,17 @@ def variant_parity(
     acceptance: dict[str, Any] | None = None,
 ) -> VariantParity:
     """Every level of the variant against the original checkpoint (gated by ``gates``) and
-    the fp16 artifact's ``fp16`` outputs (reported), then the program in fp32."""
+    the fp16 artifact's ``fp16`` outputs (reported), then the program in fp32 (which may
+    empty ``decoded``: its last use)."""
     levels, scores = [], []
     for implementation in LEVELS:
         got = kind.run(implementation, program, decoded, advance)
-        # Each level frees its copy of the model before the next makes one: at Qwen2.5-0.5B
-        # size each is GBs (bench compress.py methods).
-        release_memory()
         vs_original, vs_fp16 = kind.compare(got, None), kind.compare(got, fp16[implementation])
+        del got
+        # Each level frees its copy of the model, and the comparisons their scratch, before
+        # the next level makes one: at Qwen2.5-0.5B size each is GBs (bench compress.py
+        # methods).
+        release_memory()
         describe = kind.descriptions[implementation]
         levels.append(VariantLevel(implementation, describe, vs_original, vs_fp16))
         scores.append((implementation, kind.scores(vs_original, gates)))
@@ -210,9 +214,10 @@ def variant_parity(
 
 
 def evaluator_weights(
-    evaluator: Any, decoded: dict[str, np.ndarray]
+    evaluator: Any, decoded: dict[str, np.ndarray], widen: bool = True
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The evaluator's own decoding of every compressed weight (by torch name), and the
+    """The evaluator's own decoding of every compressed weight (by torch name), in fp32
+    (``widen``) or as the evaluator holds it (fp16 where exact: no fp32 copy), and the
     weights whose decoding differs from ``decoded`` (coremltools' decoding) once rounded to
     fp16, or that the evaluator did not decode at all (none expected)."""
     from parity.mil.numerics import round_fp16
@@ -227,8 +232,9 @@ def evaluator_weights(
             continue
         for prefix, name in mangled.items():
             if out_name.startswith(prefix + "_"):
-                weights[name] = np.asarray(value, np.float32)
-                same = np.array_equal(round_fp16(weights[name]).astype(np.float16), decoded[name])
+                wide = np.asarray(value, np.float32)
+                weights[name] = wide if widen else value
+                same = np.array_equal(round_fp16(wide).astype(np.float16), decoded[name])
                 if not same:
                     mismatched.append(name)
     return weights, mismatched + [name for name in decoded if name not in weights]

@@ -60,3 +60,35 @@ def test_in_float64_runs_like_a_whole_fp64_copy_and_leaves_fp32() -> None:
         if t.is_floating_point()
     )
     assert not module.layers[0]._forward_pre_hooks  # no hook left behind
+
+
+def test_float64_program_copy_runs_like_set_weights_on_program_constants() -> None:
+    import numpy as np
+
+    from parity.model_copies import float64_program_copy, program_constants, set_weights
+
+    tiny = build_tiny("qwen2", "embeddings")
+    module = tiny.module
+    before = {n: t.clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    rng = np.random.default_rng(0)
+    down, up = "layers.0.mlp.down.weight", "layers.1.mlp.gate_up.weight"
+    weights = {  # an int8-like fp32 decoding and a palette's exact fp16 values
+        down: rng.standard_normal(tuple(module.get_parameter(down).shape)).astype(np.float32),
+        up: rng.standard_normal(tuple(module.get_parameter(up).shape)).astype(np.float16),
+    }
+    x, mask = module_inputs(module, tiny.batches[0], tiny.embed_table, torch.float32)
+    x, mask = x.half().double(), mask.half().double()
+    whole = set_weights(program_constants(module), weights)
+    with in_float64(whole):
+        _, want = run_module(whole, x, mask)
+    for others_in_fp16 in (True, False):
+        ours = float64_program_copy(module, dict(weights), others_in_fp16)
+        assert ours.get_parameter(up).dtype == torch.float16  # shared, not widened
+        assert ours.get_parameter(down).data_ptr() == weights[down].ctypes.data
+        dtypes = {n: t.dtype for n, t in [*ours.named_parameters(), *ours.named_buffers()]}
+        with in_float64(ours):
+            _, got = run_module(ours, x, mask)
+        assert torch.equal(got, want)
+        assert dtypes == {n: t.dtype for n, t in [*ours.named_parameters(), *ours.named_buffers()]}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        assert torch.equal(tensor, before[name]), name  # the source untouched
