@@ -124,9 +124,9 @@ def check_kv(
     flips: list[str] = []
     ext_flips: list[str] = []
     for c in continuations:
-        # The extend run first, kept on disk: at Gemma 3's 262,144-wide vocabulary and 513
-        # positions a fixture's logits are 0.5 GB a run, so the decode run is compared with
-        # the reference and with it step by step instead of holding both runs.
+        # The extend run first, kept on disk, then the decode run compared with the reference
+        # and with it position by position: Gemma 3's recipe has 513 positions x 262,144
+        # logits a run, and holding both runs set the cache parity's peak (bench/README.md).
         first = len(c.prompt)
         batched = SpilledRows()
         for _, logits in extend_steps(make_session(), c, prefill, extend_tokens):
