@@ -24,11 +24,10 @@ class Rows(Protocol):
 class SpilledRows:
     """fp32 rows of one width kept in an unnamed temporary file, read back one at a time.
 
-    A cached decoder's reference holds every decoded position's full-vocabulary logits: for
-    Gemma 3's recipe (3 prompts x 513 positions x 262,144) that is 1.6 GB, held from the
-    reference step to the cache parity. Read back row by row, it stays out of the process's
-    memory (the page cache is not counted against it). The file has no name and goes with
-    this object.
+    A cached decoder's reference holds every decoded position's full-vocabulary logits, from
+    the reference step to the cache parity: 3 prompts x 513 positions x 262,144 fp32 values
+    for Gemma 3's recipe. Read back row by row, they stay out of the process's memory (the
+    page cache is not counted against it). The file has no name and goes with this object.
     """
 
     def __init__(self, width: int | None = None) -> None:
