@@ -33,7 +33,8 @@ class SpilledRows:
     def __init__(self, width: int | None = None) -> None:
         self.width = width  # set by the first row when not given
         self._rows = 0
-        self._file: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - lives with self
+        # Unbuffered: a row is in the file once written, for `os.pread` to read back.
+        self._file: IO[bytes] = tempfile.TemporaryFile(buffering=0)  # noqa: SIM115 - lives with self
 
     @classmethod
     def of(cls, rows: np.ndarray) -> SpilledRows:
@@ -41,9 +42,7 @@ class SpilledRows:
         if rows.ndim != 2:
             raise ValueError(f"logit rows must be 2-D (positions, vocabulary), not {rows.shape}")
         spilled = cls(int(rows.shape[1]))
-        np.ascontiguousarray(rows, dtype=np.float32).tofile(spilled._file)
-        spilled._file.flush()
-        spilled._rows = int(rows.shape[0])
+        spilled._write(rows)
         return spilled
 
     def append(self, row: np.ndarray) -> None:
@@ -52,10 +51,11 @@ class SpilledRows:
             self.width = int(row.shape[0])
         if row.shape != (self.width,):
             raise ValueError(f"a logit row of width {self.width}, not shape {row.shape}")
-        self._file.seek(0, os.SEEK_END)
-        np.ascontiguousarray(row, dtype=np.float32).tofile(self._file)
-        self._file.flush()
-        self._rows += 1
+        self._write(row[None])
+
+    def _write(self, rows: np.ndarray) -> None:
+        np.ascontiguousarray(rows, dtype=np.float32).tofile(self._file)
+        self._rows += len(rows)
 
     def __len__(self) -> int:
         return self._rows
