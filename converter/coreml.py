@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from converter.runlog import warnings_to_log
+from parity.memory import release_memory
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +166,15 @@ def combine_functions(packages: dict[str, Path], package: Path, default: str) ->
     functions hold byte for byte once (``ct.utils.save_multifunction``)."""
     import coremltools as ct
 
+    from parity.mil.program import loads_sharing_equal_constants
+
     descriptor = ct.utils.MultiFunctionDescriptor()
     for name, path in packages.items():
         descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
     descriptor.default_function_name = default
-    with warnings_to_log("ct.utils.save_multifunction"):
+    with warnings_to_log("ct.utils.save_multifunction"), loads_sharing_equal_constants():
         ct.utils.save_multifunction(descriptor, str(package))
+    release_memory()  # the loaded programs are cyclic garbage: gone only when collected
     canonicalize_spec(package)
     return package
 

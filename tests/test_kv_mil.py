@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 from tiny_models import Tiny, build_tiny, one_torch_thread
 
+from converter.coreml import SPEC_FILE, canonicalize_spec
 from converter.targets import TARGETS
 from converter.tasks.kv_contract import function_calls
 from converter.tasks.kv_parity import cached_fp32_check
-from converter.tasks.text_generation_kv import emit_functions
+from converter.tasks.text_generation_kv import WEIGHTS, combine_measured, convert_singles
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
 from parity.kv_reference import Continuation, continuation
 from parity.mil import load_package
-from parity.mil.program import walk_ops
+from parity.mil.program import loads_sharing_equal_constants, walk_ops
 
 THRESHOLD = 1e-5
 
@@ -33,17 +34,63 @@ def _single_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def emitted(
+def built(
     tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation]]:
-    """A tiny Llama's state-style package (fp16) and two fixtures' continuations."""
+) -> tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation], dict[str, Path]]:
+    """A tiny Llama's state-style package (fp16), two fixtures' continuations and the
+    single-function packages it was combined from (``emit_functions`` without the cleanup)."""
     tiny = build_tiny("llama", batch=1)
     functions = cached_functions(tiny.module, "state", 64, function_calls(8, 4))
-    package = tmp_path_factory.mktemp("kvmil") / "tiny.mlpackage"
+    folder = tmp_path_factory.mktemp("kvmil")
     target = TARGETS["macOS15"].ct_target()
-    emit_functions(functions, "float16", "float16", target, package)
+    singles, _ = convert_singles(functions, "float16", "float16", target, folder / "singles")
+    package = folder / "tiny.mlpackage"
+    combine_measured(singles, package)
     conts = [continuation(tiny.model, f, 12) for f in tiny.fixtures[:2]]
-    return tiny, functions, package, conts
+    return tiny, functions, package, conts, singles
+
+
+@pytest.fixture(scope="module")
+def emitted(
+    built: tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation], dict[str, Path]],
+) -> tuple[Tiny, dict[str, CachedDecoder], Path, list[Continuation]]:
+    return built[:4]
+
+
+def test_combining_holds_each_weight_once_and_saves_coremltools_bytes(
+    built: Any, tmp_path: Path
+) -> None:
+    """Combining loads the single-function packages with equal weights as one array (three
+    copies of every weight before), and saves the bytes coremltools' own combining saves."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load
+
+    package, singles = built[2], built[4]
+    theirs = tmp_path / "theirs.mlpackage"
+    descriptor = ct.utils.MultiFunctionDescriptor()
+    for name, path in singles.items():
+        descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
+    descriptor.default_function_name = "decode"
+    ct.utils.save_multifunction(descriptor, str(theirs))
+    canonicalize_spec(theirs)
+    for part in (SPEC_FILE, WEIGHTS):
+        assert (package / part).read_bytes() == (theirs / part).read_bytes(), part
+
+    def loaded(path: Path) -> dict[str, np.ndarray]:
+        spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+        program = load(spec, spec.specificationVersion, str(path / WEIGHTS.parent))
+        return {op.name: op.outputs[0].val for _, op in walk_ops(program) if op.op_type == "const"}
+
+    apart = [loaded(p) for p in singles.values()]
+    with loads_sharing_equal_constants():
+        together = [loaded(p) for p in singles.values()]
+    big = [n for n, v in together[0].items() if getattr(v, "size", 0) > 1000]
+    assert len(big) > 10 and all(n in t for t in together for n in big)
+    assert all(t[n] is together[0][n] for t in together for n in big)
+    assert not any(a[n] is apart[0][n] for a in apart[1:] for n in big)
+    for a, t in zip(apart, together, strict=True):
+        for n in big:
+            np.testing.assert_array_equal(t[n], a[n])
 
 
 def test_the_functions_of_a_package_hold_each_weight_once(emitted: Any) -> None:

@@ -5,7 +5,9 @@ coremltools reads both the program and its weight file on Linux; nothing here ne
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +37,51 @@ def load_package(package: Path) -> Any:
     program_spec = spec.mlProgram
     if spec.WhichOneof("Type") != "mlProgram" or program_spec.version != 1:
         raise ValueError(f"{package}: not an ML Program (version 1)")
-    context = _shared_constants(str(Path(package) / "Data" / "com.apple.CoreML" / "weights"))
+    blobs: dict[str, tuple[str, int]] = {}  # the function being loaded: const -> (file, offset)
+    weights = str(Path(package) / "Data" / "com.apple.CoreML" / "weights")
+    context = _sharing_context(
+        milproto.TranscriptionContext, weights, {}, lambda name, _value: blobs.get(name)
+    )
     program = Program()
     for name, function in program_spec.functions.items():
-        context.blobs = _const_blobs(function)
+        blobs.clear()
+        blobs.update(_const_blobs(function))
         loaded = milproto._load_function(context, function, spec.specificationVersion)
         program.add_function(name, loaded)
     milproto._load_program_spec_attributes(context, program_spec, program)
     return program
+
+
+@contextmanager
+def loads_sharing_equal_constants() -> Iterator[None]:
+    """While open, coremltools' milproto loader gives every const whose bytes equal an
+    earlier const's, in any package it loads, the array read first.
+
+    ``ct.utils.save_multifunction`` loads each single-function package whole before it finds
+    the weights they share, so combining a cached decoder's prefill, decode and extend held
+    three copies of every weight (SmolLM2's state-cache recipe: +0.81 GiB, its peak). Sharing
+    by content leaves the saved package unchanged: coremltools deduplicates equal consts by
+    value either way.
+    """
+    from coremltools.converters.mil.frontend.milproto import load as milproto
+
+    base = milproto.TranscriptionContext
+    arrays: dict[Hashable, Any] = {}
+    milproto.TranscriptionContext = lambda weights: _sharing_context(
+        base, weights, arrays, _content_key
+    )
+    try:
+        yield
+    finally:
+        milproto.TranscriptionContext = base
+
+
+def _content_key(_name: str, value: Any) -> Hashable | None:
+    """An array's type, shape and a digest of its bytes; None for a value that is no array."""
+    if not isinstance(value, np.ndarray):
+        return None
+    digest = hashlib.blake2b(np.ascontiguousarray(value).data).digest()
+    return (value.dtype.str, value.shape, digest)
 
 
 def _const_blobs(function: Any) -> dict[str, tuple[str, int]]:
@@ -63,28 +102,30 @@ def _const_blobs(function: Any) -> dict[str, tuple[str, int]]:
     return blobs
 
 
-def _shared_constants(weights: str) -> Any:
-    """coremltools' loading context for one package, sharing const arrays by blob."""
-    from coremltools.converters.mil.frontend.milproto.load import TranscriptionContext
+def _sharing_context(
+    base: type,
+    weights: str,
+    arrays: dict[Hashable, Any],
+    key: Callable[[str, Any], Hashable | None],
+) -> Any:
+    """coremltools' loading context (``base``) for one package's weight folder, giving each
+    const whose ``key`` (from its name and value) is already in ``arrays`` the array there."""
 
-    class SharedConstants(TranscriptionContext):
-        def __init__(self) -> None:
-            super().__init__(weights)
-            self.blobs: dict[str, tuple[str, int]] = {}  # the function being loaded
-            self.arrays: dict[tuple[str, int], Any] = {}  # every function's, first read
-
+    class SharedConstants(base):
         def register_var_with_name(self, name: str, var: Any) -> None:
             super().register_var_with_name(name, var)
-            blob = self.blobs.get(name)
-            if blob is None or var.op is None or var.op.op_type != "const":
+            if var.op is None or var.op.op_type != "const":
                 return
             value = var._sym_val.val
-            first = self.arrays.setdefault(blob, value)
+            found = key(name, value)
+            if found is None:
+                return
+            first = arrays.setdefault(found, value)
             if first is not value:  # the const's input and output hold the one array
                 var._sym_val.val = first
                 var.op.val._sym_val.val = first
 
-    return SharedConstants()
+    return SharedConstants(weights)
 
 
 def dtype_name(var: Any) -> str:
