@@ -7,10 +7,13 @@ a checkpoint is never run (``trust_remote_code=False``).
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +86,13 @@ def weight_files(source: ResolvedSource, allow_pickle: bool) -> list[Path]:
 
 def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = False) -> Checkpoint:
     """Load config, model and tokenizer from a resolved source."""
+    if source.gguf_path is None:
+        return _load_checkpoint(source, task, allow_pickle)
+    with _gguf_header_parsed_once():  # for the config, and again for the tokenizer
+        return _load_checkpoint(source, task, allow_pickle)
+
+
+def _load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool) -> Checkpoint:
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -145,6 +155,37 @@ def load_checkpoint(source: ResolvedSource, task: str, allow_pickle: bool = Fals
         architecture = read_gguf_metadata(source.gguf_path, ["general.architecture"])
         carried = carried_keys(source.gguf_path, str(architecture.get("general.architecture")))
     return Checkpoint(model, config, tokenizer, files, digest, _license(source), note, carried)
+
+
+@contextmanager
+def _gguf_header_parsed_once() -> Iterator[None]:
+    """Inside the block, transformers' GGUF header parse (``load_gguf_checkpoint`` without
+    tensors) runs once per file; a call with tensors runs as it is.
+
+    transformers parses the whole header (every metadata array: SmolLM2's 49,152-entry
+    vocabulary and its merges) for the config, and again for the tokenizer, which only
+    reads the config from it (``AutoTokenizer.from_pretrained(gguf_file=...)``): a third of
+    SmolLM2's load step. Each caller gets its own deep copy of the one parse's result, so
+    none sees another's changes; nothing outlives the block.
+    """
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    parse = gguf_utils.load_gguf_checkpoint
+    parsed: dict[str, Any] = {}
+
+    def once(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        if return_tensors or args or kwargs:
+            return parse(path, return_tensors, *args, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in parsed:
+            parsed[key] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[key])
+
+    gguf_utils.load_gguf_checkpoint = once  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = parse
 
 
 def _source_kwargs(source: ResolvedSource) -> dict[str, Any]:
