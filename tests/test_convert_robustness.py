@@ -471,6 +471,8 @@ _MEASURED_SHAPES = {
     "qwen2.5-0.5b-draft.yaml": (QWEN_PARAMETERS, 151_936 * 896),
     "gemma-3-270m-draft.yaml": (268_098_176, 262_144 * 640),
     "minilm-l6-embed.yaml": (22_713_728, 30_522 * 384),
+    "smollm2-135m-draft-kv.yaml": (SMOLLM2_PARAMETERS, 49_152 * 576),
+    "gemma-3-270m-draft-kv.yaml": (268_098_176, 262_144 * 640),
 }
 
 
