@@ -32,14 +32,12 @@ from converter.steps import Advance, Step, Stop
 from converter.tasks.base import TaskRun, emit_program, need, plan, write_rows_parity
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
 from converter.tasks.decision_load import head_files, load_head
-from converter.tasks.encoder import program_module
+from converter.tasks.encoder import program_module, set_scales
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
 from graph_passes.archs import adapt_encoder
 from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
 from graph_passes.decision_spec import CandidateError, DecisionHead
 from graph_passes.encoder import EncoderIO
-from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
-from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding, host_embedding
 from graph_passes.prescale import NormScale
 from graph_passes.spec import EncoderModel
@@ -47,12 +45,17 @@ from parity.decision_gates import (
     DecisionRow,
     batch_positions,
     check_decision,
+    fp16_pieces,
     make_decision_batches,
 )
-from parity.decision_mil import decision_mil_runner, tail_marker_rows_error
 from parity.decision_reference import DecisionHeadReference, run_decision_reference
-from parity.encoder_gates import MIL_LEVEL, fp16_module
-from parity.encoder_mil import layer_level, program_level
+from parity.encoder_gates import MIL_LEVEL, host_runner
+from parity.encoder_mil import (
+    decision_mil_runner,
+    layer_level,
+    program_level,
+    tail_marker_rows_error,
+)
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
 from parity.gate import gate
 from parity.result import Runner, Thresholds, merge_rows
@@ -113,19 +116,6 @@ def thresholds(recipe: DecisionRecipe) -> Thresholds:
     )
 
 
-def set_scales(module: DecisionEncoder, batches: list[Batch]) -> list[NormScale]:
-    """Measure every LayerNorm input (encoder, encoder norm, head) on the fixtures in fp32 and
-    set power-of-two prescales."""
-    norms = module.norms()
-
-    def run_all() -> None:
-        for batch in batches:
-            key_mask = key_mask_from_padding(batch.attention_mask).float()
-            module.finish(module.run_layers(module.embed(batch.input_ids, None), key_mask)[-1])
-
-    return apply_layer_norm_prescales(norms, measure_centred_l2(norms, run_all), FP16_EPS_FLOOR)
-
-
 def build_rewrite(recipe: DecisionRecipe, run: DecisionRun) -> DecisionRewrite:
     """Adapt the encoder, read the head, build the stack, tail, fixtures and host step."""
     ckpt = need(run.ckpt, "the checkpoint")
@@ -152,33 +142,21 @@ def build_rewrite(recipe: DecisionRecipe, run: DecisionRun) -> DecisionRewrite:
         )
     except CandidateError as e:
         raise InputError(f"fixtures: {e}") from None
-    scales = set_scales(module, batches)
+    scales = set_scales(module, batches)[0]
     dtype = torch.float16 if recipe.io.dtype == "float16" else torch.float32
     host = host_embedding(encoder, length, recipe.decision.prenormalize_embeddings, dtype)
     return DecisionRewrite(encoder, head, tensors, digest, module, tail, fixtures, batches,
                            slices, scales, host)  # fmt: skip
 
 
-def fp16_pieces(rw: DecisionRewrite) -> tuple[DecisionEncoder, DecisionTail]:
-    """The stack with fp16 epsilon floors and the tail, cast to fp16 (what the program stores)."""
-    half = fp16_module(rw.module)
-    assert isinstance(half, DecisionEncoder)
-    return half, copy.deepcopy(rw.tail).half().eval()
-
-
 def partitioned_runner(rw: DecisionRewrite) -> Runner:
     """Host embedding -> island (fp16) -> tail (fp16), as the runtime calls them."""
-    half, tail = fp16_pieces(rw)
-    island = DecisionIsland(half).eval()
+    half, tail = fp16_pieces(rw.module, rw.tail)
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
-        key_mask = key_mask_from_padding(batch.attention_mask).half()
-        rows = rw.host(batch.input_ids, None).half()
-        with torch.no_grad():
-            out = tail(island(rows, key_mask), batch_positions(batch, tail.spec))
-        return None, tail_outputs(out)
+    def head(h: torch.Tensor, _: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return tail_outputs(tail(h, batch_positions(batch, tail.spec)))
 
-    return run
+    return host_runner(rw.host, DecisionIsland(half).eval(), head)
 
 
 def write_parity(run: DecisionRun) -> None:
@@ -234,7 +212,7 @@ def torch_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     rw = need(run.rewrite, "the rewrite")
     run.report, run.rows = check_decision(
         rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(run.recipe),
-        extra={PARTITIONED: partitioned_runner(rw)}, fp16=fp16_pieces(rw),
+        extra={PARTITIONED: partitioned_runner(rw)},
     )  # fmt: skip
     run.report.implementations[PARTITIONED] = (
         "host embedding from the shipped pre-normalised table -> island -> tail, each the fp16 "

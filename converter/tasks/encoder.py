@@ -37,7 +37,6 @@ from converter.tasks.encoder_contract import (
 from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
-from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import (
     HostEmbedding,
     Island,
@@ -52,9 +51,10 @@ from parity.encoder_gates import (
     EncoderFixtureRow,
     EncoderReference,
     check_encoder,
-    encoder_inputs,
+    encoder_runner,
     fixture_rows_to_text,
     fp16_module,
+    host_runner,
     run_encoder_reference,
 )
 from parity.encoder_mil import layer_level, output_runner, program_level
@@ -120,25 +120,22 @@ def output_kind(task: str) -> EncoderOutput:
 def set_scales(module: BC1LEncoder, batches: list[Batch]) -> tuple[list[NormScale], float]:
     """Measure every LayerNorm input (centred L2) and the pooled sentence vector on the fixtures
     (fp32) and set power-of-two prescales; returns what was chosen."""
-    norms = module.norms()
-    pooled_max = 0.0
+    norms, pooled_max = module.norms(), 0.0
+    sentence = module.tail if isinstance(module.tail, SentenceEmbeddingTail) else None
 
-    def run_all() -> None:
+    def tail(h: torch.Tensor, key_mask: torch.Tensor, _: Batch) -> dict[str, torch.Tensor]:
         nonlocal pooled_max
-        for batch in batches:
-            *x, key_mask = encoder_inputs(module, batch, torch.float32)
-            h = module.finish(
-                module.run_layers(module.embed(x[0], x[1] if x[1:] else None), key_mask)[-1]
-            )
-            if isinstance(module.tail, SentenceEmbeddingTail):
-                pooled = module.tail.pooled(h, key_mask)
-                pooled_max = max(pooled_max, float(pooled.double().norm(dim=1).max()))
-            module.tail(h, key_mask)
+        if sentence is not None:
+            pooled = sentence.pooled(h, key_mask)
+            pooled_max = max(pooled_max, float(pooled.double().norm(dim=1).max()))
+        return {OUTPUT: module.tail(h, key_mask)}
 
-    scales = apply_layer_norm_prescales(norms, measure_centred_l2(norms, run_all), FP16_EPS_FLOOR)
+    run = encoder_runner(module, torch.float32, tail)
+    maxima = measure_centred_l2(norms, lambda: [run(batch) for batch in batches])
+    scales = apply_layer_norm_prescales(norms, maxima, FP16_EPS_FLOOR)
     prescale = choose_prescale(pooled_max)
-    if isinstance(module.tail, SentenceEmbeddingTail):
-        module.tail.normalize.set_prescale(prescale)
+    if sentence is not None:
+        sentence.normalize.set_prescale(prescale)
     return scales, prescale
 
 
@@ -179,16 +176,10 @@ def partitioned_runner(module: BC1LEncoder, host: HostEmbedding) -> Runner:
     half = fp16_module(module)
     island, tail = Island(half).eval(), Tail(half).eval()
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
-        key_mask = key_mask_from_padding(batch.attention_mask).half()
-        rows = host(batch.input_ids, torch.zeros_like(batch.input_ids)).half()
-        with torch.no_grad():
-            out = island(rows, key_mask)
-            if not island.returns_task_output:
-                out = tail(out, key_mask)
-        return None, {OUTPUT: out}
+    def head(h: torch.Tensor, key_mask: torch.Tensor, _: Batch) -> dict[str, torch.Tensor]:
+        return {OUTPUT: h if island.returns_task_output else tail(h, key_mask)}
 
-    return run
+    return host_runner(host, island, head)
 
 
 def thresholds(recipe: Recipe) -> Thresholds:
