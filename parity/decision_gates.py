@@ -36,7 +36,7 @@ import torch
 
 from graph_passes.decision import OUTPUT_NAMES, DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
-from parity.decision_reference import DecisionReferenceResult
+from parity.decision_reference import DecisionOutputs, DecisionReferenceResult
 from parity.encoder_gates import encoder_runner, fp16_module, level_of
 from parity.fixtures import Batch, Fixture, make_batches
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
@@ -148,10 +148,12 @@ def decision_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dt
     return encoder_runner(module, dtype, head)
 
 
-def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResult,
-           spec: DecisionHeadSpec, tolerance: float, fp16: bool) -> None:  # fmt: skip
-    """Fill ``row``'s figures for implementation ``name``."""
-    want = ref.outputs
+def _score(row: DecisionRow, name: str, got: Outputs, want: DecisionOutputs,
+           spec: DecisionHeadSpec, t: Thresholds) -> None:  # fmt: skip
+    """Fill ``row``'s figures for implementation ``name``: the first output past the fp32
+    threshold (fp16: `FP16_DIVERGENCE`) is where it diverges."""
+    fp16 = name != "torch-fp32"
+    tolerance = FP16_DIVERGENCE if fp16 else t.fp32_logits_rel_error
     finite = all(bool(torch.isfinite(v).all()) for v in got.values())
     errors = {k: rel_error(got[k], getattr(want, k)) for k in OUTPUT_NAMES}
     row.rel_error[name] = errors
@@ -296,9 +298,7 @@ def check_decision(
     def score(name: str, fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
         ref = references[reference_name(fixture.name)]
         got = {k: v[r].float() for k, v in out.items()}
-        fp16 = name != "torch-fp32"
-        tolerance = FP16_DIVERGENCE if fp16 else thresholds.fp32_logits_rel_error
-        _score(rows[fixture.name], name, got, ref, tail.spec, tolerance, fp16)
+        _score(rows[fixture.name], name, got, ref.outputs, tail.spec, thresholds)
         return ref.hidden
 
     def gates(name: str, m: Measured) -> list[GateResult]:

@@ -250,7 +250,6 @@ def check_encoder(
     references: dict[str, EncoderReference],
     thresholds: Thresholds,
     extra: dict[str, Runner] | None = None,
-    descriptions: dict[str, str] | None = None,
     torch_levels: bool = True,
 ) -> tuple[ParityReport, list[EncoderFixtureRow]]:
     """Run every gate of SPEC section 4 for an encoder; ``extra`` adds fp16-level candidates
@@ -276,14 +275,12 @@ def check_encoder(
         runners, extra, batches, folded_rows(module.io.length), layers, score,
         lambda name, m: _gates(name, m, list(rows.values()), kind, thresholds),
     )  # fmt: skip
-    implementations = {
+    first = first_diverging(layers, thresholds)
+    return ParityReport(gates, layers, [], first, {
         "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
         "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
         "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, " + TORCH_CPU,
-        **(descriptions or {}),
-    }
-    first = first_diverging(layers, thresholds)
-    return ParityReport(gates, layers, [], first, implementations), list(rows.values())
+    }), list(rows.values())  # fmt: skip
 
 
 def fixture_rows_to_text(rows: list[EncoderFixtureRow]) -> str:

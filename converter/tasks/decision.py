@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,10 @@ from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.recipe import DecisionRecipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, need, plan, write_rows_parity
+from converter.tasks.base import emit_program, need, plan, write_rows_parity
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
 from converter.tasks.decision_load import head_files, load_head
-from converter.tasks.encoder import program_module, set_scales
+from converter.tasks.encoder import BC1LRun, gate_program, program_module, set_scales
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
 from graph_passes.archs import adapt_encoder
 from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
@@ -42,7 +42,6 @@ from graph_passes.partition import HostEmbedding, host_embedding
 from graph_passes.prescale import NormScale
 from graph_passes.spec import EncoderModel
 from parity.decision_gates import (
-    DecisionRow,
     batch_positions,
     check_decision,
     fp16_pieces,
@@ -57,8 +56,8 @@ from parity.encoder_mil import (
     tail_marker_rows_error,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
-from parity.gate import gate
-from parity.result import Runner, Thresholds, merge_rows
+from parity.gate import GateResult, gate
+from parity.result import Runner, Thresholds
 from parity.torch_settings import with_parity_torch
 
 PARTITIONED = "partitioned-fp16"
@@ -82,13 +81,10 @@ class DecisionRewrite:
 
 
 @dataclass
-class DecisionRun(TaskRun):
+class DecisionRun(BC1LRun):
     """A decision conversion in progress."""
 
     rewrite: DecisionRewrite | None = None
-    references: dict[str, Any] = field(default_factory=dict)
-    rows: list[DecisionRow] = field(default_factory=list)
-    extra_json: dict[str, Any] = field(default_factory=dict)
 
     def num_layers(self) -> int:
         """Encoder and head layers of the island."""
@@ -100,6 +96,10 @@ class DecisionRun(TaskRun):
         recipe = self.job.recipe
         assert isinstance(recipe, DecisionRecipe)
         return recipe
+
+    def write_parity(self) -> None:
+        """The report files, the per-request rows under ``decision_requests``."""
+        write_rows_parity(self, "decision_requests", self.rows, self.extra_json)
 
 
 def thresholds(recipe: DecisionRecipe) -> Thresholds:
@@ -159,11 +159,6 @@ def partitioned_runner(rw: DecisionRewrite) -> Runner:
     return host_runner(rw.host, DecisionIsland(half).eval(), head)
 
 
-def write_parity(run: DecisionRun) -> None:
-    """parity.json, parity.txt and parity.html of the report so far."""
-    write_rows_parity(run, "decision_requests", run.rows, run.extra_json)
-
-
 # ---- steps -----------------------------------------------------------------------------------
 
 
@@ -218,7 +213,7 @@ def torch_parity(run: DecisionRun, advance: Advance) -> Stop | None:
         "host embedding from the shipped pre-normalised table -> island -> tail, each the fp16 "
         "torch module"
     )
-    write_parity(run)
+    run.write_parity()
     return None if run.report.passed else Stop("parity")
 
 
@@ -236,9 +231,10 @@ def convert(run: DecisionRun, advance: Advance) -> None:
 
 
 def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
-    """The island in the MIL evaluator's fp32 profile, layer by layer, against the stack; the
-    island + tail in the fp16 profile, gated against the reference."""
-    rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
+    """The island in the MIL evaluator's fp32 profile, layer by layer, against the stack, and
+    the emitted tail's gather; the island + tail in the fp16 profile, gated against the
+    reference."""
+    rw, recipe = need(run.rewrite, "rewrite"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
     level = program_level(
         lambda: (
@@ -249,29 +245,23 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
         len(packages), recipe.gates.mil_fp32_layer_rel_error, rw.module.layer_name,
         "encoder and head layers and requests", "stack",
     )  # fmt: skip
-    report.gates += level.gates
-    if level.runner is None:
-        write_parity(run)
-        return Stop("MIL-level")
-    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
-    rows_error, rows_where = tail_marker_rows_error(
-        packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches, recipe.io.dtype
-    )
-    report.gates.append(
-        gate("mil-fp32", "fp32_marker_rows_rel_error").check(
+
+    def marker_rows() -> list[GateResult]:
+        rows_error, rows_where = tail_marker_rows_error(
+            packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches,
+            recipe.io.dtype,
+        )  # fmt: skip
+        return [gate("mil-fp32", "fp32_marker_rows_rel_error").check(
             rows_error, recipe.decision.fp32_marker_rows_rel_error, where=rows_where,
             detail="the emitted tail's gather at candidate_positions, fp32 profile",
-        )
+        )]  # fmt: skip
+
+    return gate_program(
+        run, level,
+        lambda runner: check_decision(rw.module, rw.tail, rw.batches, rw.slices, run.references,
+                                      thresholds(recipe), {MIL_LEVEL: runner}, False),
+        {MIL_LEVEL: "anec MIL evaluator, profile fp16, island then tail"}, marker_rows,
     )  # fmt: skip
-    mil_report, mil_rows = check_decision(
-        rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(recipe),
-        extra={MIL_LEVEL: level.runner}, torch_levels=False,
-    )  # fmt: skip
-    report.gates.extend(mil_report.gates)
-    report.implementations[MIL_LEVEL] = "anec MIL evaluator, profile fp16, island then tail"
-    merge_rows(run.rows, mil_rows)
-    write_parity(run)
-    return None if report.passed else Stop("MIL-level")
 
 
 def manifest(run: DecisionRun, advance: Advance) -> None:

@@ -12,6 +12,7 @@ host embedding step (tables in the I/O dtype), the NE island (every layer), and 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,6 @@ from graph_passes.prescale import NormScale, choose_prescale
 from graph_passes.spec import EncoderModel
 from parity.encoder_gates import (
     MIL_LEVEL,
-    EncoderFixtureRow,
-    EncoderReference,
     check_encoder,
     encoder_runner,
     fixture_rows_to_text,
@@ -57,9 +56,10 @@ from parity.encoder_gates import (
     host_runner,
     run_encoder_reference,
 )
-from parity.encoder_mil import layer_level, output_runner, program_level
+from parity.encoder_mil import ProgramLevel, layer_level, output_runner, program_level
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
-from parity.result import OUTPUT, Runner, Thresholds, merge_rows
+from parity.gate import GateResult
+from parity.result import OUTPUT, ParityReport, Runner, Thresholds, merge_rows
 from parity.torch_settings import with_parity_torch
 
 OUTPUTS: dict[str, EncoderOutput] = {
@@ -84,14 +84,30 @@ class EncoderRewrite:
 
 
 @dataclass
-class EncoderRun(TaskRun):
+class BC1LRun(TaskRun):
+    """An encoder or decision conversion in progress: the references, the per-fixture rows
+    of every implementation and the report's extra JSON fields."""
+
+    references: dict[str, Any] = field(default_factory=dict)
+    rows: list[Any] = field(default_factory=list)
+    extra_json: dict[str, Any] = field(default_factory=dict)
+
+    def write_parity(self) -> None:
+        """parity.json, parity.txt and parity.html of the report so far."""
+        raise NotImplementedError
+
+
+@dataclass
+class EncoderRun(BC1LRun):
     """An encoder conversion in progress."""
 
     rewrite: EncoderRewrite | None = None
-    references: dict[str, EncoderReference] = field(default_factory=dict)
-    rows: list[EncoderFixtureRow] = field(default_factory=list)
-    extra_json: dict[str, Any] = field(default_factory=dict)
     held_out: Any = None  # compress EncoderHeldOut when the recipe has a compression section
+
+    def write_parity(self) -> None:
+        """The report files, then the per-fixture table in parity.txt."""
+        text = "\n\n" + fixture_rows_to_text(self.rows)
+        write_rows_parity(self, "encoder_fixtures", self.rows, self.extra_json, text)
 
     def num_layers(self) -> int:
         """Transformer layers of the converted model."""
@@ -194,12 +210,6 @@ def program_module(module: BC1LEncoder, precision: str) -> BC1LEncoder:
     return out
 
 
-def write_parity(run: EncoderRun) -> None:
-    """parity.json, parity.txt and parity.html of the encoder report so far."""
-    text = "\n\n" + fixture_rows_to_text(run.rows)
-    write_rows_parity(run, "encoder_fixtures", run.rows, run.extra_json, text)
-
-
 # ---- steps -----------------------------------------------------------------------------------
 
 
@@ -247,9 +257,10 @@ def torch_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         if rw.host.prenormalized:
             run.extra_json["prenormalized_table"] = prenormalized_table_check(rw.canonical, rw.host)
     run.report, run.rows = check_encoder(
-        rw.module, rw.batches, run.references, thresholds(run.recipe), extra, described
+        rw.module, rw.batches, run.references, thresholds(run.recipe), extra
     )
-    write_parity(run)
+    run.report.implementations.update(described)
+    run.write_parity()
     return None if run.report.passed else Stop("parity")
 
 
@@ -276,11 +287,33 @@ def convert(run: EncoderRun, advance: Advance) -> None:
         )
 
 
+def gate_program(run: BC1LRun, level: ProgramLevel,
+                 check: Callable[[Runner], tuple[ParityReport, list[Any]]],
+                 described: dict[str, str], more: Callable[[], list[GateResult]] = list
+                 ) -> Stop | None:  # fmt: skip
+    """Record the MIL level: ``level``'s fp32 gates and, when the program runs, ``more`` gates
+    and the fp16 run as `MIL_LEVEL` through ``check`` (its rows merged into the run's), the
+    implementations ``described``; then the report files."""
+    report = need(run.report, "report")
+    report.gates += level.gates
+    if level.runner is None:
+        run.write_parity()
+        return Stop("MIL-level")
+    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
+    report.gates += more()
+    mil_report, mil_rows = check(level.runner)
+    report.gates.extend(mil_report.gates)
+    report.implementations.update(described)
+    merge_rows(run.rows, mil_rows)
+    run.write_parity()
+    return None if report.passed else Stop("MIL-level")
+
+
 def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
     """The emitted program(s) in the MIL evaluator: fp32 per layer against the BC1L module,
     fp16 task output gated against the original model. A program the evaluator cannot run is
     a failed gate."""
-    rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
+    rw, recipe = need(run.rewrite, "rewrite"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
     level = program_level(
         lambda: (
@@ -291,28 +324,15 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         len(packages), recipe.gates.mil_fp32_layer_rel_error, "layer {}".format,
         "layers and fixtures", "BC1L module",
     )  # fmt: skip
-    report.gates += level.gates
     if level.runner is None:
-        report.implementations[MIL_LEVEL] = f"failed: {level.error}"
-        write_parity(run)
-        return Stop("MIL-level")
-    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
-    report.implementations["mil-fp32"] = "anec MIL evaluator, profile fp32, on the emitted program"
-    mil_report, mil_rows = check_encoder(
-        rw.module,
-        rw.batches,
-        run.references,
-        thresholds(recipe),
-        {MIL_LEVEL: level.runner},
-        torch_levels=False,
-    )
-    report.gates.extend(mil_report.gates)
-    report.implementations[MIL_LEVEL] = (
-        "anec MIL evaluator, profile fp16, on the emitted program(s)"
-    )
-    merge_rows(run.rows, mil_rows)
-    write_parity(run)
-    return None if report.passed else Stop("MIL-level")
+        need(run.report, "report").implementations[MIL_LEVEL] = f"failed: {level.error}"
+    return gate_program(
+        run, level,
+        lambda runner: check_encoder(rw.module, rw.batches, run.references, thresholds(recipe),
+                                     {MIL_LEVEL: runner}, torch_levels=False),
+        {"mil-fp32": "anec MIL evaluator, profile fp32, on the emitted program",
+         MIL_LEVEL: "anec MIL evaluator, profile fp16, on the emitted program(s)"},
+    )  # fmt: skip
 
 
 def manifest(run: EncoderRun, advance: Advance) -> None:
