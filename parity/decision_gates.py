@@ -179,6 +179,7 @@ def _score(row: DecisionRow, name: str, got: Outputs, want: DecisionOutputs,
 
 
 def _per_slice(rows: list[DecisionRow], values: dict[str, float]) -> str:
+    """The worst of ``values`` (by request) in each slice, for a gate's detail."""
     worst: dict[str, float] = {}
     for row in rows:
         for s in row.slices:
