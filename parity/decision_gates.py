@@ -40,15 +40,7 @@ from parity.decision_reference import DecisionOutputs, DecisionReferenceResult
 from parity.encoder_gates import encoder_runner, fp16_module, level_of
 from parity.fixtures import Batch, Fixture, make_batches
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
-from parity.measure import (
-    Measured,
-    folded_rows,
-    max_abs,
-    measure_levels,
-    same_argmax,
-    top2_margin,
-    worst_gate,
-)
+from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
 from parity.result import (
     FP16_DIVERGENCE,
     LayerRow,
@@ -161,8 +153,8 @@ def _score(row: DecisionRow, name: str, got: Outputs, want: DecisionOutputs,
         (k for k in OUTPUT_NAMES if not errors[k] <= tolerance), None
     )
     cal, act = got["calibrated_probs"], got["action_probs"]
-    row.candidate_kept[name] = same_argmax(cal, want.calibrated_probs, finite)
-    row.action_kept[name] = same_argmax(act, want.action_probs, finite)
+    row.candidate_kept[name] = finite and int(cal.argmax()) == int(want.calibrated_probs.argmax())
+    row.action_kept[name] = finite and int(act.argmax()) == int(want.action_probs.argmax())
     row.dprob_calibrated[name] = dcal = max_abs(cal, want.calibrated_probs, finite)
     row.dprob_action[name] = max_abs(act, want.action_probs, finite)
     row.logit_delta[name] = delta = max_abs(got["scorer_logits"], want.scorer_logits, finite)

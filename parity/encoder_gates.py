@@ -28,15 +28,7 @@ from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
-from parity.measure import (
-    Measured,
-    folded_rows,
-    max_abs,
-    measure_levels,
-    same_argmax,
-    top2_margin,
-    worst_gate,
-)
+from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
 from parity.reference import layer_states
 from parity.result import (
     OUTPUT,
@@ -199,7 +191,7 @@ def _score(row: EncoderFixtureRow, name: str, got: torch.Tensor, ref: torch.Tens
     row.max_abs_error[name] = max_abs(got, ref, finite)
     row.cosine[name] = float(cosines(got, ref).min()) if finite else float("-inf")
     if kind == "logits":
-        row.argmax_kept[name] = same_argmax(got, ref, finite)
+        row.argmax_kept[name] = finite and int(got.argmax()) == int(ref.argmax())
         row.max_abs_dprob[name] = max_abs(got.softmax(-1), ref.softmax(-1), finite)
         row.certified[name] = finite and top2_margin(ref) > 2 * row.max_abs_error[name]
 

@@ -90,17 +90,12 @@ def measure(runner: Runner, batches: list[Batch], score: Score, rows: StateRows,
     return m
 
 
-# ---- figures every model kind's score reads ------------------------------------------------
+# ---- what every model kind measures ----------------------------------------------------------
 
 
 def max_abs(got: torch.Tensor, want: torch.Tensor, finite: bool) -> float:
     """``max |got - want|``; inf when ``got`` is not ``finite``."""
     return float((got - want).abs().max()) if finite else math.inf
-
-
-def same_argmax(got: torch.Tensor, want: torch.Tensor, finite: bool) -> bool:
-    """Whether ``got`` is ``finite`` and keeps ``want``'s argmax."""
-    return finite and int(got.argmax()) == int(want.argmax())
 
 
 def top2_margin(want: torch.Tensor) -> float:
@@ -109,8 +104,6 @@ def top2_margin(want: torch.Tensor) -> float:
     top = want.topk(2).values if want.numel() > 1 else torch.tensor([math.inf, 0.0])
     return float(top[0] - top[1])
 
-
-# ---- every candidate of a model kind -------------------------------------------------------
 
 # A model kind's score of one implementation (named first) on one fixture, as `Score`.
 KindScore = Callable[[str, Fixture, int, Outputs], list[torch.Tensor]]
