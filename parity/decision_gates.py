@@ -28,6 +28,7 @@ Slices (each gate's detail gives the worst value per slice): ``padded`` / ``full
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -35,11 +36,11 @@ import torch
 
 from graph_passes.decision import OUTPUT_NAMES, DecisionEncoder, DecisionTail, tail_outputs
 from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
-from parity.decision_reference import DecisionReferenceResult
-from parity.encoder_gates import encoder_runner, level_of
+from parity.decision_reference import DecisionOutputs, DecisionReferenceResult
+from parity.encoder_gates import encoder_runner, fp16_module, level_of
 from parity.fixtures import Batch, Fixture, make_batches
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
-from parity.measure import Measured, folded_rows, measure
+from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
 from parity.result import (
     FP16_DIVERGENCE,
     LayerRow,
@@ -122,6 +123,14 @@ def batch_positions(batch: Batch, spec: DecisionHeadSpec) -> torch.Tensor | None
     return torch.tensor(rows, dtype=torch.int32)
 
 
+def fp16_pieces(module: DecisionEncoder, tail: DecisionTail
+                ) -> tuple[DecisionEncoder, DecisionTail]:  # fmt: skip
+    """The stack with fp16 epsilon floors and the tail, cast to fp16 (what the program stores)."""
+    half = fp16_module(module)
+    assert isinstance(half, DecisionEncoder)
+    return half, copy.deepcopy(tail).half().eval()
+
+
 def decision_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dtype) -> Runner:
     """The whole BC1L decision model (embedding, layers, tail) in ``dtype``."""
 
@@ -131,10 +140,12 @@ def decision_runner(module: DecisionEncoder, tail: DecisionTail, dtype: torch.dt
     return encoder_runner(module, dtype, head)
 
 
-def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResult,
-           spec: DecisionHeadSpec, tolerance: float, fp16: bool) -> bool:  # fmt: skip
-    """Fill ``row``'s figures for implementation ``name``; returns whether all were finite."""
-    want = ref.outputs
+def _score(row: DecisionRow, name: str, got: Outputs, want: DecisionOutputs,
+           spec: DecisionHeadSpec, t: Thresholds) -> None:  # fmt: skip
+    """Fill ``row``'s figures for implementation ``name``: the first output past the fp32
+    threshold (fp16: `FP16_DIVERGENCE`) is where it diverges."""
+    fp16 = name != "torch-fp32"
+    tolerance = FP16_DIVERGENCE if fp16 else t.fp32_logits_rel_error
     finite = all(bool(torch.isfinite(v).all()) for v in got.values())
     errors = {k: rel_error(got[k], getattr(want, k)) for k in OUTPUT_NAMES}
     row.rel_error[name] = errors
@@ -144,26 +155,23 @@ def _score(row: DecisionRow, name: str, got: Outputs, ref: DecisionReferenceResu
     cal, act = got["calibrated_probs"], got["action_probs"]
     row.candidate_kept[name] = finite and int(cal.argmax()) == int(want.calibrated_probs.argmax())
     row.action_kept[name] = finite and int(act.argmax()) == int(want.action_probs.argmax())
-    inf = float("inf")
-    dcal = float((cal - want.calibrated_probs).abs().max()) if finite else inf
-    row.dprob_calibrated[name] = dcal
-    row.dprob_action[name] = float((act - want.action_probs).abs().max()) if finite else inf
-    delta = float((got["scorer_logits"] - want.scorer_logits).abs().max()) if finite else inf
-    row.logit_delta[name] = delta
+    row.dprob_calibrated[name] = dcal = max_abs(cal, want.calibrated_probs, finite)
+    row.dprob_action[name] = max_abs(act, want.action_probs, finite)
+    row.logit_delta[name] = delta = max_abs(got["scorer_logits"], want.scorer_logits, finite)
     u = 2.0**-11 if fp16 else 2.0**-24
     two_t = 2 * spec.temperature
-    zmax = float(got["scorer_logits"].abs().max()) if finite else inf
+    zmax = float(got["scorer_logits"].abs().max()) if finite else math.inf
     bound = delta / two_t + u * zmax / two_t + u * float(cal.max()) + 1e-6
     row.bound[name] = bound
-    row.certificate[name] = dcal / bound if finite else inf
+    row.certificate[name] = dcal / bound if finite else math.inf
     row.certified[name] = finite and row.margin > 2 * delta
-    return finite
 
 
 # ---- gates -----------------------------------------------------------------------------------
 
 
 def _per_slice(rows: list[DecisionRow], values: dict[str, float]) -> str:
+    """The worst of ``values`` (by request) in each slice, for a gate's detail."""
     worst: dict[str, float] = {}
     for row in rows:
         for s in row.slices:
@@ -178,26 +186,26 @@ def _firsts(rows: list[DecisionRow], name: str) -> str:
 
 def _fp32_gates(rows: list[DecisionRow], layers: list[LayerRow], module: DecisionEncoder,
                 t: Thresholds) -> list[GateResult]:  # fmt: skip
-    worst_layer = worst_of(
-        (layer.fp32_rel_error, module.layer_name(layer.layer)) for layer in layers
-    )
+    """Torch fp32: every layer (encoder and head), the gathered rows and every later output;
+    the first layer and the first output over threshold are named."""
     first = first_diverging(layers, t, fp16=False)
     errors = [(row.name, row.rel_error["torch-fp32"]) for row in rows]
-    marker = worst_of((e["marker_rows"], f"marker_rows, {name}") for name, e in errors)
-    output = worst_of((e[k], f"{k}, {name}") for name, e in errors for k in OUTPUT_NAMES[1:])
     return [
-        gate("torch-fp32", "fp32_layer_rel_error").check(
-            worst_layer.value, t.fp32_layer_rel_error, where=worst_layer.where,
+        worst_gate(
+            "torch-fp32", "fp32_layer_rel_error", t,
+            worst_of((layer.fp32_rel_error, module.layer_name(layer.layer)) for layer in layers),
             detail="max over encoder and head layers and requests of ||h'-h||/||h|| at real "
             "positions; first diverging layer: "
             + ("none" if first is None else module.layer_name(first)),
         ),
-        gate("torch-fp32", "fp32_marker_rows_rel_error").check(
-            marker.value, t.fp32_marker_rows_rel_error, where=marker.where,
+        worst_gate(
+            "torch-fp32", "fp32_marker_rows_rel_error", t,
+            worst_of((e["marker_rows"], f"marker_rows, {name}") for name, e in errors),
             detail="||r'-r||/||r|| of the gathered candidate rows (K x D) per request",
         ),
-        gate("torch-fp32", "fp32_logits_rel_error").check(
-            output.value, t.fp32_logits_rel_error, where=output.where,
+        worst_gate(
+            "torch-fp32", "fp32_logits_rel_error", t,
+            worst_of((e[k], f"{k}, {name}") for name, e in errors for k in OUTPUT_NAMES[1:]),
             detail="worst ||y'-y||/||y|| over scorer logits, raw, calibrated and action "
             f"probabilities; first diverging output: {_firsts(rows, 'torch-fp32') or 'none'}",
         ),
@@ -206,6 +214,8 @@ def _fp32_gates(rows: list[DecisionRow], layers: list[LayerRow], module: Decisio
 
 def _fp16_gates(name: str, rows: list[DecisionRow], m: Measured, t: Thresholds
                 ) -> list[GateResult]:  # fmt: skip
+    """An fp16 candidate: candidate and action argmax, |dp| of calibrated and action
+    probabilities (worst per slice), the temperature certificate, finite and deterministic."""
     level: Level = level_of(name)
     n = len(rows)
     certified = sum(r.certified[name] for r in rows)
@@ -228,12 +238,8 @@ def _fp16_gates(name: str, rows: list[DecisionRow], m: Measured, t: Thresholds
         ("max_abs_dprob_action", {r.name: r.dprob_action[name] for r in rows}),
     ):
         worst = worst_of((value, row_name) for row_name, value in values.items())
-        gates.append(
-            gate(level, key).check(
-                worst.value, getattr(t, key), implementation=name, where=worst.where,
-                detail="per slice: " + _per_slice(rows, values) + diverging,
-            )
-        )  # fmt: skip
+        detail = "per slice: " + _per_slice(rows, values) + diverging
+        gates.append(worst_gate(level, key, t, worst, name, detail))
     cert = worst_of((row.certificate[name], row.name) for row in rows)
     proven = sum(r.bound[name] <= t.max_abs_dprob_calibrated for r in rows)
     gates.append(
@@ -248,6 +254,21 @@ def _fp16_gates(name: str, rows: list[DecisionRow], m: Measured, t: Thresholds
     return gates + stability_gates(level, name, m.finite, m.deterministic)
 
 
+def _rows(batches: list[Batch], slices: dict[str, list[str]],
+          references: dict[str, DecisionReferenceResult], narrow: float
+          ) -> dict[str, DecisionRow]:  # fmt: skip
+    """Each request's row, tagged with its slices (narrow-margin when the reference's top1 -
+    top2 scorer logit is below ``narrow``)."""
+    rows: dict[str, DecisionRow] = {}
+    for f in (f for b in batches for f in b.fixtures):
+        margin = top2_margin(references[reference_name(f.name)].outputs.scorer_logits)
+        tags = list(slices.get(f.name, [f.slice]))
+        if margin < narrow:
+            tags.append(NARROW)
+        rows[f.name] = DecisionRow(f.name, tags, len(f.token_ids), margin)
+    return rows
+
+
 def check_decision(
     module: DecisionEncoder,
     tail: DecisionTail,
@@ -257,52 +278,34 @@ def check_decision(
     thresholds: Thresholds,
     extra: dict[str, Runner] | None = None,
     torch_levels: bool = True,
-    fp16: tuple[DecisionEncoder, DecisionTail] | None = None,
 ) -> tuple[ParityReport, list[DecisionRow]]:
-    """Every decision gate: torch fp32 and fp16 (``fp16``: the fp16 module and tail to run,
-    else ``module`` and ``tail`` cast to fp16 by the caller), then each ``extra`` candidate
-    gated like torch fp16. ``torch_levels=False`` runs only the extra candidates."""
-    spec, rows_of = tail.spec, folded_rows(module.io.length)
+    """Every decision gate: torch fp32 and fp16 (`fp16_pieces`), then each ``extra``
+    candidate gated like torch fp16. ``torch_levels=False`` runs only the extra candidates."""
     layers = [LayerRow(i) for i in range(len(module.layers))]
-    rows: dict[str, DecisionRow] = {}
-    for b in batches:
-        for f in b.fixtures:
-            ref = references[reference_name(f.name)].outputs.scorer_logits
-            top = ref.topk(2).values if ref.numel() > 1 else torch.tensor([math.inf, 0.0])
-            margin = float(top[0] - top[1])
-            tags = list(slices.get(f.name, [f.slice]))
-            if margin < thresholds.narrow_margin:
-                tags.append(NARROW)
-            rows[f.name] = DecisionRow(f.name, tags, len(f.token_ids), margin)
-    row_list = list(rows.values())
-    runners: dict[str, Runner] = {}
-    if torch_levels:
-        runners["torch-fp32"] = decision_runner(module, tail, torch.float32)
-        if fp16 is not None:
-            runners["torch-fp16"] = decision_runner(fp16[0], fp16[1], torch.float16)
-    gates: list[GateResult] = []
-    for name, runner in {**runners, **(extra or {})}.items():
-        fp32 = name == "torch-fp32"
+    rows = _rows(batches, slices, references, thresholds.narrow_margin)
+    runners = {
+        "torch-fp32": decision_runner(module, tail, torch.float32),
+        "torch-fp16": decision_runner(*fp16_pieces(module, tail), torch.float16),
+    } if torch_levels else {}  # fmt: skip
 
-        def score(fixture: Fixture, r: int, out: Outputs, name: str = name) -> list[torch.Tensor]:
-            ref = references[reference_name(fixture.name)]
-            got = {k: v[r].float() for k, v in out.items()}
-            fp16 = name != "torch-fp32"
-            tolerance = FP16_DIVERGENCE if fp16 else thresholds.fp32_logits_rel_error
-            _score(rows[fixture.name], name, got, ref, spec, tolerance, fp16)
-            return ref.hidden
+    def score(name: str, fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
+        ref = references[reference_name(fixture.name)]
+        got = {k: v[r].float() for k, v in out.items()}
+        _score(rows[fixture.name], name, got, ref.outputs, tail.spec, thresholds)
+        return ref.hidden
 
-        m = measure(runner, batches, score, rows_of, layers if name in runners else None, fp32)
-        gates += (
-            _fp32_gates(row_list, layers, module, thresholds)
-            if fp32
-            else _fp16_gates(name, row_list, m, thresholds)
-        )
+    def gates(name: str, m: Measured) -> list[GateResult]:
+        if name == "torch-fp32":
+            return _fp32_gates(list(rows.values()), layers, module, thresholds)
+        return _fp16_gates(name, list(rows.values()), m, thresholds)
+
+    measured = measure_levels(runners, extra, batches, folded_rows(module.io.length), layers,
+                              score, gates)  # fmt: skip
     first = first_diverging(layers, thresholds, fp16=False)
-    report = ParityReport(gates, layers, [], first, {
+    report = ParityReport(measured, layers, [], first, {
         "reference": "transformers ModernBertModel + ModernBertEncoderLayer head layers + "
         "nn.Linear scorer / action head, fp32, each request alone, unpadded",
         "torch-fp32": "anec BC1L encoder + head stack and tail, torch fp32, right-padded batches",
         "torch-fp16": "the same with fp16 epsilon floors, cast to fp16, " + TORCH_CPU,
     })  # fmt: skip
-    return report, row_list
+    return report, list(rows.values())

@@ -42,10 +42,6 @@ class DecisionOutputs:
     action_probs: torch.Tensor
 
 
-# The outputs in computing order: the first one that diverges names where a bug starts.
-OUTPUT_ORDER = ("marker_rows", "scorer_logits", "raw_probs", "calibrated_probs", "action_probs")
-
-
 @dataclass(frozen=True)
 class DecisionReferenceResult:
     """Per-layer states (n, D) of the encoder layers then the head layers, and the outputs."""

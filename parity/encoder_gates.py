@@ -25,9 +25,10 @@ from torch import nn
 from graph_passes.encoder import BC1LEncoder, EncoderOutput
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
+from graph_passes.partition import HostEmbedding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
-from parity.measure import Measured, folded_rows, measure
+from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
 from parity.reference import layer_states
 from parity.result import (
     OUTPUT,
@@ -124,19 +125,38 @@ def fp16_module(module: BC1LEncoder) -> BC1LEncoder:
     return half.half().eval()
 
 
+def embed(module: BC1LEncoder, batch: Batch) -> torch.Tensor:
+    """The module's embedding of a batch's ids (all-zero token types, where it has them)."""
+    types = torch.zeros_like(batch.input_ids) if module.embedding.types is not None else None
+    return module.embed(batch.input_ids, types)
+
+
 def encoder_runner(module: BC1LEncoder, dtype: torch.dtype, head: Head | None = None) -> Runner:
     """Run the whole module on a batch in ``dtype``, keeping per-layer states: embedding,
     layers, then ``head`` on the finished stream (by default the module's own tail, whose
     output is `OUTPUT`)."""
 
     def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
-        *x, key_mask = encoder_inputs(module, batch, dtype)
+        key_mask = key_mask_from_padding(batch.attention_mask).to(dtype)
         with torch.no_grad():
-            h = module.embed(x[0], x[1] if len(x) > 1 else None)
-            states = module.run_layers(h, key_mask)
+            states = module.run_layers(embed(module, batch), key_mask)
             h = module.finish(states[-1])
             out = {OUTPUT: module.tail(h, key_mask)} if head is None else head(h, key_mask, batch)
         return states, out
+
+    return run
+
+
+def host_runner(host: HostEmbedding, island: nn.Module, head: Head) -> Runner:
+    """The partitioned pieces in torch, as the runtime calls them: the ``host`` embedding
+    (from the shipped tables), the fp16 ``island``, then ``head`` on the island's output (the
+    fp16 tail's outputs by name)."""
+
+    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
+        key_mask = key_mask_from_padding(batch.attention_mask).half()
+        rows = host(batch.input_ids, None).half()
+        with torch.no_grad():
+            return None, head(island(rows, key_mask), key_mask, batch)
 
     return run
 
@@ -165,59 +185,54 @@ def cosines(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 def _score(row: EncoderFixtureRow, name: str, got: torch.Tensor, ref: torch.Tensor,
            kind: EncoderOutput) -> None:  # fmt: skip
+    """Fill ``row``'s figures for implementation ``name`` (logits: argmax, |dp|, certified)."""
     finite = bool(torch.isfinite(got).all())
     row.rel_error[name] = rel_error(got, ref)
-    row.max_abs_error[name] = float((got - ref).abs().max()) if finite else float("inf")
+    row.max_abs_error[name] = max_abs(got, ref, finite)
     row.cosine[name] = float(cosines(got, ref).min()) if finite else float("-inf")
     if kind == "logits":
-        top2 = ref.topk(min(2, ref.numel())).values
-        margin = float(top2[0] - top2[-1]) if ref.numel() > 1 else float("inf")
-        delta = row.max_abs_error[name]
         row.argmax_kept[name] = finite and int(got.argmax()) == int(ref.argmax())
-        dprob = (got.softmax(-1) - ref.softmax(-1)).abs().max()
-        row.max_abs_dprob[name] = float(dprob) if finite else float("inf")
-        row.certified[name] = finite and margin > 2 * delta
+        row.max_abs_dprob[name] = max_abs(got.softmax(-1), ref.softmax(-1), finite)
+        row.certified[name] = finite and top2_margin(ref) > 2 * row.max_abs_error[name]
 
 
-def _output_gates(name: str, m: Measured, rows: list[EncoderFixtureRow], kind: EncoderOutput,
-                  t: Thresholds, fp32: bool) -> list[GateResult]:  # fmt: skip
+def _gates(name: str, m: Measured, rows: list[EncoderFixtureRow], kind: EncoderOutput,
+           t: Thresholds) -> list[GateResult]:  # fmt: skip
+    """The gates of one implementation: torch fp32 on its layers and task output (cosine for
+    sentence embeddings, relative error otherwise); fp16 candidates on cosine (embeddings,
+    hidden states) or argmax and |dp| (logits), finiteness and determinism."""
+    fp32 = name == "torch-fp32"
     level: Level = "torch-fp32" if fp32 else level_of(name)
     gates = []
+    if fp32:
+        gates.append(worst_gate(
+            level, "fp32_layer_rel_error", t, m.worst_layer,
+            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
+        ))  # fmt: skip
     if kind == "sentence-embedding" or (kind == "last-hidden-state" and not fp32):
-        cosine = worst_of(((row.cosine[name], row.name) for row in rows), lowest=True)
         what = "sentence" if kind == "sentence-embedding" else "real token"
-        key = "fp32_min_cosine" if fp32 else "fp16_min_cosine"
-        gates.append(
-            gate(level, key).check(
-                cosine.value, getattr(t, key), implementation=name, where=cosine.where,
-                detail=f"per {what}, against the reference; max |error| "
-                f"{max(row.max_abs_error[name] for row in rows):.3g}",
-            )
-        )  # fmt: skip
+        gates.append(worst_gate(
+            level, "fp32_min_cosine" if fp32 else "fp16_min_cosine", t,
+            worst_of(((row.cosine[name], row.name) for row in rows), lowest=True), name,
+            f"per {what}, against the reference; max |error| "
+            f"{max(row.max_abs_error[name] for row in rows):.3g}",
+        ))  # fmt: skip
     if fp32 and kind != "sentence-embedding":
-        worst = worst_of((row.rel_error[name], row.name) for row in rows)
-        gates.append(
-            gate(level, "fp32_logits_rel_error").check(
-                worst.value, t.fp32_logits_rel_error, implementation=name, where=worst.where,
-                detail="||y'-y||/||y|| per fixture, real positions",
-            )
-        )  # fmt: skip
+        gates.append(worst_gate(
+            level, "fp32_logits_rel_error", t, worst_of((r.rel_error[name], r.name) for r in rows),
+            name, "||y'-y||/||y|| per fixture, real positions",
+        ))  # fmt: skip
     if kind == "logits" and not fp32:
         kept, flipped = agreement({row.name: row.argmax_kept[name] for row in rows})
-        dprob = worst_of((row.max_abs_dprob[name], row.name) for row in rows)
         certified = sum(row.certified[name] for row in rows)
-        gates.append(
-            gate(level, "fp16_argmax_agreement").check(
-                kept, t.fp16_argmax_agreement, implementation=name, where=flipped,
-                detail=f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
-            )
-        )  # fmt: skip
-        gates.append(
-            gate(level, "fp16_max_abs_dprob").check(
-                dprob.value, t.fp16_max_abs_dprob, implementation=name, where=dprob.where,
-                detail="softmax at T=1 over the labels",
-            )
-        )  # fmt: skip
+        gates.append(gate(level, "fp16_argmax_agreement").check(
+            kept, t.fp16_argmax_agreement, implementation=name, where=flipped,
+            detail=f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
+        ))  # fmt: skip
+        gates.append(worst_gate(
+            level, "fp16_max_abs_dprob", t, worst_of((r.max_abs_dprob[name], r.name) for r in rows),
+            name, "softmax at T=1 over the labels",
+        ))  # fmt: skip
     return gates if fp32 else gates + stability_gates(level, name, m.finite, m.deterministic)
 
 
@@ -227,49 +242,37 @@ def check_encoder(
     references: dict[str, EncoderReference],
     thresholds: Thresholds,
     extra: dict[str, Runner] | None = None,
-    descriptions: dict[str, str] | None = None,
     torch_levels: bool = True,
 ) -> tuple[ParityReport, list[EncoderFixtureRow]]:
     """Run every gate of SPEC section 4 for an encoder; ``extra`` adds fp16-level candidates
     (e.g. ``{"partitioned-fp16": ..., MIL_LEVEL: ...}``) gated like ``torch-fp16``. With
     ``torch_levels=False`` only the extra candidates run (when the torch levels already
     passed in an earlier call)."""
-    kind, rows_of = module.io.output, folded_rows(module.io.length)
+    kind = module.io.output
     layers = [LayerRow(i) for i in range(len(module.layers))]
     fixtures = [f for b in batches for f in b.fixtures]
     rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
-    runners: dict[str, Runner] = {}
-    if torch_levels:
-        runners["torch-fp32"] = encoder_runner(module, torch.float32)
-        runners["torch-fp16"] = encoder_runner(fp16_module(module), torch.float16)
-    gates: list[GateResult] = []
-    for name, runner in {**runners, **(extra or {})}.items():
-        fp32 = name == "torch-fp32"
+    runners = {
+        "torch-fp32": encoder_runner(module, torch.float32),
+        "torch-fp16": encoder_runner(fp16_module(module), torch.float16),
+    } if torch_levels else {}  # fmt: skip
 
-        def score(fixture: Fixture, r: int, out: Outputs, name: str = name) -> list[torch.Tensor]:
-            ref = references[fixture.name]
-            got = real_part(out[OUTPUT], kind, r, len(fixture.token_ids)).float()
-            _score(rows[fixture.name], name, got, ref.output, kind)
-            return ref.hidden
+    def score(name: str, fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
+        ref = references[fixture.name]
+        got = real_part(out[OUTPUT], kind, r, len(fixture.token_ids)).float()
+        _score(rows[fixture.name], name, got, ref.output, kind)
+        return ref.hidden
 
-        m = measure(runner, batches, score, rows_of, layers if name in runners else None, fp32)
-        if fp32:
-            gates.append(
-                gate("torch-fp32", "fp32_layer_rel_error").check(
-                    m.worst_layer.value, thresholds.fp32_layer_rel_error,
-                    where=m.worst_layer.where,
-                    detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
-                )
-            )  # fmt: skip
-        gates += _output_gates(name, m, list(rows.values()), kind, thresholds, fp32)
-    implementations = {
+    gates = measure_levels(
+        runners, extra, batches, folded_rows(module.io.length), layers, score,
+        lambda name, m: _gates(name, m, list(rows.values()), kind, thresholds),
+    )  # fmt: skip
+    first = first_diverging(layers, thresholds)
+    return ParityReport(gates, layers, [], first, {
         "reference": "transformers, fp32, each fixture alone, unpadded, positions 0..n-1",
         "torch-fp32": "anec BC1L encoder, torch fp32 on the CPU, right-padded folded batches",
         "torch-fp16": "anec BC1L encoder with fp16 epsilon floors cast to fp16, " + TORCH_CPU,
-        **(descriptions or {}),
-    }
-    first = first_diverging(layers, thresholds)
-    return ParityReport(gates, layers, [], first, implementations), list(rows.values())
+    }), list(rows.values())  # fmt: skip
 
 
 def fixture_rows_to_text(rows: list[EncoderFixtureRow]) -> str:

@@ -6,8 +6,11 @@ Two uses, like the decoder's `parity.conversion`:
 * ``fp32`` profile, per layer: each ``layer_<i>_out`` marker of the single (or island) program
   against the BC1L module holding the program's constants, computed in float64 - the
   conversion itself, gated with the recipe's ``mil_fp32_layer_rel_error`` (`program_level`);
-* ``fp16`` profile, as a `Runner` for `check_encoder` / `check_decision` (`pieces_runner`):
-  the task output gated against the original model like ``torch-fp16``.
+* ``fp16`` profile, as a `Runner` for `check_encoder` (`output_runner`) / `check_decision`
+  (`decision_mil_runner`): the task output gated against the original model like
+  ``torch-fp16``;
+* a decision tail's gather, fp32, against numpy on the island's own output
+  (`tail_marker_rows_error`).
 
 A program the evaluator cannot prepare (an op without a kernel, a missing marker) raises
 `MILError`; `program_level` records that as a failed gate, never as "not run".
@@ -24,12 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from graph_passes.decision import OUTPUT_NAMES as DECISION_OUTPUTS
+from graph_passes.decision_spec import DecisionHeadSpec
 from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
 from parity.conversion import rel_error_np
+from parity.decision_gates import batch_positions
+from parity.encoder_gates import embed
 from parity.fixtures import Batch
 from parity.gate import GateResult, gate, worst_of
 from parity.mil.errors import MILError
@@ -46,15 +53,6 @@ OUTPUT_NAMES = {
     "logits": "logits",
 }
 Feeds = dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class LayerLevel:
-    """The fp32 per-layer comparison: worst relative error per layer over real slots."""
-
-    layer_rel_error: list[float]
-    finite: bool
-    markers: list[str]
 
 
 def encoder_feed(
@@ -93,24 +91,22 @@ def layer_level(
     batches: list[Batch],
     dtype: str,
     precision: str,
-) -> LayerLevel:
+) -> list[float]:
     """Run ``package`` (the single or island program) in the ``fp32`` profile and compare each
-    marked layer output with the module's, at real slots only. Raises `MarkerError` when the
-    program lost a layer marker."""
+    marked layer output with the module's, at real slots only: the worst relative error per
+    layer (inf where an output is not finite). Raises `MarkerError` when the program lost a
+    layer marker."""
     program = load_package(package)
     markers = find_markers(program.functions["main"], len(module.layers))
     evaluator = Evaluator(program, get_profile("fp32"))
     baseline = _program_copy(module, precision)
     worst = [0.0] * len(markers)
-    finite = True
     for batch in batches:
         feeds, key_mask = encoder_feed(module, host, batch, dtype)
         result = evaluator.run(feeds, capture=markers)
         with torch.no_grad():
             if host is None:
-                ids = batch.input_ids
-                types = torch.zeros_like(ids) if module.embedding.types is not None else None
-                h = baseline.embed(ids, types)
+                h = embed(baseline, batch)
             else:
                 h = fold(torch.from_numpy(feeds["inputs_embeds"].astype(np.float64)))
             states = baseline.run_layers(h, key_mask.double())
@@ -118,9 +114,8 @@ def layer_level(
         assert real.shape[0] == module.io.slots == module.io.length * module.io.batch
         for i, marker in enumerate(markers):
             got = np.asarray(result.captured[marker], dtype=np.float64)[0, :, 0][:, real]
-            finite &= bool(np.isfinite(got).all())
             worst[i] = max(worst[i], rel_error_np(got, states[i][0, :, 0].numpy()[:, real]))
-    return LayerLevel(worst, finite, markers)
+    return worst
 
 
 @dataclass
@@ -134,7 +129,7 @@ class ProgramLevel:
 
 
 def program_level(
-    prepare: Callable[[], tuple[LayerLevel, Runner]], programs: int, threshold: float,
+    prepare: Callable[[], tuple[list[float], Runner]], programs: int, threshold: float,
     layer_name: Callable[[int], str], over: str, against: str,
 ) -> ProgramLevel:  # fmt: skip
     """``evaluator_runs_program`` and ``mil_fp32_layer_rel_error`` (max over ``over``, against
@@ -142,13 +137,13 @@ def program_level(
     cannot prepare fails the first gate."""
     runs = gate("mil-fp32", "evaluator_runs_program")
     try:
-        level, runner = prepare()
+        layer_errors, runner = prepare()
     except (MILError, MarkerError) as e:
         return ProgramLevel(
             [runs.check(0.0, detail=f"cannot run the program: {e}")], [], None, str(e)
         )
     # A non-finite layer output is an infinite relative error (`layer_level`).
-    worst = worst_of((err, layer_name(i)) for i, err in enumerate(level.layer_rel_error))
+    worst = worst_of((err, layer_name(i)) for i, err in enumerate(layer_errors))
     # Recorded when it passes too, so every artifact (and its re-check) has the same gate set.
     gates = [
         runs.check(1.0, detail=f"{programs} program(s) prepared; layer markers found"),
@@ -158,7 +153,13 @@ def program_level(
             "with the program's constants in fp64",
         ),
     ]  # fmt: skip
-    return ProgramLevel(gates, level.layer_rel_error, runner)
+    return ProgramLevel(gates, layer_errors, runner)
+
+
+def evaluators(packages: dict[str, Path], profile: str) -> dict[str, Any]:
+    """An evaluator per piece (``main``, or ``island`` and ``tail``) in ``profile``. Raises
+    `parity.mil.errors.MILError` if a program cannot be prepared."""
+    return {k: Evaluator(load_package(p), get_profile(profile)) for k, p in packages.items()}
 
 
 def pieces_runner(
@@ -182,14 +183,61 @@ def pieces_runner(
 def output_runner(
     packages: dict[str, Path], module: BC1LEncoder, host: HostEmbedding | None, dtype: str
 ) -> Runner:
-    """The emitted program(s) in the ``fp16`` profile as a `Runner` for `check_encoder`.
-
-    ``packages``: ``{"main": path}`` or ``{"island": path, "tail": path}`` (``tail`` absent for
-    feature extraction). Raises `parity.mil.errors.MILError` if a program cannot be prepared.
-    """
+    """An encoder's emitted program(s) in the ``fp16`` profile as a `Runner` for
+    `check_encoder`: ``{"main": path}`` or ``{"island": path, "tail": path}`` (``tail``
+    absent for feature extraction)."""
     return pieces_runner(
-        {k: Evaluator(load_package(p), get_profile("fp16")) for k, p in packages.items()},
+        evaluators(packages, "fp16"),
         lambda batch: encoder_feed(module, host, batch, dtype)[0],
         lambda _, feeds, hidden: {"hidden": hidden, "key_mask": feeds["key_mask"]},
         {OUTPUT: OUTPUT_NAMES[module.io.output]},
     )
+
+
+# ---- decision models: host embedding -> island -> tail ---------------------------------------
+
+
+def _tail_feed(batch: Batch, spec: DecisionHeadSpec, hidden: Any) -> Feeds:
+    """A decision tail's inputs: the island's hidden state and (marker heads) the positions."""
+    feeds = {"hidden": hidden}
+    positions = batch_positions(batch, spec)
+    if positions is not None:
+        feeds["candidate_positions"] = positions.numpy().astype(np.int32)
+    return feeds
+
+
+def decision_mil_runner(
+    packages: dict[str, Path], host: HostEmbedding, spec: DecisionHeadSpec, dtype: str
+) -> Runner:
+    """A decision model's island and tail programs in the ``fp16`` profile, fed the host
+    embedding (numpy, as the runtime), as a `Runner` for `check_decision`."""
+    return pieces_runner(
+        evaluators(packages, "fp16"), lambda batch: encoder_feed(None, host, batch, dtype)[0],
+        lambda batch, _, hidden: _tail_feed(batch, spec, hidden), {k: k for k in DECISION_OUTPUTS},
+    )  # fmt: skip
+
+
+def tail_marker_rows_error(
+    tail_package: Path, island_package: Path, host: HostEmbedding, spec: DecisionHeadSpec,
+    batches: list[Batch], dtype: str,
+) -> tuple[float, str]:  # fmt: skip
+    """The tail program in the ``fp32`` profile on the island program's own output (fp32
+    profile): its ``marker_rows`` against the rows gathered in numpy at the requests'
+    positions, worst relative error and where. The gather is exact, so anything above
+    rounding is a wrong index (an offset, a wrong batch stride) in the emitted tail."""
+    programs = evaluators({"island": island_package, "tail": tail_package}, "fp32")
+    np_float = np.float16 if dtype == "float16" else np.float32
+    errors = []
+    for batch in batches:
+        island = programs["island"].run(encoder_feed(None, host, batch, dtype)[0])
+        feeds = _tail_feed(batch, spec, np.asarray(island.outputs["hidden"]).astype(np_float))
+        b, length = batch.input_ids.shape
+        starts = np.arange(b)[:, None] * length
+        positions = feeds.get("candidate_positions")
+        slots = starts if positions is None else positions + starts  # CLS: each row's first
+        got = np.asarray(programs["tail"].run(feeds).outputs["marker_rows"], dtype=np.float64)
+        table = feeds["hidden"].astype(np.float64)[0, :, 0, :].T  # (B*L, D)
+        for r, fixture in enumerate(batch.fixtures):
+            errors.append((rel_error_np(got[r], table[slots[r]]), f"marker_rows, {fixture.name}"))
+    worst = worst_of(errors)
+    return worst.value, worst.where

@@ -11,14 +11,16 @@ real positions sit in a state (`StateRows`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from parity.fixtures import Batch, Fixture
-from parity.gate import Worst
-from parity.result import LayerRow, Outputs, Runner, rel_error
+from parity.gate import GateResult, Level, Worst, gate
+from parity.result import LayerRow, Outputs, Runner, Thresholds, rel_error
 
 
 @dataclass
@@ -86,3 +88,48 @@ def measure(runner: Runner, batches: list[Batch], score: Score, rows: StateRows,
                 layers[i].fp16_max_abs = max(layers[i].fp16_max_abs, float(state.abs().max()))
         progress()
     return m
+
+
+# ---- what every model kind measures ----------------------------------------------------------
+
+
+def max_abs(got: torch.Tensor, want: torch.Tensor, finite: bool) -> float:
+    """``max |got - want|``; inf when ``got`` is not ``finite``."""
+    return float((got - want).abs().max()) if finite else math.inf
+
+
+def top2_margin(want: torch.Tensor) -> float:
+    """``want``'s top1 - top2 (inf with one value): a larger change of the values than half
+    of it cannot move the argmax."""
+    top = want.topk(2).values if want.numel() > 1 else torch.tensor([math.inf, 0.0])
+    return float(top[0] - top[1])
+
+
+# A model kind's score of one implementation (named first) on one fixture, as `Score`.
+KindScore = Callable[[str, Fixture, int, Outputs], list[torch.Tensor]]
+# A model kind's gates on one implementation (named first) once it is measured.
+KindGates = Callable[[str, Measured], list[GateResult]]
+
+
+def measure_levels(torch_runners: dict[str, Runner], extra: dict[str, Runner] | None,
+                   batches: list[Batch], rows: StateRows, layers: list[LayerRow],
+                   score: KindScore, gates: KindGates) -> list[GateResult]:  # fmt: skip
+    """Measure and gate every candidate in turn: the torch levels (``torch-fp32`` gated as
+    fp32), each also per layer into ``layers``, then each ``extra`` candidate, whose states
+    are not the module's (outputs only, gated like torch fp16)."""
+    results: list[GateResult] = []
+    for name, runner in {**torch_runners, **(extra or {})}.items():
+        per_layer = layers if name in torch_runners else None
+        m = measure(runner, batches, partial(score, name), rows, per_layer, name == "torch-fp32")
+        results += gates(name, m)
+    return results
+
+
+def worst_gate(level: Level, key: str, t: Thresholds, worst: Worst,
+               implementation: str | None = None, detail: str = "") -> GateResult:  # fmt: skip
+    """Gate ``key`` at ``level`` on ``worst`` (value and where), against the recipe's
+    threshold of the same name."""
+    return gate(level, key).check(
+        worst.value, getattr(t, key), implementation=implementation, where=worst.where,
+        detail=detail,
+    )  # fmt: skip

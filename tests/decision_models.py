@@ -7,7 +7,6 @@ uniform and |dp| gates, the marker-offset mutant and the temperature mutant have
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,6 @@ from parity.decision_reference import (
     DecisionReferenceResult,
     run_decision_reference,
 )
-from parity.encoder_gates import fp16_module
 from parity.fixtures import Batch, build_fixtures
 from parity.result import ParityReport, Thresholds
 
@@ -159,15 +157,14 @@ class DecisionCase:
               ) -> tuple[ParityReport, list[DecisionRow]]:  # fmt: skip
         """Torch fp32 gates (and fp16 of the same pieces) on possibly altered pieces."""
         m, t = module or self.module, tail or self.tail
-        return check_decision(m, t, self.batches, self.slices, self.references, THRESHOLDS,
-                              fp16=(fp16_module(m), copy.deepcopy(t).half()))  # type: ignore[arg-type]  # fmt: skip
+        return check_decision(m, t, self.batches, self.slices, self.references, THRESHOLDS)
 
 
 def decision_case(model: TinyDecision, batch: int = 3, length: int = 24,
                   lengths: tuple[int, ...] = (24, 9, 15, 20), vocab: int = VOCAB
                   ) -> DecisionCase:  # fmt: skip
     """Fixtures with exactly K markers, right-padded batches, prescaled stack, references."""
-    from converter.tasks.decision import set_scales
+    from converter.tasks.encoder import set_scales
     from graph_passes.archs import adapt_encoder
 
     canonical = adapt_encoder(model.encoder.config, model.encoder.state_dict())

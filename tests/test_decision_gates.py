@@ -203,7 +203,7 @@ def test_mil_marker_rows_gate_catches_an_emitted_tail_reading_the_wrong_slot(
     from converter.tasks.encoder import program_module
     from graph_passes.decision import DecisionIsland
     from graph_passes.partition import host_embedding
-    from parity.decision_mil import tail_marker_rows_error
+    from parity.encoder_mil import tail_marker_rows_error
 
     program = program_module(case.module, "float16")
     host = host_embedding(_encoder(case), 24, True)

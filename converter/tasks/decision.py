@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,33 +29,35 @@ from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.recipe import DecisionRecipe
 from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, need, plan, write_rows_parity
+from converter.tasks.base import emit_program, need, plan, write_rows_parity
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
 from converter.tasks.decision_load import head_files, load_head
-from converter.tasks.encoder import program_module
+from converter.tasks.encoder import BC1LRun, gate_program, program_module, set_scales
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
 from graph_passes.archs import adapt_encoder
 from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
 from graph_passes.decision_spec import CandidateError, DecisionHead
 from graph_passes.encoder import EncoderIO
-from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
-from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding, host_embedding
 from graph_passes.prescale import NormScale
 from graph_passes.spec import EncoderModel
 from parity.decision_gates import (
-    DecisionRow,
     batch_positions,
     check_decision,
+    fp16_pieces,
     make_decision_batches,
 )
-from parity.decision_mil import decision_mil_runner, tail_marker_rows_error
 from parity.decision_reference import DecisionHeadReference, run_decision_reference
-from parity.encoder_gates import MIL_LEVEL, fp16_module
-from parity.encoder_mil import layer_level, program_level
+from parity.encoder_gates import MIL_LEVEL, host_runner
+from parity.encoder_mil import (
+    decision_mil_runner,
+    layer_level,
+    program_level,
+    tail_marker_rows_error,
+)
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
-from parity.gate import gate
-from parity.result import Runner, Thresholds, merge_rows
+from parity.gate import GateResult, gate
+from parity.result import Runner, Thresholds
 from parity.torch_settings import with_parity_torch
 
 PARTITIONED = "partitioned-fp16"
@@ -79,13 +81,10 @@ class DecisionRewrite:
 
 
 @dataclass
-class DecisionRun(TaskRun):
+class DecisionRun(BC1LRun):
     """A decision conversion in progress."""
 
     rewrite: DecisionRewrite | None = None
-    references: dict[str, Any] = field(default_factory=dict)
-    rows: list[DecisionRow] = field(default_factory=list)
-    extra_json: dict[str, Any] = field(default_factory=dict)
 
     def num_layers(self) -> int:
         """Encoder and head layers of the island."""
@@ -97,6 +96,10 @@ class DecisionRun(TaskRun):
         recipe = self.job.recipe
         assert isinstance(recipe, DecisionRecipe)
         return recipe
+
+    def write_parity(self) -> None:
+        """The report files, the per-request rows under ``decision_requests``."""
+        write_rows_parity(self, "decision_requests", self.rows, self.extra_json)
 
 
 def thresholds(recipe: DecisionRecipe) -> Thresholds:
@@ -111,19 +114,6 @@ def thresholds(recipe: DecisionRecipe) -> Thresholds:
         max_abs_dprob_action=d.max_abs_dprob_action,
         narrow_margin=d.narrow_margin,
     )
-
-
-def set_scales(module: DecisionEncoder, batches: list[Batch]) -> list[NormScale]:
-    """Measure every LayerNorm input (encoder, encoder norm, head) on the fixtures in fp32 and
-    set power-of-two prescales."""
-    norms = module.norms()
-
-    def run_all() -> None:
-        for batch in batches:
-            key_mask = key_mask_from_padding(batch.attention_mask).float()
-            module.finish(module.run_layers(module.embed(batch.input_ids, None), key_mask)[-1])
-
-    return apply_layer_norm_prescales(norms, measure_centred_l2(norms, run_all), FP16_EPS_FLOOR)
 
 
 def build_rewrite(recipe: DecisionRecipe, run: DecisionRun) -> DecisionRewrite:
@@ -152,38 +142,21 @@ def build_rewrite(recipe: DecisionRecipe, run: DecisionRun) -> DecisionRewrite:
         )
     except CandidateError as e:
         raise InputError(f"fixtures: {e}") from None
-    scales = set_scales(module, batches)
+    scales = set_scales(module, batches)[0]
     dtype = torch.float16 if recipe.io.dtype == "float16" else torch.float32
     host = host_embedding(encoder, length, recipe.decision.prenormalize_embeddings, dtype)
     return DecisionRewrite(encoder, head, tensors, digest, module, tail, fixtures, batches,
                            slices, scales, host)  # fmt: skip
 
 
-def fp16_pieces(rw: DecisionRewrite) -> tuple[DecisionEncoder, DecisionTail]:
-    """The stack with fp16 epsilon floors and the tail, cast to fp16 (what the program stores)."""
-    half = fp16_module(rw.module)
-    assert isinstance(half, DecisionEncoder)
-    return half, copy.deepcopy(rw.tail).half().eval()
-
-
 def partitioned_runner(rw: DecisionRewrite) -> Runner:
     """Host embedding -> island (fp16) -> tail (fp16), as the runtime calls them."""
-    half, tail = fp16_pieces(rw)
-    island = DecisionIsland(half).eval()
+    half, tail = fp16_pieces(rw.module, rw.tail)
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
-        key_mask = key_mask_from_padding(batch.attention_mask).half()
-        rows = rw.host(batch.input_ids, None).half()
-        with torch.no_grad():
-            out = tail(island(rows, key_mask), batch_positions(batch, tail.spec))
-        return None, tail_outputs(out)
+    def head(h: torch.Tensor, _: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return tail_outputs(tail(h, batch_positions(batch, tail.spec)))
 
-    return run
-
-
-def write_parity(run: DecisionRun) -> None:
-    """parity.json, parity.txt and parity.html of the report so far."""
-    write_rows_parity(run, "decision_requests", run.rows, run.extra_json)
+    return host_runner(rw.host, DecisionIsland(half).eval(), head)
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -234,13 +207,13 @@ def torch_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     rw = need(run.rewrite, "the rewrite")
     run.report, run.rows = check_decision(
         rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(run.recipe),
-        extra={PARTITIONED: partitioned_runner(rw)}, fp16=fp16_pieces(rw),
+        extra={PARTITIONED: partitioned_runner(rw)},
     )  # fmt: skip
     run.report.implementations[PARTITIONED] = (
         "host embedding from the shipped pre-normalised table -> island -> tail, each the fp16 "
         "torch module"
     )
-    write_parity(run)
+    run.write_parity()
     return None if run.report.passed else Stop("parity")
 
 
@@ -258,9 +231,10 @@ def convert(run: DecisionRun, advance: Advance) -> None:
 
 
 def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
-    """The island in the MIL evaluator's fp32 profile, layer by layer, against the stack; the
-    island + tail in the fp16 profile, gated against the reference."""
-    rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
+    """The island in the MIL evaluator's fp32 profile, layer by layer, against the stack, and
+    the emitted tail's gather; the island + tail in the fp16 profile, gated against the
+    reference."""
+    rw, recipe = need(run.rewrite, "rewrite"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
     level = program_level(
         lambda: (
@@ -271,29 +245,23 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
         len(packages), recipe.gates.mil_fp32_layer_rel_error, rw.module.layer_name,
         "encoder and head layers and requests", "stack",
     )  # fmt: skip
-    report.gates += level.gates
-    if level.runner is None:
-        write_parity(run)
-        return Stop("MIL-level")
-    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
-    rows_error, rows_where = tail_marker_rows_error(
-        packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches, recipe.io.dtype
-    )
-    report.gates.append(
-        gate("mil-fp32", "fp32_marker_rows_rel_error").check(
+
+    def marker_rows() -> list[GateResult]:
+        rows_error, rows_where = tail_marker_rows_error(
+            packages["tail"], packages["island"], rw.host, rw.tail.spec, rw.batches,
+            recipe.io.dtype,
+        )  # fmt: skip
+        return [gate("mil-fp32", "fp32_marker_rows_rel_error").check(
             rows_error, recipe.decision.fp32_marker_rows_rel_error, where=rows_where,
             detail="the emitted tail's gather at candidate_positions, fp32 profile",
-        )
+        )]  # fmt: skip
+
+    return gate_program(
+        run, level,
+        lambda runner: check_decision(rw.module, rw.tail, rw.batches, rw.slices, run.references,
+                                      thresholds(recipe), {MIL_LEVEL: runner}, False),
+        {MIL_LEVEL: "anec MIL evaluator, profile fp16, island then tail"}, marker_rows,
     )  # fmt: skip
-    mil_report, mil_rows = check_decision(
-        rw.module, rw.tail, rw.batches, rw.slices, run.references, thresholds(recipe),
-        extra={MIL_LEVEL: level.runner}, torch_levels=False,
-    )  # fmt: skip
-    report.gates.extend(mil_report.gates)
-    report.implementations[MIL_LEVEL] = "anec MIL evaluator, profile fp16, island then tail"
-    merge_rows(run.rows, mil_rows)
-    write_parity(run)
-    return None if report.passed else Stop("MIL-level")
 
 
 def manifest(run: DecisionRun, advance: Advance) -> None:

@@ -12,6 +12,7 @@ host embedding step (tables in the I/O dtype), the NE island (every layer), and 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ from converter.tasks.encoder_contract import (
 from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
-from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import (
     HostEmbedding,
     Island,
@@ -49,17 +49,17 @@ from graph_passes.prescale import NormScale, choose_prescale
 from graph_passes.spec import EncoderModel
 from parity.encoder_gates import (
     MIL_LEVEL,
-    EncoderFixtureRow,
-    EncoderReference,
     check_encoder,
-    encoder_inputs,
+    encoder_runner,
     fixture_rows_to_text,
     fp16_module,
+    host_runner,
     run_encoder_reference,
 )
-from parity.encoder_mil import layer_level, output_runner, program_level
+from parity.encoder_mil import ProgramLevel, layer_level, output_runner, program_level
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
-from parity.result import OUTPUT, Runner, Thresholds, merge_rows
+from parity.gate import GateResult
+from parity.result import OUTPUT, ParityReport, Runner, Thresholds, merge_rows
 from parity.torch_settings import with_parity_torch
 
 OUTPUTS: dict[str, EncoderOutput] = {
@@ -84,14 +84,30 @@ class EncoderRewrite:
 
 
 @dataclass
-class EncoderRun(TaskRun):
+class BC1LRun(TaskRun):
+    """An encoder or decision conversion in progress: the references, the per-fixture rows
+    of every implementation and the report's extra JSON fields."""
+
+    references: dict[str, Any] = field(default_factory=dict)
+    rows: list[Any] = field(default_factory=list)
+    extra_json: dict[str, Any] = field(default_factory=dict)
+
+    def write_parity(self) -> None:
+        """parity.json, parity.txt and parity.html of the report so far."""
+        raise NotImplementedError
+
+
+@dataclass
+class EncoderRun(BC1LRun):
     """An encoder conversion in progress."""
 
     rewrite: EncoderRewrite | None = None
-    references: dict[str, EncoderReference] = field(default_factory=dict)
-    rows: list[EncoderFixtureRow] = field(default_factory=list)
-    extra_json: dict[str, Any] = field(default_factory=dict)
     held_out: Any = None  # compress EncoderHeldOut when the recipe has a compression section
+
+    def write_parity(self) -> None:
+        """The report files, then the per-fixture table in parity.txt."""
+        text = "\n\n" + fixture_rows_to_text(self.rows)
+        write_rows_parity(self, "encoder_fixtures", self.rows, self.extra_json, text)
 
     def num_layers(self) -> int:
         """Transformer layers of the converted model."""
@@ -120,25 +136,22 @@ def output_kind(task: str) -> EncoderOutput:
 def set_scales(module: BC1LEncoder, batches: list[Batch]) -> tuple[list[NormScale], float]:
     """Measure every LayerNorm input (centred L2) and the pooled sentence vector on the fixtures
     (fp32) and set power-of-two prescales; returns what was chosen."""
-    norms = module.norms()
-    pooled_max = 0.0
+    norms, pooled_max = module.norms(), 0.0
+    sentence = module.tail if isinstance(module.tail, SentenceEmbeddingTail) else None
 
-    def run_all() -> None:
+    def tail(h: torch.Tensor, key_mask: torch.Tensor, _: Batch) -> dict[str, torch.Tensor]:
         nonlocal pooled_max
-        for batch in batches:
-            *x, key_mask = encoder_inputs(module, batch, torch.float32)
-            h = module.finish(
-                module.run_layers(module.embed(x[0], x[1] if x[1:] else None), key_mask)[-1]
-            )
-            if isinstance(module.tail, SentenceEmbeddingTail):
-                pooled = module.tail.pooled(h, key_mask)
-                pooled_max = max(pooled_max, float(pooled.double().norm(dim=1).max()))
-            module.tail(h, key_mask)
+        if sentence is not None:
+            pooled = sentence.pooled(h, key_mask)
+            pooled_max = max(pooled_max, float(pooled.double().norm(dim=1).max()))
+        return {OUTPUT: module.tail(h, key_mask)}
 
-    scales = apply_layer_norm_prescales(norms, measure_centred_l2(norms, run_all), FP16_EPS_FLOOR)
+    run = encoder_runner(module, torch.float32, tail)
+    maxima = measure_centred_l2(norms, lambda: [run(batch) for batch in batches])
+    scales = apply_layer_norm_prescales(norms, maxima, FP16_EPS_FLOOR)
     prescale = choose_prescale(pooled_max)
-    if isinstance(module.tail, SentenceEmbeddingTail):
-        module.tail.normalize.set_prescale(prescale)
+    if sentence is not None:
+        sentence.normalize.set_prescale(prescale)
     return scales, prescale
 
 
@@ -179,16 +192,10 @@ def partitioned_runner(module: BC1LEncoder, host: HostEmbedding) -> Runner:
     half = fp16_module(module)
     island, tail = Island(half).eval(), Tail(half).eval()
 
-    def run(batch: Batch) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
-        key_mask = key_mask_from_padding(batch.attention_mask).half()
-        rows = host(batch.input_ids, torch.zeros_like(batch.input_ids)).half()
-        with torch.no_grad():
-            out = island(rows, key_mask)
-            if not island.returns_task_output:
-                out = tail(out, key_mask)
-        return None, {OUTPUT: out}
+    def head(h: torch.Tensor, key_mask: torch.Tensor, _: Batch) -> dict[str, torch.Tensor]:
+        return {OUTPUT: h if island.returns_task_output else tail(h, key_mask)}
 
-    return run
+    return host_runner(host, island, head)
 
 
 def thresholds(recipe: Recipe) -> Thresholds:
@@ -201,12 +208,6 @@ def program_module(module: BC1LEncoder, precision: str) -> BC1LEncoder:
     out = copy.deepcopy(module).eval()
     out.set_eps_floor(FP16_EPS_FLOOR if precision == "float16" else 0.0)
     return out
-
-
-def write_parity(run: EncoderRun) -> None:
-    """parity.json, parity.txt and parity.html of the encoder report so far."""
-    text = "\n\n" + fixture_rows_to_text(run.rows)
-    write_rows_parity(run, "encoder_fixtures", run.rows, run.extra_json, text)
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -256,9 +257,10 @@ def torch_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         if rw.host.prenormalized:
             run.extra_json["prenormalized_table"] = prenormalized_table_check(rw.canonical, rw.host)
     run.report, run.rows = check_encoder(
-        rw.module, rw.batches, run.references, thresholds(run.recipe), extra, described
+        rw.module, rw.batches, run.references, thresholds(run.recipe), extra
     )
-    write_parity(run)
+    run.report.implementations.update(described)
+    run.write_parity()
     return None if run.report.passed else Stop("parity")
 
 
@@ -285,11 +287,33 @@ def convert(run: EncoderRun, advance: Advance) -> None:
         )
 
 
+def gate_program(run: BC1LRun, level: ProgramLevel,
+                 check: Callable[[Runner], tuple[ParityReport, list[Any]]],
+                 described: dict[str, str], more: Callable[[], list[GateResult]] = list
+                 ) -> Stop | None:  # fmt: skip
+    """Record the MIL level: ``level``'s fp32 gates and, when the program runs, ``more`` gates
+    and the fp16 run as `MIL_LEVEL` through ``check`` (its rows merged into the run's), the
+    implementations ``described``; then the report files."""
+    report = need(run.report, "report")
+    report.gates += level.gates
+    if level.runner is None:
+        run.write_parity()
+        return Stop("MIL-level")
+    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
+    report.gates += more()
+    mil_report, mil_rows = check(level.runner)
+    report.gates.extend(mil_report.gates)
+    report.implementations.update(described)
+    merge_rows(run.rows, mil_rows)
+    run.write_parity()
+    return None if report.passed else Stop("MIL-level")
+
+
 def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
     """The emitted program(s) in the MIL evaluator: fp32 per layer against the BC1L module,
     fp16 task output gated against the original model. A program the evaluator cannot run is
     a failed gate."""
-    rw, report, recipe = need(run.rewrite, "rewrite"), need(run.report, "report"), run.recipe
+    rw, recipe = need(run.rewrite, "rewrite"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
     level = program_level(
         lambda: (
@@ -300,28 +324,15 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         len(packages), recipe.gates.mil_fp32_layer_rel_error, "layer {}".format,
         "layers and fixtures", "BC1L module",
     )  # fmt: skip
-    report.gates += level.gates
     if level.runner is None:
-        report.implementations[MIL_LEVEL] = f"failed: {level.error}"
-        write_parity(run)
-        return Stop("MIL-level")
-    run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
-    report.implementations["mil-fp32"] = "anec MIL evaluator, profile fp32, on the emitted program"
-    mil_report, mil_rows = check_encoder(
-        rw.module,
-        rw.batches,
-        run.references,
-        thresholds(recipe),
-        {MIL_LEVEL: level.runner},
-        torch_levels=False,
-    )
-    report.gates.extend(mil_report.gates)
-    report.implementations[MIL_LEVEL] = (
-        "anec MIL evaluator, profile fp16, on the emitted program(s)"
-    )
-    merge_rows(run.rows, mil_rows)
-    write_parity(run)
-    return None if report.passed else Stop("MIL-level")
+        need(run.report, "report").implementations[MIL_LEVEL] = f"failed: {level.error}"
+    return gate_program(
+        run, level,
+        lambda runner: check_encoder(rw.module, rw.batches, run.references, thresholds(recipe),
+                                     {MIL_LEVEL: runner}, torch_levels=False),
+        {"mil-fp32": "anec MIL evaluator, profile fp32, on the emitted program",
+         MIL_LEVEL: "anec MIL evaluator, profile fp16, on the emitted program(s)"},
+    )  # fmt: skip
 
 
 def manifest(run: EncoderRun, advance: Advance) -> None:
