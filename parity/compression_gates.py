@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -74,13 +73,8 @@ class HeldOut(HeldOutSlice):
         return about, line + " scored at torch level"
 
 
-def torch_logits(
-    module: BC1LDecoder,
-    decoded: dict[str, np.ndarray],
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-    wrap: Wrap | None = None,
-) -> Logits:
+def torch_logits(module: BC1LDecoder, decoded: dict[str, np.ndarray], held_out: HeldOut,
+                 embed_table: torch.Tensor, wrap: Wrap | None = None) -> Logits:  # fmt: skip
     """Logits at every real position of each held-out text, ``module`` holding ``decoded`` run
     in fp16 (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
     run = with_weights(module, decoded, torch.float16)
@@ -96,14 +90,9 @@ def torch_logits(
     return out
 
 
-def mil_logits(
-    evaluator: Any,
-    module: BC1LDecoder,
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-    windows: list[Fixture] | None = None,
-    progress: Callable[[], None] = lambda: None,
-) -> Logits:
+def mil_logits(evaluator: Any, module: BC1LDecoder, held_out: HeldOut, embed_table: torch.Tensor,
+               windows: list[Fixture] | None = None, progress: Advance = lambda: None
+               ) -> Logits:  # fmt: skip
     """The program's logits on each window (one evaluation per batch): every real position the
     program returns (the last one, or all of them for an all-positions program)."""
     windows = held_out.windows if windows is None else windows
@@ -177,10 +166,9 @@ class DecoderKind(VariantKind):
         )
         return {
             "torch-fp16": "the BC1L module with the variant's decoded weights, cast to fp16, "
-            + TORCH_CPU
-            + "; every real position of each held-out text",
-            "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage "
-            "profile; " + mil,
+            f"{TORCH_CPU}; every real position of each held-out text",
+            "mil-fp16": f"the emitted variant program in anec's MIL evaluator, fp16 storage "
+            f"profile; {mil}",
         }
 
     @property
@@ -265,15 +253,9 @@ class DecoderKind(VariantKind):
         return error, [check, decoded_alike(len(mismatched), first_few(mismatched))]
 
 
-def mil_fp32_check(
-    program: Any,
-    module: BC1LDecoder,
-    decoded: dict[str, np.ndarray],
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-    windows: int,
-    wrap: Wrap | None = None,
-) -> tuple[float, list[str]]:
+def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndarray],
+                   held_out: HeldOut, embed_table: torch.Tensor, windows: int,
+                   wrap: Wrap | None = None) -> tuple[float, list[str]]:  # fmt: skip
     """The program in fp32 against torch fp32 with the same weights, and decoder agreement.
 
     The fp32 profile keeps a decompressed weight in fp32 where the program declares fp16 (an

@@ -18,12 +18,7 @@ import torch
 
 from graph_passes.encoder import BC1LEncoder
 from parity.compression_metrics import psnr_db
-from parity.encoder_gates import (
-    cosines,
-    encoder_runner,
-    fp16_module,
-    real_part,
-)
+from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch
 from parity.gate import agreement, worst_of
@@ -267,13 +262,9 @@ def with_constants(evaluator: Any, weights: dict[str, np.ndarray]) -> Any:
     return evaluator
 
 
-def mil_fp32_against_program(
-    program: Any,
-    fp16_program: Any,
-    module: BC1LEncoder,
-    decoded: dict[str, np.ndarray],
-    batches: list[Batch],
-) -> tuple[float, int]:
+def mil_fp32_against_program(program: Any, fp16_program: Any, module: BC1LEncoder,
+                             decoded: dict[str, np.ndarray], batches: list[Batch]
+                             ) -> tuple[float, int]:  # fmt: skip
     """The variant program against the uncompressed program holding the same decoded weights,
     both in the MIL evaluator's fp32 profile: the worst relative error of the task output over
     ``batches`` (compression is in the weights only, so 0 up to rounding); and the weights the
