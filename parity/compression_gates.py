@@ -135,7 +135,7 @@ class PositionsCompared(Compared):
 
 
 @dataclass
-class DecoderKind(VariantKind):
+class DecoderKind(VariantKind[PositionsCompared]):
     """The decoder kind of `parity.variant.VariantKind`: logits per held-out position; a
     method's changes beyond weights (int8 activations: ``compress.methods.base.Inspected``)
     wrap the torch module and have their quantizers checked."""
@@ -207,9 +207,8 @@ class DecoderKind(VariantKind):
             psnr += psnr_db(logits, want)
         return PositionsCompared(psnr, all(np.isfinite(r.logit_error) for r in rows), rows)
 
-    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+    def scores(self, compared: PositionsCompared, gates: Any) -> list[Score]:
         """Top-1 agreement, mean KL, finiteness and (when the variant sets it) max |dp|."""
-        assert isinstance(compared, PositionsCompared)
         s = compared.summary
         # No held-out position measured: nothing is shown, so the value is NaN and fails.
         top1 = s.argmax_agreement if s.positions else math.nan

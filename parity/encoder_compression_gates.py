@@ -135,7 +135,7 @@ class SentencesCompared(Compared):
 
 
 @dataclass
-class EncoderKind(VariantKind):
+class EncoderKind(VariantKind[SentencesCompared]):
     """The encoder kind of `parity.variant.VariantKind`: the task output per held-out
     sentence; ``fp16_program`` (kept by `baselines`) is the uncompressed program the fp32
     check compares with."""
@@ -197,9 +197,8 @@ class EncoderKind(VariantKind):
                 kept[name] = ok and int(output.argmax()) == int(want.argmax())
         return SentencesCompared(psnr, finite, cosine=cos, argmax_kept=kept)
 
-    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+    def scores(self, compared: SentencesCompared, gates: Any) -> list[Score]:
         """Min cosine, argmax agreement (a classifier, when the variant sets it), finiteness."""
-        assert isinstance(compared, SentencesCompared)
         c = compared
         worst = worst_of(((cosine, sentence) for sentence, cosine in c.cosine.items()), True)
         found = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -99,6 +99,9 @@ class Compared(ABC):
         return figures | {"psnr_db": self.psnr_summary.to_json()}
 
 
+C = TypeVar("C", bound=Compared)  # a kind's comparison
+
+
 @dataclass
 class VariantLevel:
     """One implementation of a variant against both baselines."""
@@ -144,7 +147,7 @@ def decoded_alike(mismatched: int, where: str = "") -> Score:
                  "differs from coremltools' own decoding")  # fmt: skip
 
 
-class VariantKind(ABC):
+class VariantKind(ABC, Generic[C]):
     """The measurement core of every model kind's variants. A kind (a dataclass subclass with
     ``module``, ``held_out``, ``mil_fp32_threshold`` and ``fp16`` fields) fills in the
     adapter methods below; measuring, gating and reporting are written here once."""
@@ -177,11 +180,11 @@ class VariantKind(ABC):
         """The outputs of torch holding ``decoded`` or of ``program`` (MIL fp16)."""
 
     @abstractmethod
-    def compare(self, got: Outputs, baseline: Outputs | None) -> Compared:
+    def compare(self, got: Outputs, baseline: Outputs | None) -> C:
         """``got`` against ``baseline`` (None: the original checkpoint)."""
 
     @abstractmethod
-    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+    def scores(self, compared: C, gates: Any) -> list[Score]:
         """A level's figures against the original, gated by the variant's ``gates``."""
 
     @abstractmethod
