@@ -88,7 +88,7 @@ class Setup:
         self.evaluator = Evaluator(program, "fp16")
         subject = DecoderSubject(rw.module, rw.embed_table, self.held, 1e-3)
         self.feeds = subject.calibration_feeds(self.evaluator)
-        self.scorer = Scorer(self.module, self.held.texts, self.embed, self.held.pad_id)
+        self.scorer = Scorer(self.module, self.held.fixtures, self.embed, self.held.pad_id)
         io = self.module.io
         self.calibration = [
             module_inputs(self.module, b, self.embed, torch.float32)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,51 +28,59 @@ from parity.fixtures import Fixture, make_batches
 from parity.gate import first_few
 from parity.head_outputs import run_capturing_logits
 from parity.memory import release_memory
-from parity.metrics import PositionRow, compare_positions
+from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.model_copies import float64_program_copy, in_float64, with_weights
-from parity.reference import ReferenceRun
 from parity.result import rel_error
 from parity.torch_settings import TORCH_CPU
-from parity.variant import Compared, Score, decoded_alike, evaluator_weights
+from parity.variant import (
+    Advance,
+    Changes,
+    Compared,
+    HeldOutSlice,
+    Outputs,
+    Score,
+    VariantKind,
+    Wrap,
+    decoded_alike,
+    evaluator_weights,
+)
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
-Wrap = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
 # Windows the fp32 consistency check runs (the program against torch with the same weights).
 FP32_WINDOWS = 2
 
 
 @dataclass
-class HeldOut:
-    """The held-out slice: whole texts (torch level) and prefix windows (MIL level)."""
+class HeldOut(HeldOutSlice):
+    """A decoder's held-out slice: whole texts (torch level) and the windows the program
+    scores (MIL level), each window's text and last position."""
 
-    texts: list[Fixture]
     windows: list[Fixture]
     window_source: dict[str, tuple[str, int]]  # window -> (text fixture, its last position)
-    references: dict[str, ReferenceRun]
-    pad_id: int
-    calibration: list[Fixture] = field(default_factory=list)  # sensitivity only, never scored
     all_positions: bool = False  # MIL level through the all-positions program, a window a text
-    source: str = "the recipe's own texts"
 
     @property
     def positions(self) -> int:
         """Scored positions per level: every real token of every text."""
-        return sum(len(f.token_ids) for f in self.texts)
+        return sum(len(f.token_ids) for f in self.fixtures)
+
+    def about(self) -> tuple[dict[str, Any], str]:
+        """The texts, their scored positions and what the MIL level evaluates."""
+        texts, positions = len(self.fixtures), self.positions
+        mil = "every position (all-positions program)" if self.all_positions else "windows"
+        about = {"source": self.source, "texts": texts, "positions": positions, "mil": mil}
+        line = f"held-out slice: {self.source}; {texts} texts, {positions} positions"
+        return about, line + " scored at torch level"
 
 
-def torch_logits(
-    module: BC1LDecoder,
-    decoded: dict[str, np.ndarray],
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-    wrap: Wrap | None = None,
-) -> Logits:
+def torch_logits(module: BC1LDecoder, decoded: dict[str, np.ndarray], held_out: HeldOut,
+                 embed_table: torch.Tensor, wrap: Wrap | None = None) -> Logits:  # fmt: skip
     """Logits at every real position of each held-out text, ``module`` holding ``decoded`` run
     in fp16 (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
     run = with_weights(module, decoded, torch.float16)
     length = module.io.length
     out: Logits = {}
-    (batch,) = make_batches(held_out.texts, len(held_out.texts), length, held_out.pad_id)
+    (batch,) = make_batches(held_out.fixtures, len(held_out.fixtures), length, held_out.pad_id)
     x, mask = module_inputs(run, batch, embed_table, torch.float16)
     with wrap(run) if wrap is not None else contextlib.nullcontext():
         _, logits = run_module(run, x, mask)
@@ -83,14 +90,9 @@ def torch_logits(
     return out
 
 
-def mil_logits(
-    evaluator: Any,
-    module: BC1LDecoder,
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-    windows: list[Fixture] | None = None,
-    progress: Callable[[], None] = lambda: None,
-) -> Logits:
+def mil_logits(evaluator: Any, module: BC1LDecoder, held_out: HeldOut, embed_table: torch.Tensor,
+               windows: list[Fixture] | None = None, progress: Advance = lambda: None
+               ) -> Logits:  # fmt: skip
     """The program's logits on each window (one evaluation per batch): every real position the
     program returns (the last one, or all of them for an all-positions program)."""
     windows = held_out.windows if windows is None else windows
@@ -106,37 +108,52 @@ def mil_logits(
     return out
 
 
-def compare_logits(cand: Logits, held_out: HeldOut, base: Logits | None) -> Compared:
-    """Rows and PSNR for every position of every text (torch level) or MIL window: against the
-    reference (``base`` None) or ``base`` logits (the same texts or windows). Finite when every
-    compared logit was."""
-    rows: list[PositionRow] = []
-    psnr: list[float] = []
-    for name, logits in cand.items():
-        # a whole text ends at its last position; a window as `prepare_held_out` cut it
-        text, last = held_out.window_source.get(name, (name, logits.shape[0] - 1))
-        first = last - logits.shape[0] + 1
-        want = held_out.references[text].logits[first : last + 1] if base is None else base[name]
-        positions = list(range(first, last + 1))
-        rows += compare_positions(text, "held-out", last + 1, positions, logits, want)
-        psnr += psnr_db(logits, want)
-    return Compared(psnr, all(np.isfinite(r.logit_error) for r in rows), rows)
+@dataclass
+class PositionsCompared(Compared):
+    """A decoder's comparison: one row per compared position (top-1, KL, |dp|)."""
+
+    rows: list[PositionRow] = field(default_factory=list)
+
+    @property
+    def summary(self) -> Summary:
+        """Aggregates over the compared positions."""
+        return summarize(self.rows)
+
+    def figures(self) -> dict[str, Any]:
+        """The position summary, its uncertified list counted."""
+        s = self.summary
+        data = {k: v for k, v in vars(s).items() if k != "uncertified"}
+        return data | {"uncertified_count": len(s.uncertified)}
+
+    def row(self) -> str:
+        """Positions, top-1, mean and max KL, max |dp| and the PSNR."""
+        s, p = self.summary, self.psnr_summary
+        return (
+            f"{s.positions:>9}  {s.argmax_agreement:>6.1%}  {s.mean_kl:>8.4f}  {s.max_kl:>7.3f}  "
+            f"{s.max_abs_dprob:>7.4f}  {p.min_db:6.1f} / {p.median_db:6.1f} / {p.mean_db:6.1f}"
+        )
 
 
 @dataclass
-class DecoderKind:
-    """The decoder side of `parity.variant.variant_parity`: logits per held-out position;
-    ``wrap`` and ``quantizers`` are a method's changes beyond weights (int8 activations:
-    ``compress.methods.base.Inspected``)."""
+class DecoderKind(VariantKind[PositionsCompared]):
+    """The decoder kind of `parity.variant.VariantKind`: logits per held-out position; a
+    method's changes beyond weights (int8 activations: ``compress.methods.base.Inspected``)
+    wrap the torch module and have their quantizers checked."""
 
     module: BC1LDecoder
     embed_table: torch.Tensor
     held_out: HeldOut
-    threshold: float  # gates.mil_fp32_layer_rel_error
-    wrap: Wrap | None = None
-    quantizers: Callable[[Any, dict[str, Any]], int] | None = None
-    output: str = "logits"
-    fp32_steps: int = FP32_WINDOWS
+    mil_fp32_threshold: float  # gates.mil_fp32_layer_rel_error
+    fp16: dict[str, Outputs] = field(default_factory=dict)
+    output: ClassVar[str] = "logits"
+    fp32_steps: ClassVar[int] = FP32_WINDOWS
+    table_head: ClassVar[str] = (
+        "level       against         positions  top-1    mean KL   max KL  max|dp|  "
+        "PSNR dB min / median / mean"
+    )
+    psnr_text: ClassVar[str] = (
+        "PSNR: 20 log10(max|z_ref| / RMS(z - z_ref)) over each position's full logit vector"
+    )
 
     @property
     def descriptions(self) -> dict[str, str]:
@@ -149,30 +166,48 @@ class DecoderKind:
         )
         return {
             "torch-fp16": "the BC1L module with the variant's decoded weights, cast to fp16, "
-            + TORCH_CPU
-            + "; every real position of each held-out text",
-            "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage "
-            "profile; " + mil,
+            f"{TORCH_CPU}; every real position of each held-out text",
+            "mil-fp16": f"the emitted variant program in anec's MIL evaluator, fp16 storage "
+            f"profile; {mil}",
         }
 
+    @property
+    def baseline_steps(self) -> int:
+        """One step per MIL window."""
+        return len(self.held_out.windows)
+
     def run(self, implementation: str, program: Any, decoded: dict[str, np.ndarray],
-            advance: Callable[[], None]) -> Logits:  # fmt: skip
+            advance: Advance, changes: Changes | None) -> Logits:  # fmt: skip
         """Logits of every held-out text (torch) or window (the program, MIL fp16)."""
         from parity.mil import Evaluator
 
         held_out, table = self.held_out, self.embed_table
         if implementation == "torch-fp16":
-            return torch_logits(self.module, decoded, held_out, table, self.wrap)
+            wrap = changes.wrap if changes is not None else None
+            return torch_logits(self.module, decoded, held_out, table, wrap)
         if held_out.all_positions:  # the program becomes its all-positions copy, in place
             all_positions(program)
         evaluator = Evaluator(program, "fp16")
         return mil_logits(evaluator, self.module, held_out, table, progress=advance)
 
-    def compare(self, got: Logits, baseline: Logits | None) -> Compared:
-        """Every position of ``got`` against the reference or ``baseline``."""
-        return compare_logits(got, self.held_out, baseline)
+    def compare(self, got: Logits, baseline: Logits | None) -> PositionsCompared:
+        """Rows and PSNR for every position of every text (torch level) or MIL window of
+        ``got``: against the reference (``baseline`` None) or ``baseline`` logits (the same
+        texts or windows). Finite when every compared logit was."""
+        rows: list[PositionRow] = []
+        psnr: list[float] = []
+        source, references = self.held_out.window_source, self.held_out.references
+        for name, logits in got.items():
+            # a whole text ends at its last position; a window as `prepare_held_out` cut it
+            text, last = source.get(name, (name, logits.shape[0] - 1))
+            first = last - logits.shape[0] + 1
+            want = references[text].logits[first : last + 1] if baseline is None else baseline[name]
+            positions = list(range(first, last + 1))
+            rows += compare_positions(text, "held-out", last + 1, positions, logits, want)
+            psnr += psnr_db(logits, want)
+        return PositionsCompared(psnr, all(np.isfinite(r.logit_error) for r in rows), rows)
 
-    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+    def scores(self, compared: PositionsCompared, gates: Any) -> list[Score]:
         """Top-1 agreement, mean KL, finiteness and (when the variant sets it) max |dp|."""
         s = compared.summary
         # No held-out position measured: nothing is shown, so the value is NaN and fails.
@@ -190,41 +225,36 @@ class DecoderKind:
                                detail="softmax at T=1, held-out positions"))  # fmt: skip
         return found
 
-    def program_check(self, program: Any, decoded: dict[str, np.ndarray]
-                      ) -> tuple[float, list[Score]]:  # fmt: skip
+    def program_check(self, program: Any, decoded: dict[str, np.ndarray],
+                      changes: Changes | None) -> tuple[float, list[Score]]:  # fmt: skip
         """The program in fp32 against torch with the same weights (`mil_fp32_check`, which
         empties ``decoded``) and, with int8 activations, each quantizer on the program's own
         input: end-to-end agreement is then reported, each quantizer gated."""
         from parity.mil import Evaluator
 
         module, held_out, table = self.module, self.held_out, self.embed_table
+        wrap = changes.wrap if changes is not None else None
         error, mismatched = mil_fp32_check(
-            program, module, decoded, held_out, table, FP32_WINDOWS, self.wrap
+            program, module, decoded, held_out, table, FP32_WINDOWS, wrap
         )
-        if self.quantizers is None:
-            check = Score("mil_fp32_layer_rel_error", error, self.threshold, "logits",
+        if changes is None or changes.check is None:
+            check = Score("mil_fp32_layer_rel_error", error, self.mil_fp32_threshold, "logits",
                           "the variant program in fp32 against the torch module with the same "
                           "decoded weights: compression is in the weights only")  # fmt: skip
         else:
             evaluator = Evaluator(program, "fp32")
             (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
             feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, table)
-            check = Score("activation_quantizers_alike", float(self.quantizers(evaluator, feed)),
+            check = Score("activation_quantizers_alike", float(changes.check(evaluator, feed)),
                           detail="int8 quantize/dequantize pairs whose torch fake-quantization of "
                           "the program's own input differs from the program's output in any "
                           "bit")  # fmt: skip
         return error, [check, decoded_alike(len(mismatched), first_few(mismatched))]
 
 
-def mil_fp32_check(
-    program: Any,
-    module: BC1LDecoder,
-    decoded: dict[str, np.ndarray],
-    held_out: HeldOut,
-    embed_table: torch.Tensor,
-    windows: int,
-    wrap: Wrap | None = None,
-) -> tuple[float, list[str]]:
+def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndarray],
+                   held_out: HeldOut, embed_table: torch.Tensor, windows: int,
+                   wrap: Wrap | None = None) -> tuple[float, list[str]]:  # fmt: skip
     """The program in fp32 against torch fp32 with the same weights, and decoder agreement.
 
     The fp32 profile keeps a decompressed weight in fp32 where the program declares fp16 (an

@@ -10,7 +10,6 @@ gates already hold the program; this level isolates what compression changed).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -19,20 +18,25 @@ import torch
 
 from graph_passes.encoder import BC1LEncoder
 from parity.compression_metrics import psnr_db
-from parity.encoder_gates import (
-    EncoderReference,
-    cosines,
-    encoder_runner,
-    fp16_module,
-    real_part,
-)
+from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
-from parity.fixtures import Batch, Fixture
-from parity.gate import worst_of
+from parity.fixtures import Batch
+from parity.gate import agreement, worst_of
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner, rel_error
 from parity.torch_settings import TORCH_CPU
-from parity.variant import Compared, Score, decoded_alike, evaluator_weights
+from parity.variant import (
+    Advance,
+    Changes,
+    Compared,
+    HeldOutSlice,
+    Outputs,
+    Score,
+    VariantKind,
+    VariantLevel,
+    decoded_alike,
+    evaluator_weights,
+)
 
 SentenceOutputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32
 # Batches the fp32 consistency check runs (the program against the same decoded weights).
@@ -46,20 +50,19 @@ _PER = {
 
 
 @dataclass
-class EncoderHeldOut:
-    """The held-out sentences, their (B, L) batches and the original model's outputs; and the
-    calibration sentences (read by calibrated methods only, never scored)."""
+class EncoderHeldOut(HeldOutSlice):
+    """An encoder's held-out sentences and their (B, L) batches, right-padded."""
 
-    fixtures: list[Fixture]
     batches: list[Batch]
-    references: dict[str, EncoderReference]
-    source: str = "the recipe's own texts"
-    calibration: list[Fixture] = field(default_factory=list)
-    pad_id: int = 0
+
+    def about(self) -> tuple[dict[str, Any], str]:
+        """The held-out sentences."""
+        line = f"held-out slice: {self.source}; {len(self.fixtures)} sentences"
+        return {"source": self.source, "sentences": len(self.fixtures)}, line
 
 
 def outputs(runner: Runner, module: BC1LEncoder, held_out: EncoderHeldOut,
-            advance: Callable[[], None] = lambda: None) -> SentenceOutputs:  # fmt: skip
+            advance: Advance = lambda: None) -> SentenceOutputs:  # fmt: skip
     """Each held-out sentence's task output (its real positions) from ``runner`` (``advance``
     after each batch)."""
     out: SentenceOutputs = {}
@@ -88,43 +91,84 @@ def program_runner(evaluator: Any, module: BC1LEncoder) -> Runner:
 # ---- comparisons ------------------------------------------------------------------------------
 
 
-def compare_outputs(candidate: SentenceOutputs, baseline: dict[str, Any], logits: bool
-                    ) -> Compared:  # fmt: skip
-    """Cosines (and argmax agreement for logits) of ``candidate`` against ``baseline`` outputs
-    (tensors or `EncoderReference`)."""
-    cos, kept, finite, psnr = {}, {}, True, []
-    for name, got in candidate.items():
-        ref = baseline[name]
-        want = (ref.output if isinstance(ref, EncoderReference) else ref).double()
-        ok = bool(torch.isfinite(got).all())
-        finite &= ok
-        cos[name] = float(cosines(got, want).min()) if ok else float("-inf")
-        psnr.append(min(psnr_db(got, want)))  # per output vector (a token's for hidden states)
-        if logits:
-            kept[name] = ok and int(got.argmax()) == int(want.argmax())
-    return Compared(psnr, finite, cosine=cos, argmax_kept=kept)
+@dataclass
+class SentencesCompared(Compared):
+    """An encoder's comparison: each sentence's cosine (min over real tokens for hidden states)
+    and, for a classifier, whether its predicted label is kept."""
+
+    cosine: dict[str, float] = field(default_factory=dict)
+    argmax_kept: dict[str, bool] = field(default_factory=dict)  # classifiers only
+
+    @property
+    def min_cosine(self) -> float:
+        """The worst sentence's cosine."""
+        return min(self.cosine.values()) if self.cosine else float("nan")
+
+    @property
+    def mean_cosine(self) -> float:
+        """The mean over sentences."""
+        return float(np.mean(list(self.cosine.values()))) if self.cosine else float("nan")
+
+    @property
+    def argmax_agreement(self) -> float | None:
+        """Share of sentences whose predicted label is kept (classifiers only)."""
+        return agreement(self.argmax_kept)[0] if self.argmax_kept else None
+
+    def figures(self) -> dict[str, Any]:
+        """The cosine figures, then every sentence's cosine."""
+        return {
+            "min_cosine": self.min_cosine,
+            "mean_cosine": self.mean_cosine,
+            "argmax_agreement": self.argmax_agreement,
+            "finite": self.finite,
+            "cosine": self.cosine,
+        }
+
+    def row(self) -> str:
+        """Sentences, min and mean cosine, argmax agreement and the PSNR."""
+        agree = "" if self.argmax_agreement is None else f"{self.argmax_agreement:.1%}"
+        p = self.psnr_summary
+        return (
+            f"{len(self.cosine):>9}  {self.min_cosine:>9.6f}  {self.mean_cosine:>9.6f}  "
+            f"{agree:>6}  {p.min_db:6.1f} / {p.median_db:6.1f}"
+        )
 
 
 @dataclass
-class EncoderKind:
-    """The encoder side of `parity.variant.variant_parity`: the task output per held-out
-    sentence; ``fp16_program`` is the uncompressed program the fp32 check compares with."""
+class EncoderKind(VariantKind[SentencesCompared]):
+    """The encoder kind of `parity.variant.VariantKind`: the task output per held-out
+    sentence; ``fp16_program`` (kept by `baselines`) is the uncompressed program the fp32
+    check compares with."""
 
     module: BC1LEncoder
     held_out: EncoderHeldOut
-    threshold: float  # gates.mil_fp32_layer_rel_error
+    mil_fp32_threshold: float  # gates.mil_fp32_layer_rel_error
+    fp16: dict[str, Outputs] = field(default_factory=dict)
     fp16_program: Any = None
-    output: str = "output"
-    fp32_steps: int = FP32_BATCHES
-
+    output: ClassVar[str] = "output"
+    fp32_steps: ClassVar[int] = FP32_BATCHES
+    table_head: ClassVar[str] = (
+        "level       against         sentences  min cos     mean cos   argmax  PSNR dB min / median"
+    )
+    psnr_text: ClassVar[str] = "PSNR: 20 log10(max|y_ref| / RMS(y - y_ref)) over each output vector"
     descriptions: ClassVar[dict[str, str]] = {
         "torch-fp16": "the BC1L encoder with the variant's decoded weights and the fp16 epsilon "
         "floors, cast to fp16, " + TORCH_CPU + "; right-padded (B, L) batches",
         "mil-fp16": "the emitted variant program in anec's MIL evaluator, fp16 storage profile",
     }
 
+    @property
+    def baseline_steps(self) -> int:
+        """One step per (B, L) batch."""
+        return len(self.held_out.batches)
+
+    def baselines(self, program: Any, advance: Advance) -> None:
+        """The fp16 artifact's outputs, keeping its program for the fp32 check."""
+        super().baselines(program, advance)
+        self.fp16_program = program
+
     def run(self, implementation: str, program: Any, decoded: dict[str, np.ndarray],
-            advance: Callable[[], None]) -> SentenceOutputs:  # fmt: skip
+            advance: Advance, changes: Changes | None) -> SentenceOutputs:  # fmt: skip
         """Each held-out sentence's task output from torch or the program (MIL fp16)."""
         from parity.mil import Evaluator
 
@@ -136,12 +180,24 @@ class EncoderKind:
         run = program_runner(Evaluator(program, "fp16"), module)
         return outputs(run, module, held_out, advance)
 
-    def compare(self, got: SentenceOutputs, baseline: SentenceOutputs | None) -> Compared:
-        """Each sentence of ``got`` against the original checkpoint's or ``baseline``."""
-        base = self.held_out.references if baseline is None else baseline
-        return compare_outputs(got, base, self.module.io.output == "logits")
+    def compare(self, got: SentenceOutputs, baseline: SentenceOutputs | None
+                ) -> SentencesCompared:  # fmt: skip
+        """Cosines (and argmax agreement for logits) of each sentence of ``got`` against the
+        original checkpoint's outputs (``baseline`` None) or ``baseline``."""
+        logits = self.module.io.output == "logits"
+        cos, kept, finite, psnr = {}, {}, True, []
+        for name, output in got.items():
+            ref = self.held_out.references[name].output if baseline is None else baseline[name]
+            want = ref.double()
+            ok = bool(torch.isfinite(output).all())
+            finite &= ok
+            cos[name] = float(cosines(output, want).min()) if ok else float("-inf")
+            psnr.append(min(psnr_db(output, want)))  # per output vector (a token's: hidden states)
+            if logits:
+                kept[name] = ok and int(output.argmax()) == int(want.argmax())
+        return SentencesCompared(psnr, finite, cosine=cos, argmax_kept=kept)
 
-    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+    def scores(self, compared: SentencesCompared, gates: Any) -> list[Score]:
         """Min cosine, argmax agreement (a classifier, when the variant sets it), finiteness."""
         c = compared
         worst = worst_of(((cosine, sentence) for sentence, cosine in c.cosine.items()), True)
@@ -156,8 +212,8 @@ class EncoderKind:
                                "held-out sentence, against the original checkpoint"))  # fmt: skip
         return found + [Score("finite_outputs", float(c.finite))]
 
-    def program_check(self, program: Any, decoded: dict[str, np.ndarray]
-                      ) -> tuple[float, list[Score]]:  # fmt: skip
+    def program_check(self, program: Any, decoded: dict[str, np.ndarray],
+                      changes: Changes | None) -> tuple[float, list[Score]]:  # fmt: skip
         """The program against the uncompressed one holding the same decoded weights."""
         batches = self.held_out.batches[:FP32_BATCHES]
         error, mismatched = mil_fp32_against_program(
@@ -166,12 +222,23 @@ class EncoderKind:
         check = Score(
             "mil_fp32_layer_rel_error",
             error,
-            self.threshold,
+            self.mil_fp32_threshold,
             "task output",
             "the variant program against the uncompressed program holding the same "
             "decoded weights, both MIL fp32: compression is in the weights only",
         )
         return error, [check, decoded_alike(mismatched)]
+
+    def details(self, levels: list[VariantLevel]) -> list[str]:
+        """Each sentence's cosine at each level."""
+        names = [level.implementation for level in levels]
+        compared = [level.vs_original for level in levels]
+        per_level = [c.cosine for c in compared if isinstance(c, SentencesCompared)]
+        lines = ["", "sentence        " + "".join(f"{n + ' cos':>18}" for n in names)]
+        for sentence in per_level[0] if per_level else []:
+            cells = "".join(f"{cosine[sentence]:>18.6f}" for cosine in per_level)
+            lines.append(f"{sentence:<16}{cells}")
+        return lines
 
 
 # ---- the program in fp32 ----------------------------------------------------------------------
@@ -194,13 +261,9 @@ def with_constants(evaluator: Any, weights: dict[str, np.ndarray]) -> Any:
     return evaluator
 
 
-def mil_fp32_against_program(
-    program: Any,
-    fp16_program: Any,
-    module: BC1LEncoder,
-    decoded: dict[str, np.ndarray],
-    batches: list[Batch],
-) -> tuple[float, int]:
+def mil_fp32_against_program(program: Any, fp16_program: Any, module: BC1LEncoder,
+                             decoded: dict[str, np.ndarray], batches: list[Batch]
+                             ) -> tuple[float, int]:  # fmt: skip
     """The variant program against the uncompressed program holding the same decoded weights,
     both in the MIL evaluator's fp32 profile: the worst relative error of the task output over
     ``batches`` (compression is in the weights only, so 0 up to rounding); and the weights the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -28,14 +28,7 @@ def cast_copy(module: M, dtype: torch.dtype) -> M:
     """A deep copy of ``module`` (in eval mode) with its floating-point parameters and buffers
     in ``dtype``, made without a full copy in the original dtype first (at Qwen2.5-0.5B size an
     fp32 copy is 2 GB)."""
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_floating_point() and id(tensor) not in memo:
-            cast = tensor.detach().to(dtype, copy=True)
-            if isinstance(tensor, torch.nn.Parameter):
-                cast = torch.nn.Parameter(cast, requires_grad=tensor.requires_grad)
-            memo[id(tensor)] = cast
-    return copy.deepcopy(module, memo).eval()
+    return _copy_replacing(module, lambda t: t.to(dtype, copy=True))
 
 
 def set_weights(module: M, weights: dict[str, np.ndarray]) -> M:
@@ -51,12 +44,9 @@ def set_weights(module: M, weights: dict[str, np.ndarray]) -> M:
 def program_constants(module: M, precision: str = "float16") -> M:
     """A copy (eval mode) whose parameters and buffers hold the values a program of
     ``precision`` stores: fp16-rounded for "float16", unchanged otherwise."""
-    out = copy.deepcopy(module).eval()
-    with torch.no_grad():
-        for tensor in [*out.parameters(), *out.buffers()]:
-            if tensor.is_floating_point() and precision == "float16":
-                tensor.copy_(tensor.half().float())
-    return out
+    if precision != "float16":
+        return copy.deepcopy(module).eval()
+    return _copy_replacing(module, lambda t: t.half().to(t.dtype))
 
 
 def float64_program_copy(
@@ -83,13 +73,24 @@ def float64_program_copy(
         used.add(array.ctypes.data)
         shared = torch.from_numpy(array).reshape(param.shape)
         memo[id(param)] = torch.nn.Parameter(shared, requires_grad=param.requires_grad)
+    # as program_constants rounds
+    rounded = (lambda t: t.half()) if others_in_fp16 else (lambda t: t.half().to(t.dtype))
+    return _copy_replacing(module, rounded, memo)
+
+
+def _copy_replacing(
+    module: M, replace: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any] | None = None
+) -> M:
+    """A deep copy (eval mode) of ``module`` whose floating-point parameters and buffers are
+    ``replace`` of the originals (those ``memo`` already maps excepted): the replacements go
+    into deepcopy's memo, so no copy of the original values is ever made."""
+    memo = {} if memo is None else memo
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_floating_point() and id(tensor) not in memo:
-            rounded = tensor.detach().half()  # as program_constants rounds
-            rounded = rounded if others_in_fp16 else rounded.to(tensor.dtype)
+            new = replace(tensor.detach())
             if isinstance(tensor, torch.nn.Parameter):
-                rounded = torch.nn.Parameter(rounded, requires_grad=tensor.requires_grad)
-            memo[id(tensor)] = rounded
+                new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = new
     return copy.deepcopy(module, memo).eval()
 
 

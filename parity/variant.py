@@ -11,25 +11,27 @@ decompression), cast to fp16; ``mil-fp16`` - the emitted variant program in anec
 evaluator (fp16 storage profile); ``mil-fp32`` - the program in fp32 against the same decoded
 weights elsewhere: compression lives in the weights alone, so only rounding may differ.
 
-What differs between kinds is a `VariantKind`: a decoder variant is compared per held-out
-position (``parity.compression_gates``), an encoder variant per held-out sentence
+`VariantKind` is that core; a model kind is a small subclass saying how a level runs, what it
+compares and how a comparison reads: a decoder variant per held-out position
+(``parity.compression_gates``), an encoder variant per held-out sentence
 (``parity.encoder_compression_gates``); both report each compared vector's PSNR
 (``parity.compression_metrics``).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from parity.compression_metrics import PsnrSummary, summarize_psnr
-from parity.gate import GateResult, agreement, all_passed, gate
+from parity.fixtures import Fixture
+from parity.gate import GateResult, all_passed, gate
 from parity.memory import release_memory
-from parity.metrics import PositionRow, Summary, summarize
 from parity.report import gate_line
 from parity.result import clean_json
 
@@ -37,63 +39,67 @@ from parity.result import clean_json
 # emitted program in anec's MIL evaluator.
 LEVELS = ("torch-fp16", "mil-fp16")
 Outputs = dict[str, torch.Tensor]  # held-out text, window or sentence -> its output, fp32
+Advance = Callable[[], None]
+Wrap = Callable[[torch.nn.Module], Any]  # a module -> a context manager changing how it runs
+
+
+class Changes(Protocol):
+    """A method's changes beyond weights (``compress.methods.base.Inspected``): ``wrap`` makes
+    torch run as the program does, ``check`` counts what torch does not reproduce exactly."""
+
+    @property
+    def wrap(self) -> Wrap: ...
+    @property
+    def check(self) -> Callable[[Any, dict[str, Any]], int] | None: ...
+    @property
+    def notes(self) -> list[str]: ...
 
 
 @dataclass
-class Compared:
-    """One implementation against one baseline: per position (``rows``, decoders) or per
-    sentence (``cosine`` and, for a classifier, ``argmax_kept``: encoders), and the PSNR of
-    each compared vector (dB)."""
+class HeldOutSlice:
+    """The held-out slice every level scores (never calibration or fixtures) with the original
+    model's outputs on it, and the calibration fixtures (read by calibrated methods only, never
+    scored); a kind adds how its levels feed the slice to the program."""
+
+    fixtures: list[Fixture]
+    references: dict[str, Any]  # fixture name -> the original model's outputs
+    pad_id: int
+    calibration: list[Fixture]
+    source: str  # where the slice comes from, in words
+
+    def about(self) -> tuple[dict[str, Any], str]:
+        """The slice for parity.json, and in words (parity.txt's first line)."""
+        raise NotImplementedError
+
+
+@dataclass
+class Compared(ABC):
+    """One implementation against one baseline: the PSNR of each compared vector (dB) and
+    whether every compared value was finite. A kind subclasses it with its own figures."""
 
     psnr: list[float]
     finite: bool
-    rows: list[PositionRow] = field(default_factory=list)
-    cosine: dict[str, float] = field(default_factory=dict)  # min over real tokens per sentence
-    argmax_kept: dict[str, bool] = field(default_factory=dict)  # classifiers only
-
-    @property
-    def summary(self) -> Summary:
-        """Aggregates over the compared positions (decoders)."""
-        return summarize(self.rows)
 
     @property
     def psnr_summary(self) -> PsnrSummary:
         """PSNR over the compared vectors."""
         return summarize_psnr(self.psnr)
 
-    @property
-    def min_cosine(self) -> float:
-        """The worst sentence's cosine."""
-        return min(self.cosine.values()) if self.cosine else float("nan")
+    @abstractmethod
+    def figures(self) -> dict[str, Any]:
+        """The kind's own figures, in JSON order."""
 
-    @property
-    def mean_cosine(self) -> float:
-        """The mean over sentences."""
-        return float(np.mean(list(self.cosine.values()))) if self.cosine else float("nan")
+    @abstractmethod
+    def row(self) -> str:
+        """The kind's row of the report's level table."""
 
-    @property
-    def argmax_agreement(self) -> float | None:
-        """Share of sentences whose predicted label is kept (classifiers only)."""
-        return agreement(self.argmax_kept)[0] if self.argmax_kept else None
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready figures: the kind's, then the PSNR."""
+        figures = {k: clean_json(v) for k, v in self.figures().items()}
+        return figures | {"psnr_db": self.psnr_summary.to_json()}
 
-    def to_json(self, per_position: bool) -> dict[str, Any]:
-        """JSON-ready figures: the position summary (its uncertified list counted), or the
-        sentence cosines; then the PSNR."""
-        if per_position:
-            s = self.summary
-            data = {k: v for k, v in vars(s).items() if k != "uncertified"}
-            data["uncertified_count"] = len(s.uncertified)
-        else:
-            data = {
-                "min_cosine": self.min_cosine,
-                "mean_cosine": self.mean_cosine,
-                "argmax_agreement": self.argmax_agreement,
-                "finite": self.finite,
-                "cosine": self.cosine,
-            }
-        return {k: clean_json(v) for k, v in data.items()} | {
-            "psnr_db": self.psnr_summary.to_json()
-        }
+
+C = TypeVar("C", bound=Compared)  # a kind's comparison
 
 
 @dataclass
@@ -108,8 +114,7 @@ class VariantLevel:
 
 @dataclass
 class VariantParity:
-    """Every level of one variant, its gates and the verdict; ``output`` names what the fp32
-    program check compares ("logits": decoders, per position; "output": encoders)."""
+    """Every level of one variant, its gates and the verdict."""
 
     levels: list[VariantLevel]
     gates: list[GateResult]
@@ -117,7 +122,6 @@ class VariantParity:
     notes: list[str] = field(default_factory=list)
     # compress.acceptance's report section (measured, not gated), when the recipe asks for it
     acceptance: dict[str, Any] | None = None
-    output: str = "logits"
 
     @property
     def passed(self) -> bool:
@@ -143,74 +147,132 @@ def decoded_alike(mismatched: int, where: str = "") -> Score:
                  "differs from coremltools' own decoding")  # fmt: skip
 
 
-class VariantKind(Protocol):
-    """What differs between a decoder's and an encoder's variants."""
+class VariantKind(ABC, Generic[C]):
+    """The measurement core of every model kind's variants. A kind (a dataclass subclass with
+    ``module``, ``held_out``, ``mil_fp32_threshold`` and ``fp16`` fields) fills in the
+    adapter methods below; measuring, gating and reporting are written here once."""
 
-    output: str  # what the fp32 check compares: "logits" (per position) or "output"
-    fp32_steps: int  # progress steps of `program_check`
+    module: Any
+    held_out: HeldOutSlice
+    mil_fp32_threshold: float
+    # The fp16 artifact's own outputs at each level, computed once for all variants.
+    fp16: dict[str, Outputs]
+    output: ClassVar[str]  # what the fp32 check compares: "logits" (per position) or "output"
+    fp32_steps: ClassVar[int]  # progress steps of `program_check`
+    table_head: ClassVar[str]  # the level table's header
+    psnr_text: ClassVar[str]  # what the PSNR is of, in words
+
+    # ---- the kind's adapter ----------------------------------------------------------------
 
     @property
+    @abstractmethod
     def descriptions(self) -> dict[str, str]:
         """What runs at each of `LEVELS`."""
 
+    @property
+    @abstractmethod
+    def baseline_steps(self) -> int:
+        """Progress steps of `baselines` (one level's outputs)."""
+
+    @abstractmethod
     def run(self, implementation: str, program: Any, decoded: dict[str, np.ndarray],
-            advance: Callable[[], None]) -> Outputs:  # fmt: skip
+            advance: Advance, changes: Changes | None) -> Outputs:  # fmt: skip
         """The outputs of torch holding ``decoded`` or of ``program`` (MIL fp16)."""
 
-    def compare(self, got: Outputs, baseline: Outputs | None) -> Compared:
+    @abstractmethod
+    def compare(self, got: Outputs, baseline: Outputs | None) -> C:
         """``got`` against ``baseline`` (None: the original checkpoint)."""
 
-    def scores(self, compared: Compared, gates: Any) -> list[Score]:
+    @abstractmethod
+    def scores(self, compared: C, gates: Any) -> list[Score]:
         """A level's figures against the original, gated by the variant's ``gates``."""
 
-    def program_check(self, program: Any, decoded: dict[str, np.ndarray]
-                      ) -> tuple[float, list[Score]]:  # fmt: skip
+    @abstractmethod
+    def program_check(self, program: Any, decoded: dict[str, np.ndarray],
+                      changes: Changes | None) -> tuple[float, list[Score]]:  # fmt: skip
         """The program in fp32 against the same weights: its relative error and figures.
         The last use of ``decoded``: a kind may empty it once compared (GBs at full size)."""
 
+    def details(self, levels: list[VariantLevel]) -> list[str]:
+        """parity.txt lines after the level table (none unless a kind has some)."""
+        return []
 
-def baselines(kind: VariantKind, program: Any, advance: Callable[[], None]) -> dict[str, Outputs]:
-    """The fp16 artifact's outputs at every level (``program``: the fp16 program)."""
-    return {level: kind.run(level, program, {}, advance) for level in LEVELS}
+    # ---- the core ------------------------------------------------------------------------
 
+    @property
+    def parity_steps(self) -> int:
+        """Progress steps of `parity`."""
+        return self.baseline_steps + self.fp32_steps
 
-def variant_parity(
-    kind: VariantKind,
-    gates: Any,
-    program: Any,
-    decoded: dict[str, np.ndarray],
-    advance: Callable[[], None],
-    fp16: dict[str, Outputs],
-    notes: list[str] | None = None,
-    acceptance: dict[str, Any] | None = None,
-) -> VariantParity:
-    """Every level of the variant against the original checkpoint (gated by ``gates``) and
-    the fp16 artifact's ``fp16`` outputs (reported), then the program in fp32 (which may
-    empty ``decoded``: its last use)."""
-    levels, scores = [], []
-    for implementation in LEVELS:
-        got = kind.run(implementation, program, decoded, advance)
-        vs_original, vs_fp16 = kind.compare(got, None), kind.compare(got, fp16[implementation])
-        del got
-        # Each level frees its copy of the model, and the comparisons their scratch, before
-        # the next level makes one: at Qwen2.5-0.5B size each is GBs (bench compress.py
-        # methods).
+    def baselines(self, program: Any, advance: Advance) -> None:
+        """The fp16 artifact's outputs at every level (``program``: the fp16 program)."""
+        self.fp16 = {level: self.run(level, program, {}, advance, None) for level in LEVELS}
+
+    def measure(self, gates: Any, program: Any, decoded: dict[str, np.ndarray], advance: Advance,
+                changes: Changes | None = None) -> VariantParity:  # fmt: skip
+        """Every level of the variant against the original checkpoint (gated by ``gates``)
+        and the fp16 artifact's outputs (reported), then the program in fp32 (which may
+        empty ``decoded``: its last use)."""
+        levels, scores = [], []
+        for implementation in LEVELS:
+            got = self.run(implementation, program, decoded, advance, changes)
+            vs_original = self.compare(got, None)
+            vs_fp16 = self.compare(got, self.fp16[implementation])
+            del got
+            # Each level frees its copy of the model, and the comparisons their scratch, before
+            # the next level makes one: at Qwen2.5-0.5B size each is GBs (bench compress.py
+            # methods).
+            release_memory()
+            describe = self.descriptions[implementation]
+            levels.append(VariantLevel(implementation, describe, vs_original, vs_fp16))
+            scores.append((implementation, self.scores(vs_original, gates)))
+        error, checked = self.program_check(program, decoded, changes)
         release_memory()
-        describe = kind.descriptions[implementation]
-        levels.append(VariantLevel(implementation, describe, vs_original, vs_fp16))
-        scores.append((implementation, kind.scores(vs_original, gates)))
-    error, checked = kind.program_check(program, decoded)
-    release_memory()
-    for _ in range(kind.fp32_steps):
-        advance()
-    results = [
-        gate("compression", s.name).check(
-            s.value, s.threshold, implementation=implementation, where=s.where, detail=s.detail
-        )
-        for implementation, figures in [*scores, ("mil-fp32", checked)]
-        for s in figures
-    ]
-    return VariantParity(levels, results, error, notes or [], acceptance, kind.output)
+        for _ in range(self.fp32_steps):
+            advance()
+        results = [
+            gate("compression", s.name).check(
+                s.value, s.threshold, implementation=implementation, where=s.where, detail=s.detail
+            )
+            for implementation, figures in [*scores, ("mil-fp32", checked)]
+            for s in figures
+        ]
+        notes = list(changes.notes) if changes is not None else []
+        return VariantParity(levels, results, error, notes)
+
+    def report(self, result: VariantParity) -> tuple[dict[str, Any], str]:
+        """The variant's parity.json content and its parity.txt section."""
+        about, line = self.held_out.about()
+        doc = {
+            "passed": result.passed,
+            "gates": [g.to_json() for g in result.gates],
+            "levels": [
+                {
+                    "implementation": level.implementation,
+                    "description": level.description,
+                    "finite": level.vs_original.finite,
+                    "against_original": level.vs_original.to_json(),
+                    "against_fp16_artifact": level.vs_fp16.to_json(),
+                }
+                for level in result.levels
+            ],
+            f"mil_fp32_{self.output}_rel_error": clean_json(result.mil_fp32_rel_error),
+            "notes": result.notes,
+        } | ({"acceptance": result.acceptance} if result.acceptance is not None else {})
+        return doc | {"held_out": about}, line + "\n" + self._text(result)
+
+    def _text(self, result: VariantParity) -> str:
+        """A readable summary: gates, then each level against both baselines, then the kind's
+        details."""
+        lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
+        lines += [gate_line(g) for g in result.gates]
+        lines += ["", self.table_head]
+        for level in result.levels:
+            for label, c in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
+                lines.append(f"{level.implementation:<11} {label:<15} {c.row()}")
+        lines.append(self.psnr_text)
+        lines.append(f"mil-fp32 {self.output} relative error: {result.mil_fp32_rel_error:.3g}")
+        return "\n".join(lines + self.details(result.levels) + result.notes)
 
 
 def evaluator_weights(
@@ -238,83 +300,3 @@ def evaluator_weights(
                 if not same:
                     mismatched.append(name)
     return weights, mismatched + [name for name in decoded if name not in weights]
-
-
-def variant_report(
-    result: VariantParity, about: dict[str, Any], line: str
-) -> tuple[dict[str, Any], str]:
-    """The variant's parity.json content (``about``: the held-out slice) and its parity.txt
-    section (``line`` first: the held-out slice in words)."""
-    per_position = result.output == "logits"
-    doc = {
-        "passed": result.passed,
-        "gates": [g.to_json() for g in result.gates],
-        "levels": [
-            {
-                "implementation": level.implementation,
-                "description": level.description,
-                "finite": level.vs_original.finite,
-                "against_original": level.vs_original.to_json(per_position),
-                "against_fp16_artifact": level.vs_fp16.to_json(per_position),
-            }
-            for level in result.levels
-        ],
-        f"mil_fp32_{result.output}_rel_error": clean_json(result.mil_fp32_rel_error),
-        "notes": result.notes,
-    } | ({"acceptance": result.acceptance} if result.acceptance is not None else {})
-    return doc | {"held_out": about}, line + "\n" + _text(result)
-
-
-def _text(result: VariantParity) -> str:
-    """A readable summary: gates, then each level against both baselines (and, for
-    encoders, per sentence)."""
-    lines = ["Variant gates (fixed in the recipe; against the original checkpoint):"]
-    lines += [gate_line(g) for g in result.gates]
-    head, row, psnr = _TABLES[result.output]
-    lines += ["", head]
-    for level in result.levels:
-        for label, c in (("original", level.vs_original), ("fp16 artifact", level.vs_fp16)):
-            lines.append(f"{level.implementation:<11} {label:<15} {row(c)}")
-    lines += [psnr, f"mil-fp32 {result.output} relative error: {result.mil_fp32_rel_error:.3g}"]
-    if result.output != "logits":  # encoders: each sentence's cosine at each level
-        names = [level.implementation for level in result.levels]
-        lines += ["", "sentence        " + "".join(f"{n + ' cos':>18}" for n in names)]
-        for sentence in result.levels[0].vs_original.cosine if result.levels else []:
-            cells = "".join(f"{lv.vs_original.cosine[sentence]:>18.6f}" for lv in result.levels)
-            lines.append(f"{sentence:<16}{cells}")
-    return "\n".join(lines + result.notes)
-
-
-def _position_row(c: Compared) -> str:
-    s, p = c.summary, c.psnr_summary
-    return (
-        f"{s.positions:>9}  {s.argmax_agreement:>6.1%}  {s.mean_kl:>8.4f}  {s.max_kl:>7.3f}  "
-        f"{s.max_abs_dprob:>7.4f}  {p.min_db:6.1f} / {p.median_db:6.1f} / {p.mean_db:6.1f}"
-    )
-
-
-def _sentence_row(c: Compared) -> str:
-    agree = "" if c.argmax_agreement is None else f"{c.argmax_agreement:.1%}"
-    p = c.psnr_summary
-    return (
-        f"{len(c.cosine):>9}  {c.min_cosine:>9.6f}  {c.mean_cosine:>9.6f}  {agree:>6}  "
-        f"{p.min_db:6.1f} / {p.median_db:6.1f}"
-    )
-
-
-# The level table by `VariantParity.output`: its header, a compared baseline's row, and what
-# its PSNR is of.
-_TABLES: dict[str, tuple[str, Callable[[Compared], str], str]] = {
-    "logits": (
-        "level       against         positions  top-1    mean KL   max KL  max|dp|  "
-        "PSNR dB min / median / mean",
-        _position_row,
-        "PSNR: 20 log10(max|z_ref| / RMS(z - z_ref)) over each position's full logit vector",
-    ),
-    "output": (
-        "level       against         sentences  min cos     mean cos   argmax  "
-        "PSNR dB min / median",
-        _sentence_row,
-        "PSNR: 20 log10(max|y_ref| / RMS(y - y_ref)) over each output vector",
-    ),
-}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,13 +19,12 @@ import torch
 from converter.compress.corpus import slice_fixtures
 from converter.compress.methods.base import Inspected, Scheme, VariantFields
 from converter.compress.sites import WeightSite
-from graph_passes.decoder import BC1LDecoder
-from parity.compression_gates import FP32_WINDOWS, DecoderKind, HeldOut
+from parity.compression_gates import DecoderKind, HeldOut
 from parity.conversion import input_dtypes, program_feed
 from parity.fixtures import Fixture, make_batches
 from parity.model_copies import with_weights
 from parity.reference import run_reference
-from parity.variant import Outputs, VariantParity, baselines, variant_parity, variant_report
+from parity.variant import VariantParity
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
@@ -59,18 +58,14 @@ def prepare_held_out(
             windows.append(Fixture(name, f.token_ids[: p + 1], "padded"))
             source[name] = (f.name, p)
     every = mil_positions == "all"
-    return HeldOut(fixtures, windows, source, references, pad_id, cal, every, where)
+    return HeldOut(fixtures, references, pad_id, cal, where, windows, source, every)
 
 
 @dataclass
-class DecoderSubject:
-    """A decoder and its held-out slice; ``mil_fp32_threshold`` gates the program in fp32
-    against torch with the same decoded weights."""
+class DecoderSubject(DecoderKind):
+    """A decoder and its held-out slice, measured by `DecoderKind`; ``mil_fp32_threshold``
+    gates the program in fp32 against torch with the same decoded weights."""
 
-    module: BC1LDecoder
-    embed_table: torch.Tensor
-    held_out: HeldOut
-    mil_fp32_threshold: float
     task: str = "text-generation"
     host_files: tuple[str, ...] = ("embeddings.npy", "tokenizer.json")
     not_compressed: str = (
@@ -79,24 +74,12 @@ class DecoderSubject:
     )
     # compression.acceptance (a `config.AcceptanceSpec`): each variant's speculative acceptance
     acceptance: Any = None
-    # The fp16 artifact's own logits at each level, computed once for all variants by
-    # `baselines`.
-    fp16: dict[str, Outputs] = field(default_factory=dict)
-
-    @property
-    def baseline_steps(self) -> int:
-        """Progress steps of `baselines`."""
-        return len(self.held_out.windows)
 
     @property
     def parity_steps(self) -> int:
-        """Progress steps of `parity`."""
+        """Progress steps of `parity`: the levels', then the acceptance depths'."""
         depths = len(self.acceptance.depths) if self.acceptance is not None else 0
-        return len(self.held_out.windows) + FP32_WINDOWS + depths
-
-    def baselines(self, program: Any, advance: Callable[[], None]) -> None:
-        """The fp16 artifact's logits: the torch module in fp16 and the program (MIL fp16)."""
-        self.fp16 = baselines(self._kind(None), program, advance)
+        return super().parity_steps + depths
 
     def calibration_stages(self) -> Stages:
         """The decoder's stages on the calibration texts, one left-padded batch."""
@@ -119,7 +102,7 @@ class DecoderSubject:
         from converter.compress.search import search_plan
 
         return search_plan(
-            self.module, chosen, variant.search, self.held_out.calibration, self.held_out.texts,
+            self.module, chosen, variant.search, self.held_out.calibration, self.held_out.fixtures,
             self.embed_table, self.held_out.pad_id, log=logging.getLogger("anec.compress").info,
             advance=advance,
         )  # fmt: skip
@@ -132,22 +115,13 @@ class DecoderSubject:
         advance: Callable[[], None],
         inspected: Inspected | None,
     ) -> VariantParity:
-        """Torch fp16 and MIL fp16 logits of the variant against the original checkpoint (gated)
-        and the fp16 artifact (reported), and the program in fp32 against torch."""
+        """The variant's acceptance when the recipe asks (first: the levels empty
+        ``decoded``), then its levels and gates (`DecoderKind`)."""
         wrap = inspected.wrap if inspected is not None else None
         acceptance = self._acceptance(decoded, wrap, advance)
-        kind = self._kind(inspected)
-        notes = list(inspected.notes) if inspected is not None else []
-        return variant_parity(
-            kind, variant.gates, program, decoded, advance, self.fp16, notes, acceptance
-        )
-
-    def _kind(self, inspected: Inspected | None) -> DecoderKind:
-        """How a level runs and is scored, with the method's changes beyond weights."""
-        kind = DecoderKind(self.module, self.embed_table, self.held_out, self.mil_fp32_threshold)
-        if inspected is not None:
-            kind.wrap, kind.quantizers = inspected.wrap, inspected.check
-        return kind
+        result = self.measure(variant.gates, program, decoded, advance, inspected)
+        result.acceptance = acceptance
+        return result
 
     def _acceptance(
         self, decoded: dict[str, np.ndarray], wrap: Any, advance: Callable[[], None]
@@ -164,7 +138,7 @@ class DecoderSubject:
         from converter.compress.calibrate import fp16_copy
 
         long_enough = [
-            f.token_ids for f in self.held_out.texts if len(f.token_ids) >= spec.prompt_tokens
+            f.token_ids for f in self.held_out.fixtures if len(f.token_ids) >= spec.prompt_tokens
         ]
         if len(long_enough) < spec.prompts:
             from converter.errors import InputError
@@ -182,19 +156,8 @@ class DecoderSubject:
         return acceptance_json(rows, setup)
 
     def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
-        """The variant's parity.json content and its parity.txt section."""
-        h = self.held_out
-        about = {
-            "source": h.source,
-            "texts": len(h.texts),
-            "positions": h.positions,
-            "mil": "every position (all-positions program)" if h.all_positions else "windows",
-        }
-        line = (
-            f"held-out slice: {h.source}; {len(h.texts)} texts, {h.positions} positions "
-            "scored at torch level"
-        )
-        doc, text = variant_report(parity, about, line)
+        """The variant's parity.json content and its parity.txt section, with the acceptance."""
+        doc, text = super().report(parity)
         if parity.acceptance is not None:
             from converter.compress.acceptance import acceptance_text
 

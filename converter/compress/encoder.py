@@ -16,7 +16,7 @@ loss) are refused for encoder tasks by the recipe schema (each method's ``tasks`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +31,10 @@ from converter.errors import InputError
 from converter.progress import Steps
 from converter.recipe.compression import Compression
 from graph_passes.encoder import BC1LEncoder
-from parity.encoder_compression_gates import FP32_BATCHES, EncoderHeldOut, EncoderKind
+from parity.encoder_compression_gates import EncoderHeldOut, EncoderKind
 from parity.encoder_gates import run_encoder_reference
 from parity.fixtures import make_batches
-from parity.variant import Outputs, VariantParity, baselines, variant_parity, variant_report
+from parity.variant import VariantParity
 
 if TYPE_CHECKING:
     from converter.compress.calibrate import Stages
@@ -58,42 +58,21 @@ def prepare_encoder_held_out(
     cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
     references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
     batches = make_batches(fixtures, io.batch, io.length, pad_id, right=True)
-    return EncoderHeldOut(fixtures, batches, references, where, cal, pad_id)
+    return EncoderHeldOut(fixtures, references, pad_id, cal, where, batches)
 
 
 @dataclass
-class EncoderSubject:
-    """An encoder and its held-out sentences; ``mil_fp32_threshold`` gates the program in
-    fp32 against torch with the same decoded weights."""
+class EncoderSubject(EncoderKind):
+    """An encoder and its held-out sentences, measured by `EncoderKind`;
+    ``mil_fp32_threshold`` gates the program in fp32 against the uncompressed program
+    holding the same decoded weights."""
 
-    module: BC1LEncoder
-    held_out: EncoderHeldOut
-    mil_fp32_threshold: float
     task: str = "sentence-similarity"
     host_files: tuple[str, ...] = ("tokenizer.json",)
     not_compressed: str = (
         "activations, embedding tables, norms' parameters, biases and masks stay as in the "
         "fp16 artifact"
     )
-    # The fp16 artifact's own outputs at each level, computed once for all variants by
-    # `baselines`.
-    fp16: dict[str, Outputs] = field(default_factory=dict)
-    fp16_program: Any = None  # kept for the mil-fp32 level
-
-    @property
-    def baseline_steps(self) -> int:
-        """Progress steps of `baselines`."""
-        return len(self.held_out.batches)
-
-    @property
-    def parity_steps(self) -> int:
-        """Progress steps of `parity`."""
-        return len(self.held_out.batches) + FP32_BATCHES
-
-    def baselines(self, program: Any, advance: Callable[[], None]) -> None:
-        """The fp16 artifact's outputs: the torch module in fp16 and the program (MIL fp16)."""
-        self.fp16 = baselines(self._kind(), program, advance)
-        self.fp16_program = program
 
     def parity(
         self,
@@ -103,25 +82,11 @@ class EncoderSubject:
         advance: Callable[[], None],
         inspected: Inspected | None,
     ) -> VariantParity:
-        """Torch fp16 and MIL fp16 outputs of the variant against the original checkpoint
-        (gated) and the fp16 artifact (reported), and the program in fp32 against the
-        uncompressed program holding the same weights."""
+        """The variant's levels and gates (`EncoderKind`): weights only."""
         if inspected is not None:
             raise InputError(f"{variant.method}: changes beyond weights are not implemented for "
                              "encoders")  # fmt: skip
-        return variant_parity(self._kind(), variant.gates, program, decoded, advance, self.fp16)
-
-    def _kind(self) -> EncoderKind:
-        """How a level runs and is scored."""
-        return EncoderKind(self.module, self.held_out, self.mil_fp32_threshold, self.fp16_program)
-
-    def report(self, parity: VariantParity) -> tuple[dict[str, Any], str]:
-        """The variant's parity.json content and its parity.txt section."""
-        h = self.held_out
-        about = {"source": h.source, "sentences": len(h.fixtures)}
-        return variant_report(
-            parity, about, f"held-out slice: {h.source}; {len(h.fixtures)} sentences"
-        )
+        return self.measure(variant.gates, program, decoded, advance)
 
     def calibration_stages(self) -> Stages:
         """The encoder's stages on the calibration sentences, in the program's batches."""
