@@ -194,6 +194,30 @@ def test_tiny_decision_recipe_converts_partitioned_with_one_ne_segment(
             recheck(out)
 
 
+def test_a_decision_program_the_evaluator_cannot_run_is_named_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a kernel for an op of the island, the MIL level fails (exit 1, nothing
+    published), and the report's levels say why, as an encoder's do."""
+    from parity.mil.registry import KERNELS
+
+    monkeypatch.delitem(KERNELS, "softmax")
+    t = tiny_decision()
+    path = save_checkpoint(tmp_path / "ckpt", t.encoder, t.data, t.tensors)
+    recipe = validate_recipe({
+        "name": "d", "task": "decision", "source": {"kind": "hf-dir", "path": str(path)},
+        "shapes": {"batch": 1, "sequence_length": 24},
+        "fixtures": {"token_ids": markers_in(random_sequences(11, (24, 9), VOCAB, first=1)),
+                     "padded_variants": False},
+    })  # fmt: skip
+    result = convert(recipe, tmp_path / "out")
+    assert result.exit_code == 1 and result.failed_gate == "MIL-level"
+    assert not (tmp_path / "out" / "d").exists()
+    parity = json.loads((tmp_path / "out" / "d.failed" / "parity.json").read_text())
+    described = parity["implementations"]["mil-fp16"]
+    assert described.startswith("failed: ") and "softmax" in described, described
+
+
 def test_mil_marker_rows_gate_catches_an_emitted_tail_reading_the_wrong_slot(
     case: DecisionCase, tmp_path: Path
 ) -> None:

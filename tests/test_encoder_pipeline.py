@@ -171,6 +171,7 @@ def test_an_encoder_program_the_evaluator_cannot_run_is_a_failed_gate(
     parity = json.loads((tmp_path / "out" / "no-kernel.failed" / "parity.json").read_text())
     failed = [g for g in parity["gates"] if not g["passed"]]
     assert failed and "softmax" in failed[0]["detail"]
+    assert parity["implementations"]["mil-fp16"].startswith("failed: ")
 
 
 def test_a_float32_recipe_ships_float32_host_tables(

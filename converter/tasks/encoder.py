@@ -293,10 +293,12 @@ def gate_program(run: BC1LRun, level: ProgramLevel,
                  ) -> Stop | None:  # fmt: skip
     """Record the MIL level: ``level``'s fp32 gates and, when the program runs, ``more`` gates
     and the fp16 run as `MIL_LEVEL` through ``check`` (its rows merged into the run's), the
-    implementations ``described``; then the report files."""
+    implementations ``described``; when it cannot run, `MIL_LEVEL` as failed and why. Then
+    the report files."""
     report = need(run.report, "report")
     report.gates += level.gates
     if level.runner is None:
+        report.implementations[MIL_LEVEL] = f"failed: {level.error}"
         run.write_parity()
         return Stop("MIL-level")
     run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
@@ -324,8 +326,6 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
         len(packages), recipe.gates.mil_fp32_layer_rel_error, "layer {}".format,
         "layers and fixtures", "BC1L module",
     )  # fmt: skip
-    if level.runner is None:
-        need(run.report, "report").implementations[MIL_LEVEL] = f"failed: {level.error}"
     return gate_program(
         run, level,
         lambda runner: check_encoder(rw.module, rw.batches, run.references, thresholds(recipe),
