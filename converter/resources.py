@@ -14,7 +14,7 @@ vocabulary-wide logits and softmaxes of every parity level). Peaks measured with
 
     MiniLM-L6            1.08 GiB   0.085 / 0.044
     SmolLM2-135M         1.86 GiB   0.501 / 0.105   (2.30 with a state cache)
-    Gemma 3 270M         3.75 GiB   0.999 / 0.625   (3.72 with a state cache)
+    Gemma 3 270M         3.75 GiB   0.999 / 0.625   (3.73 with a state cache)
     Qwen2.5-0.5B shape   4.71 GiB   1.840 / 0.507
     Llama-3.2-1B shape  10.54 GiB   4.604 / 0.979   (10.52 with a state cache)
 

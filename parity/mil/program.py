@@ -59,9 +59,9 @@ def loads_sharing_equal_constants() -> Iterator[None]:
 
     ``ct.utils.save_multifunction`` loads each single-function package whole before it finds
     the weights they share, so combining a cached decoder's prefill, decode and extend held
-    three copies of every weight (SmolLM2's state-cache recipe: +0.81 GiB, its peak). Sharing
-    by content leaves the saved package unchanged: coremltools deduplicates equal consts by
-    value either way.
+    three copies of every weight (SmolLM2's three packages combined alone: peak 1.505 GiB, 1.019
+    with this; bench/README.md). Sharing by content leaves the saved package unchanged:
+    coremltools deduplicates equal consts by value either way.
     """
     from coremltools.converters.mil.frontend.milproto import load as milproto
 
