@@ -298,3 +298,21 @@ def test_a_conversion_does_not_depend_on_what_the_process_built_before(tmp_path:
     assert first is not None and second is not None
     assert spec_bytes(first) == spec_bytes(second)
     assert content_hash(first) == content_hash(second)
+
+
+def test_parity_errors_do_not_depend_on_the_blas_thread_count() -> None:
+    """The MIL levels' relative errors sum on one thread: BLAS's dot split the sum across
+    cores, and the reports' last digits changed with the machine's core count."""
+    from threadpoolctl import threadpool_limits
+
+    from parity.conversion import rel_error_np
+
+    rng = np.random.default_rng(0)
+    for shape in [(576, 64), (64, 49152)]:  # a layer's hidden state, SmolLM2's logits
+        reference = rng.standard_normal(shape)
+        candidate = reference + 1e-3 * rng.standard_normal(shape)
+        values = set()
+        for threads in (1, 2, 4):
+            with threadpool_limits(limits=threads, user_api="blas"):
+                values.add(rel_error_np(candidate, reference))
+        assert len(values) == 1, (shape, values)
