@@ -17,7 +17,7 @@ from converter.plan.chips import chips_for
 from converter.plan.gates import check_plan_gates
 from converter.plan.ops import OpTable, op_table
 from converter.plan.render_text import summary_lines
-from converter.plan.static import static_report
+from converter.plan.static import static_reports
 from parity.gate import GateResult
 
 PLAN_JSON = "plan.json"
@@ -57,9 +57,7 @@ def plan_artifact(
 
     table = program if isinstance(program, OpTable) else op_table(program)
     chips = chips_for(platform)
-    reports = [
-        static_report(table, package.name, content_sha256, c.name, other_chips=chips) for c in chips
-    ]
+    reports = static_reports(table, package.name, content_sha256, chips)
     gates = [g for r in reports for g in check_plan_gates(r, min_ne_flop_share, max_ne_segments)]
     first = reports[0]
     doc = first.to_json()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from converter.evidence import Evidence
 from converter.plan.chips import CHIPS, STRICTEST, Chip, chip
@@ -44,9 +44,53 @@ def static_report(
     main_chip = chip(chip_name)
     others = list(other_chips) if other_chips is not None else list(CHIPS.values())
     chips = [main_chip, *[c for c in others if c.name != main_chip.name]]
-    # rows[chip][function index]: every chip predicted once.
+    predicted = _predict(table, chips, compute_units)
+    return _report(table, package, content_sha256, chips, compute_units, predicted)
+
+
+def static_reports(
+    table: OpTable,
+    package: str,
+    content_sha256: str,
+    chips: Sequence[Chip],
+    compute_units: ComputeUnits = "CPU_AND_NE",
+) -> list[PlacementReport]:
+    """`static_report` for each of ``chips`` in turn, the others as its ``other_chips``:
+    every chip predicted once, not once per report (on SmolLM2 a second of `anec convert`)."""
+    predicted = _predict(table, chips, compute_units)
+    return [
+        _report(
+            table,
+            package,
+            content_sha256,
+            [main, *[c for c in chips if c.name != main.name]],
+            compute_units,
+            predicted,
+        )
+        for main in chips
+    ]
+
+
+Predicted = dict[str, list[list[Placement]]]  # chip name -> per function, per op
+
+
+def _predict(table: OpTable, chips: Sequence[Chip], compute_units: ComputeUnits) -> Predicted:
+    return {c.name: [predict_function(f, c, compute_units) for f in table.functions] for c in chips}
+
+
+def _report(
+    table: OpTable,
+    package: str,
+    content_sha256: str,
+    chips: list[Chip],
+    compute_units: ComputeUnits,
+    predicted: Predicted,
+) -> PlacementReport:
+    """The report whose rows are ``chips[0]``'s; ``predicted`` is only read (each report
+    makes its own rows, whose ``other_chips`` it fills)."""
+    main_chip = chips[0]
     rows = {
-        c.name: [_rows(f, predict_function(f, c, compute_units)) for f in table.functions]
+        c.name: [_rows(f, p) for f, p in zip(table.functions, predicted[c.name], strict=True)]
         for c in chips
     }
     functions: list[FunctionReport] = []
