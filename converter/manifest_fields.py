@@ -18,7 +18,7 @@ import numpy as np
 from converter.checkpoint import Checkpoint, tokenizer_json
 from converter.coreml import TensorIO
 from converter.fsops import FileWriter, write_atomic
-from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
+from converter.hashing import hash_entries, mlpackage_content_files, sha256_file
 from converter.manifest import FileEntry, PackageEntry, TensorEntry
 from converter.publish import write_text_atomic
 from converter.recipe import Recipe, ResolvedSource, recipe_to_dict
@@ -78,10 +78,11 @@ def write_tokenizer(directory: Path, tokenizer: Any, meaning: str) -> FileEntry 
 
 def package_entry(path: Path, ops: Mapping[str, int]) -> PackageEntry:
     """The entry of one saved ``.mlpackage``: content hashes and live op counts."""
+    files = mlpackage_content_files(path)  # each file read once: the whole hash is of these
     return PackageEntry(
         file=path.name,
-        content_sha256=mlpackage_content_hash(path),
-        files=mlpackage_content_files(path),
+        content_sha256=hash_entries(files),
+        files=files,
         function="main",
         live_ops=dict(sorted(ops.items())),
     )

@@ -34,8 +34,9 @@ from converter.compress.size import SizeReport, size_report
 from converter.compress.weight_error import errors_json, errors_text, weight_errors
 from converter.coreml import save_package
 from converter.errors import InputError
-from converter.hashing import mlpackage_content_files, mlpackage_content_hash, sha256_file
-from converter.manifest import FileEntry, Manifest, PackageEntry
+from converter.hashing import sha256_file
+from converter.manifest import FileEntry, Manifest
+from converter.manifest_fields import package_entry
 from converter.progress import Steps
 from converter.publish import stage_artifact, write_json_atomic, write_text_atomic
 from converter.recipe.compression import Compression, Variant
@@ -359,13 +360,7 @@ def _manifest(
     return base.model_copy(
         update={
             "name": vname,
-            "package": PackageEntry(
-                file=package.name,
-                content_sha256=mlpackage_content_hash(package),
-                files=mlpackage_content_files(package),
-                function="main",
-                live_ops=ops,
-            ),
+            "package": package_entry(package, ops),
             "parity": FileEntry(file=parity_path.name, sha256=sha256_file(parity_path)),
             "compression": compression,
         }
