@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from converter import gguf_weights
@@ -26,6 +27,9 @@ from converter.hashing import sha256_file
 from converter.recipe import ResolvedSource
 from converter.runlog import keep_libraries_off_terminal, warnings_to_log
 from converter.weightfiles import check_loading_info, read_gguf_metadata
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +170,13 @@ def _gguf_header_parsed_once() -> Iterator[None]:
     vocabulary and its merges) for the config, and again for the tokenizer, which only
     reads the config from it (``AutoTokenizer.from_pretrained(gguf_file=...)``): a third of
     SmolLM2's load step. Each caller gets its own deep copy of the one parse's result, so
-    none sees another's changes; nothing outlives the block.
+    none sees another's changes; the parse itself reads a plain array (`_plain_array_reader`);
+    nothing outlives the block.
     """
+    import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    parse = gguf_utils.load_gguf_checkpoint
+    parse, reader = gguf_utils.load_gguf_checkpoint, gguf.GGUFReader
     parsed: dict[str, Any] = {}
 
     def once(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
@@ -182,10 +188,33 @@ def _gguf_header_parsed_once() -> Iterator[None]:
         return copy.deepcopy(parsed[key])
 
     gguf_utils.load_gguf_checkpoint = once  # type: ignore[assignment]
+    gguf.GGUFReader = _plain_array_reader(reader)  # type: ignore[misc]
     try:
         yield
     finally:
         gguf_utils.load_gguf_checkpoint = parse
+        gguf.GGUFReader = reader  # type: ignore[misc]
+
+
+def _plain_array_reader(reader: type[GGUFReader]) -> type[GGUFReader]:
+    """``gguf.GGUFReader`` (``reader``) reading its file map as a plain ndarray view.
+
+    The reader slices its ``np.memmap`` once per metadata value, and a memmap slice runs
+    numpy's Python-level ``memmap.__getitem__`` and ``__array_finalize__``: SmolLM2's header
+    (49,152 tokens and their merges) parsed in 1.84 s, 0.78 s through a plain view of the
+    same map (the same values; transformers imports the class when it parses).
+    """
+
+    class PlainArrayReader(reader):  # type: ignore[valid-type, misc]
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)  # the view keeps the map open
+
+    return PlainArrayReader
 
 
 def _source_kwargs(source: ResolvedSource) -> dict[str, Any]:

@@ -47,3 +47,30 @@ def test_license_comes_from_gguf_metadata_then_the_model_card(tmp_path: Path) ->
     assert _license(ResolvedSource("gguf", tmp_path, "without.gguf")) == "apache-2.0"
     (tmp_path / "broken.gguf").write_bytes(b"GGUF")  # a reader error is not fatal
     assert _license(ResolvedSource("gguf", tmp_path, "broken.gguf")) == "apache-2.0"
+
+
+def test_header_parse_reads_the_same_fields_and_puts_the_reader_back(tmp_path: Path) -> None:
+    """`load_checkpoint`'s GGUF context parses through a plain-array reader: every field and
+    tensor as gguf's own reader has them; outside the block gguf's class is back."""
+    import gguf
+    import numpy as np
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from converter.checkpoint import _gguf_header_parsed_once
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "apache-2.0")
+    plain = GGUFReader(path)
+    reader, parse = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+    with _gguf_header_parsed_once():
+        assert gguf.GGUFReader is not reader
+        fast = gguf.GGUFReader(path)
+        assert type(fast.data) is np.ndarray
+    assert (gguf.GGUFReader, gguf_utils.load_gguf_checkpoint) == (reader, parse)
+    assert list(fast.fields) == list(plain.fields)
+    for name, field in plain.fields.items():
+        assert field.types == fast.fields[name].types, name
+        for a, b in zip(field.parts, fast.fields[name].parts, strict=True):
+            assert np.array_equal(a, b), name
+    for a, b in zip(plain.tensors, fast.tensors, strict=True):
+        assert (a.name, a.tensor_type) == (b.name, b.tensor_type)
+        assert np.array_equal(a.data, b.data), a.name
