@@ -26,6 +26,9 @@ from typing import Any
 def main() -> None:
     """Wrap the step timer and the preflight, then run anec's CLI on the remaining arguments."""
     out = Path(sys.argv[1])
+    from converter.runlog import route_library_output
+
+    route_library_output()  # as the CLI does before torch: no coremltools bars on stderr
     import converter.pipeline as pipeline
     import converter.progress as progress
     from converter.cli import main as anec
