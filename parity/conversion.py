@@ -241,29 +241,23 @@ def check_conversion(
 def rel_error_np(
     candidate: Any, reference: Any, norms: dict[Any, float] | None = None, key: Any = None
 ) -> float:
-    """``||c - r|| / ||r||`` in fp64 with numpy (inf if c is not finite).
-
-    ``parity.result.rel_error`` in numpy: torch's small-tensor overhead made it a tenth of
-    this level's time on SmolLM2. ``norms``: ``||r||`` by ``key``, filled on first use, for
-    a reference compared in several profiles (the same value: the same computation on the
-    same array).
-    """
+    """``||c - r|| / ||r||`` in fp64 (inf if c is not finite); ``norms`` keeps ``||r||`` by
+    ``key`` for a reference compared in several profiles. `parity.result.rel_error` in numpy:
+    torch's small-tensor overhead made it a tenth of this level's time on SmolLM2."""
     c = np.asarray(candidate, dtype=np.float64)
     r = np.asarray(reference, dtype=np.float64)
     if not np.isfinite(c).all():
         return math.inf
-    if norms is None:
-        return _norm(c - r) / max(_norm(r), 1e-30)
+    norms = {} if norms is None else norms
     if key not in norms:
         norms[key] = _norm(r)
     return _norm(c - r) / max(norms[key], 1e-30)
 
 
 def _norm(x: np.ndarray) -> float:
-    """``||x||``, summed on this thread (einsum's own loop). ``np.linalg.norm`` goes through
-    BLAS's dot, which splits a sum across cores: its last digits depended on the core count
-    (tests/test_reproducible.py), and it waited for a busy second core (2.1 s of SmolLM2's
-    MIL step under py-spy while another process ran; 1,000 calls take 0.27 s alone)."""
+    """``||x||`` summed on this thread (einsum's loop): BLAS's dot (``np.linalg.norm``) split
+    the sum across cores, so the reports' last digits depended on the core count
+    (tests/test_reproducible.py), and it stalled on a busy second core."""
     flat = x.ravel()
     return math.sqrt(float(np.einsum("i,i->", flat, flat)))
 
