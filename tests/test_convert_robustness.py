@@ -500,15 +500,27 @@ def test_a_1b_model_is_let_through_under_12_gib() -> None:
     assert 10.54 * GIB <= estimate <= 12 * GIB
 
 
-def test_a_recipe_with_variants_is_estimated_above_its_measured_peak() -> None:
-    """Qwen2.5-0.5B shape with an int8 variant peaked at 5.37 GiB (`python bench/compress.py
-    methods --method fp16 --method int8 --layers 24`), its fp16 artifact alone at 4.70 GiB."""
-    alone, with_variant = (
-        estimate_peak_memory(QWEN_PARAMETERS, v, 151_936 * 896) for v in (False, True)
-    )
-    assert alone.peak_bytes >= 4.70 * GIB and with_variant.peak_bytes >= 5.37 * GIB
-    assert "compressed variants included" in with_variant.describe()
-    assert "compressed variants" not in alone.describe()
+@pytest.mark.parametrize(
+    ("parameters", "elements", "alone", "with_variants"),
+    [
+        # `python bench/compress.py methods --method fp16 --method int8 --layers 24`
+        (QWEN_PARAMETERS, 151_936 * 896, 4.70, 5.37),
+        # `python bench/step_meter.py S.json convert smollm2-135m-draft-mixed ...` (the
+        # search); the four-variant smollm2-135m-draft-compressed peaked at 2.89
+        (SMOLLM2_PARAMETERS, 49_152 * 576, 1.90, 2.89),
+        # `python bench/step_meter.py S.json convert minilm-l6-embed-compressed ...`
+        (22_713_728, 30_522 * 384, 1.15, 1.15),
+    ],
+)
+def test_a_recipe_with_variants_is_estimated_above_its_measured_peak(
+    parameters: int, elements: int, alone: float, with_variants: float
+) -> None:
+    """Each recipe's measured peak with and without its compressed variants (GiB, `/usr/bin/
+    time -v`, bench/README.md) lies under the estimate."""
+    fp16, variants = (estimate_peak_memory(parameters, v, elements) for v in (False, True))
+    assert fp16.peak_bytes >= alone * GIB and variants.peak_bytes >= with_variants * GIB
+    assert "compressed variants included" in variants.describe()
+    assert "compressed variants" not in fp16.describe()
 
 
 def test_memory_limit_override(monkeypatch: pytest.MonkeyPatch) -> None:
