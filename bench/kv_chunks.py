@@ -120,14 +120,14 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, action="append", help="extra budgets (MB)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
-    from converter.tasks.kv_chunks import budget_bytes
+    from converter.targets import package_budget_bytes
 
     budgets = {
-        "iOS (1000 MB)": budget_bytes(None, "iOS"),
-        "macOS (2000 MB)": budget_bytes(None, "macOS"),
+        "iOS (1000 MB)": package_budget_bytes(None, "iOS"),
+        "macOS (2000 MB)": package_budget_bytes(None, "macOS"),
     }
     for mb in args.budget_mb or []:
-        budgets[f"{mb:g} MB"] = budget_bytes(mb, "macOS")
+        budgets[f"{mb:g} MB"] = package_budget_bytes(mb, "macOS")
     rows = [row for case in CASES for row in split_rows(case, budgets)]
     print(table(rows))
     if args.json:

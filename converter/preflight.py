@@ -10,6 +10,7 @@ disk space.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from converter.checkpoint import _TOKENIZER_FILES, has_tokenizer, weight_files
 from converter.errors import InputError
 from converter.recipe import Recipe, ResolvedSource
 from converter.resources import MemoryEstimate, check_disk, check_memory, estimate_peak_memory
+from converter.targets import TARGETS, package_budget_bytes
 from converter.weightfiles import WeightTable, read_gguf_metadata, read_weight_tables
 
 # Tensor names of the embedding table and a separate LM head (Hugging Face, GGUF).
@@ -29,6 +31,7 @@ _LM_HEAD_NAMES = ("lm_head.weight", "output.weight")
 _PICKLE_BYTES_PER_PARAMETER = 2
 # The program, manifest, reports, log and tokenizer beside the weights (SmolLM2: ~4 MB).
 ARTIFACT_OVERHEAD_BYTES = 16 << 20
+_CACHE_FUNCTIONS = 3  # prefill, decode, extend: one single-function package each
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ def preflight(
     memory = estimate_peak_memory(n_parameters, variants, table_elements(tables))
     check_memory(memory, recipe.name)
     artifact = artifact_bytes(tables, n_parameters)
-    check_disk(out_dir, artifact, recipe.name)
+    needs, purpose = disk_needs(recipe, out_dir, artifact)
+    check_disk(needs, recipe.name, purpose)
     return PreflightReport(files, tables, n_parameters, memory, artifact)
 
 
@@ -70,6 +74,25 @@ def table_elements(tables: list[WeightTable]) -> int:
     sizes = [t.n_elements for table in tables for name, t in table.tensors.items()
              if "emb" in name and "position" not in name]  # fmt: skip
     return max(sizes, default=0)
+
+
+def disk_needs(recipe: Recipe, out_dir: Path, artifact: int) -> tuple[dict[Path, int], str]:
+    """Free space the conversion needs, by folder, and what needs it.
+
+    A cached decoder converts each function of a package into its own single-function package
+    beside the staged artifact, combines them (coremltools writes the combined package into
+    the temporary folder first, then copies it) and removes them: per package its weights
+    three more times, and once in the temporary folder. A package holds at most the recipe's
+    package budget. Without that room the 1B shape's state cache failed in coremltools'
+    writer (an internal error) with 14 GB free, and converted with 45 GB free.
+    """
+    cache = getattr(recipe, "cache", None)
+    if cache is None or cache.style == "none":
+        return {out_dir: artifact}, "the artifact"
+    budget = package_budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
+    package = min(artifact, budget)
+    needs = {out_dir: artifact + _CACHE_FUNCTIONS * package, Path(tempfile.gettempdir()): package}
+    return needs, "the artifact with its single-function packages, while they are combined,"
 
 
 def artifact_bytes(tables: list[WeightTable], n_parameters: int) -> int:

@@ -32,6 +32,7 @@ import re
 import resource
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,14 +206,24 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_disk(out_dir: Path, needed_bytes: int, what: str) -> None:
-    """Raise InputError when the output directory's filesystem has less free space than needed."""
-    try:
-        free = shutil.disk_usage(_existing_parent(out_dir)).free
-    except OSError:
-        return  # the write itself will report the problem, naming the path
-    if free < needed_bytes:
-        raise InputError(
-            f"{what}: not enough disk space in {out_dir}: the artifact needs about "
-            f"{gib(needed_bytes)}, {gib(free)} is free"
-        )
+def check_disk(needs: Mapping[Path, int], what: str, purpose: str = "the artifact") -> None:
+    """Raise InputError when a filesystem has less free space than the folders on it need
+    together (``needs``: folder -> bytes; ``purpose`` says what needs them)."""
+    by_device: dict[int, tuple[Path, int]] = {}
+    for folder, needed in needs.items():
+        try:
+            device = os.stat(_existing_parent(folder)).st_dev
+        except OSError:
+            continue  # the write itself will report the problem, naming the path
+        first, total = by_device.get(device, (folder, 0))
+        by_device[device] = (first, total + needed)
+    for folder, needed in by_device.values():
+        try:
+            free = shutil.disk_usage(_existing_parent(folder)).free
+        except OSError:
+            continue
+        if free < needed:
+            raise InputError(
+                f"{what}: not enough disk space in {folder}: {purpose} needs about "
+                f"{gib(needed)}, {gib(free)} is free"
+            )

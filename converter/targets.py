@@ -13,6 +13,16 @@ from typing import Any, Literal
 from converter.errors import InputError
 
 Platform = Literal["iOS", "macOS"]
+# Stored weight megabytes (10^6 bytes) per package of a chunked cached decoder, by platform
+# (Anemll's chunk sizes): a recipe's `cache.package_budget_mb` overrides it.
+DEFAULT_PACKAGE_BUDGET_MB: dict[Platform, int] = {"iOS": 1000, "macOS": 2000}
+MB = 1_000_000  # package_budget_mb counts decimal megabytes
+
+
+def package_budget_bytes(budget_mb: float | None, platform: Platform) -> int:
+    """The per-package weight budget in bytes: the recipe's, or the platform's default."""
+    mb = DEFAULT_PACKAGE_BUDGET_MB[platform] if budget_mb is None else budget_mb
+    return int(mb * MB)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,10 +34,16 @@ from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_
 from converter.checkpoint import load_checkpoint
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
-from converter.preflight import ARTIFACT_OVERHEAD_BYTES, artifact_bytes
+from converter.preflight import ARTIFACT_OVERHEAD_BYTES, artifact_bytes, disk_needs
 from converter.publish import ArtifactStage
 from converter.recipe import load_recipe
-from converter.resources import GIB, MEMORY_LIMIT_ENV, estimate_peak_memory, memory_budget
+from converter.resources import (
+    GIB,
+    MEMORY_LIMIT_ENV,
+    check_disk,
+    estimate_peak_memory,
+    memory_budget,
+)
 from converter.runlog import LOG_NAME
 from converter.tasks import base as task_steps
 from converter.weightfiles import read_weight_table
@@ -551,3 +558,32 @@ def test_artifact_size_estimate_matches_a_published_artifact(
     assert 0.9 * actual <= estimate <= 1.1 * actual, (estimate, actual)
     everything = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file())
     assert everything <= estimate + ARTIFACT_OVERHEAD_BYTES
+
+
+def test_a_cached_decoder_needs_room_for_its_single_function_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state-cache recipe's conversion writes each package's functions as single-function
+    packages and coremltools copies the combined one through the temporary folder: the disk
+    check asks for that room (the 1B shape failed inside coremltools' writer without it), a
+    package never counted above the recipe's package budget."""
+    checkpoint = save_tiny_llama(tmp_path / "c")
+    cache = "target: macOS15\ncache:\n  style: state\n  length: 64\n  prefill: 8\n"
+    window = load_recipe(write_tiny_recipe(tmp_path / "w.yaml", checkpoint))
+    cached = load_recipe(write_tiny_recipe(tmp_path / "k.yaml", checkpoint, extra=cache))
+    budget = cache + "  package_budget_mb: 0.0004\n"  # 400 bytes
+    small = load_recipe(write_tiny_recipe(tmp_path / "s.yaml", checkpoint, extra=budget))
+    out, tmp = tmp_path / "out", Path(tempfile.gettempdir())
+    assert disk_needs(window, out, 1000) == ({out: 1000}, "the artifact")
+    needs, purpose = disk_needs(cached, out, 1000)
+    assert needs == {out: 4000, tmp: 1000} and "single-function packages" in purpose
+    assert disk_needs(small, out, 1000)[0] == {out: 1000 + 3 * 400, tmp: 400}
+
+    import converter.resources
+
+    usage = shutil.disk_usage(tmp_path)._replace(free=4500)
+    monkeypatch.setattr(converter.resources.shutil, "disk_usage", lambda p: usage)
+    check_disk({out: 1000}, "tiny")  # 1,000 bytes fit in 4,500
+    if os.stat(tmp_path).st_dev == os.stat(tmp).st_dev:  # one filesystem: 5,000 together
+        with pytest.raises(InputError, match="tiny: not enough disk space in .*single-function"):
+            check_disk(needs, "tiny", purpose)

@@ -9,9 +9,9 @@ import pytest
 
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
+from converter.targets import package_budget_bytes
 from converter.tasks.kv_chunks import (
     WeightBytes,
-    budget_bytes,
     split_layers,
     weight_bytes,
 )
@@ -90,9 +90,9 @@ def test_weight_bytes_counts_names_in_the_storage_dtype() -> None:
 
 
 def test_the_default_budget_follows_the_target_platform() -> None:
-    assert budget_bytes(None, "iOS") == 1_000_000_000
-    assert budget_bytes(None, "macOS") == 2_000_000_000
-    assert budget_bytes(0.5, "macOS") == 500_000
+    assert package_budget_bytes(None, "iOS") == 1_000_000_000
+    assert package_budget_bytes(None, "macOS") == 2_000_000_000
+    assert package_budget_bytes(0.5, "macOS") == 500_000
 
 
 RECIPE = """name: r

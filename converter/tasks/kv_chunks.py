@@ -30,10 +30,7 @@ from converter.tasks.kv_contract import DEFAULT_FUNCTION, function_contract, kv_
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from parity.kv_chain import ChunkMeta
 
-MB = 1_000_000  # package_budget_mb counts decimal megabytes
 FIELD = "cache.package_budget_mb"
-# Defaults by platform: about 1 GB per package on iOS, 2 GB on macOS (Anemll's chunk sizes).
-DEFAULT_BUDGET_MB = {"iOS": 1000, "macOS": 2000}
 DTYPE_BYTES = {"float16": 2, "float32": 4}
 
 
@@ -87,12 +84,6 @@ class Chunk:
     def layers(self) -> tuple[int, int]:
         """(start, stop)."""
         return (self.start, self.stop)
-
-
-def budget_bytes(budget_mb: float | None, platform: str) -> int:
-    """The per-package budget in bytes: the recipe's, or the platform's default."""
-    mb = DEFAULT_BUDGET_MB[platform] if budget_mb is None else budget_mb
-    return int(mb * MB)
 
 
 def _chunk_bytes(w: WeightBytes, start: int, stop: int) -> int:

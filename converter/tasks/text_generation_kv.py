@@ -26,13 +26,12 @@ from converter.manifest_fields import write_npy
 from converter.progress import Steps
 from converter.publish import write_json_atomic
 from converter.steps import Advance, Step, Stop
-from converter.targets import TARGETS
+from converter.targets import TARGETS, package_budget_bytes
 from converter.tasks import text_generation as window_task
 from converter.tasks.base import Program, load, need, write_parity_reports
 from converter.tasks.decoder_contract import head_output_section
 from converter.tasks.kv_chunks import (
     Chunk,
-    budget_bytes,
     chunked_manifest,
     chunking_section,
     package_file,
@@ -193,7 +192,7 @@ def split_packages(run: KvRun, advance: Advance) -> None:
     weights = weight_bytes(
         named, module.spec.num_layers, recipe.precision, module.io.inputs == "token-ids"
     )
-    budget = budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
+    budget = package_budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
     run.budget = budget
     run.split = split_layers(weights, budget, recipe.precision)
     calls = function_calls(cache.prefill, cache.extend)
