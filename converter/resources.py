@@ -16,7 +16,7 @@ vocabulary-wide logits and softmaxes of every parity level). Peaks measured with
     SmolLM2-135M         1.86 GiB   0.501 / 0.105   (2.30 with a state cache)
     Gemma 3 270M         3.75 GiB   0.999 / 0.625   (3.73 with a state cache)
     Qwen2.5-0.5B shape   4.71 GiB   1.840 / 0.507
-    Llama-3.2-1B shape  10.54 GiB   4.604 / 0.979   (10.52 with a state cache)
+    Llama-3.2-1B shape  10.54 GiB   4.604 / 0.979   (9.44 with a state cache)
 
 1.25 GiB + 2.0 x weights + 1.4 x table lies above each (1.48, 2.40, 4.12, 5.64, 11.83 GiB),
 so a 1B model's conversion is let through under a 12 GiB limit. The base is above MiniLM's
