@@ -83,8 +83,8 @@ def disk_needs(recipe: Recipe, out_dir: Path, artifact: int) -> tuple[dict[Path,
     beside the staged artifact, combines them (coremltools writes the combined package into
     the temporary folder first, then copies it) and removes them: per package its weights
     three more times, and once in the temporary folder. A package holds at most the recipe's
-    package budget. Without that room the 1B shape's state cache failed in coremltools'
-    writer (an internal error) with 14 GB free, and converted with 45 GB free.
+    package budget. The 1B shape's state cache failed twice inside coremltools' writers with
+    14 GB free while other runs wrote to the disk, and converted with 45 GB free.
     """
     cache = getattr(recipe, "cache", None)
     if cache is None or cache.style == "none":
