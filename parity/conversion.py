@@ -36,7 +36,7 @@ from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
-from parity.mil import Evaluator, get_profile, load_package
+from parity.mil import Evaluation, Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
 from parity.model_copies import program_constants
 from parity.reference import ReferenceRun
@@ -194,20 +194,19 @@ def check_conversion(
     program = load_package(package)
     specs = {name: dtype_name(var) for name, var in program.functions["main"].inputs.items()}
     n_layers = len(module.layers)
-    length = module.io.length
-    gates: list[GateResult] = []
     try:
         markers = find_markers(program.functions["main"], n_layers)
         marker_problem = ""
     except MarkerError as e:
         markers, marker_problem = [], str(e)
-    gates.append(
+    gates = [
         gate("mil-fp32", "layer_markers_present").check(
             float(not marker_problem),
             detail=marker_problem or f"layer_0_out..layer_{n_layers - 1}_out found in the program",
         )
-    )
-
+    ]
+    feeds = [program_feed(specs, module, batch, embed_table) for batch in batches]
+    wheres = [", ".join(f.name for f in batch.fixtures) for batch in batches]
     runs: list[ProfileRun] = []
     first: Evaluator | None = None  # the fp32 profile's constants serve the others (same bits)
     norms: dict[Any, float] = {}  # the reference's norms, the same for every profile
@@ -215,27 +214,30 @@ def check_conversion(
         profile = get_profile(name)
         evaluator = Evaluator(program, profile, like=first)
         first = first or evaluator
+        # mil-fp32 against the module in fp64, every other profile against the reference
+        baseline = None
         if name == "fp32":
-            run = _run_against_module(
-                evaluator, module, precision, batches, embed_table, markers, specs, progress
-            )
-        else:
-            run = _run_against_reference(
-                evaluator, module, batches, references, embed_table, markers, specs, progress, norms
-            )
-        run.description = f"anec MIL evaluator on the emitted program, profile {name}: " + (
-            profile.description
-        )
+            baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
+        logits_head = module.io.output == "logits"
+        choice = ChoiceCheck(module.chunk_sizes) if baseline is None and not logits_head else None
+        start = time.perf_counter()
+        inputs = [feed for feed, _, _ in feeds]
+        results = run_many_capturing_logits(evaluator, inputs, markers, choice, wheres)
+        seconds = time.perf_counter() - start
+        description = f"anec MIL evaluator on the emitted program, profile {name}: "
+        run = _compare(f"mil-{name}", description + profile.description, module, batches,
+                       results, markers, references, norms, baseline, progress)  # fmt: skip
+        run.seconds, run.choice = seconds, choice
         runs.append(run)
         # In convert.log, not the reports: a time would make them differ run to run.
         log.info("MIL evaluator, profile %s: %.1f s, %d batches", name, run.seconds, len(batches))
         del evaluator
     gates += _gates(runs, thresholds, bool(markers))
-    runtime_level = _runtime_level(package, module, batches, references, embed_table, specs)
+    runtime_level = _runtime_level(package, module, batches, references, feeds)
     implementations = {run.implementation: run.description for run in runs}
     if runtime_level.run is not None:
         implementations[runtime.IMPLEMENTATION] = runtime_level.run.description
-    return ConversionReport(gates, runs, markers, runtime_level, length, implementations)
+    return ConversionReport(gates, runs, markers, runtime_level, module.io.length, implementations)
 
 
 def rel_error_np(
@@ -275,113 +277,61 @@ def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], sl
     return positions, slice(start, n_logits)
 
 
-def _run_against_module(
-    evaluator: Evaluator,
+def _compare(
+    implementation: str,
+    description: str,
     module: BC1LDecoder,
-    precision: str,
     batches: list[Batch],
-    embed_table: torch.Tensor,
+    results: list[Evaluation],
     markers: list[str],
-    specs: dict[str, str],
-    progress: Callable[[], None],
+    references: dict[str, ReferenceRun],
+    norms: dict[Any, float],
+    baseline: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None,
+    progress: Callable[[], None] = lambda: None,
 ) -> ProfileRun:
+    """Each batch's outputs and captured layer markers against the reference, or given
+    ``baseline`` (`fp64_baseline`'s states and logits per batch) against the module; ``norms``
+    (the reference's, by fixture and layer) are filled by the first profile and read by the
+    next. Position rows are kept against the reference only."""
     length, n_logits = module.io.length, module.io.logit_positions
-    feeds = [program_feed(specs, module, batch, embed_table) for batch in batches]
-    baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
-    layers = [0.0] * len(module.layers)
-    logits_err = 0.0
-    finite = True
-    start = time.perf_counter()
-    # Every batch op by op (`Evaluator.run_many`): each weight widened once, not per batch.
-    results = run_many_capturing_logits(evaluator, [inputs for inputs, _, _ in feeds], markers)
-    seconds = time.perf_counter() - start
-    for batch, result, (states, want_logits) in zip(batches, results, baseline, strict=True):
+    run = ProfileRun(implementation, "reference" if baseline is None else MODULE_BASELINE,
+                     description, [0.0] * len(module.layers), 0.0, True)  # fmt: skip
+    norms = norms if baseline is None else {}  # the module's norms are its own
+    for b, (batch, result) in enumerate(zip(batches, results, strict=True)):
+        seen = run.non_finite_values
+        seen += [name for name in result.non_finite if name not in seen]
         logits = _logits(result.outputs)
-        finite &= bool(torch.isfinite(logits).all())
+        run.finite &= bool(torch.isfinite(logits).all())
+        if baseline is None:
+            run.finite &= all(bool(np.isfinite(result.captured[m]).all()) for m in markers)
         for r, fixture in enumerate(batch.fixtures):
             n = len(fixture.token_ids)
             real = slice(length - n, length)
+            positions, out_slice = _logit_slots(n, length, n_logits)
             for i, marker in enumerate(markers):
                 h = result.captured[marker][r, :, 0, real]
-                finite &= bool(np.isfinite(h).all())
-                layers[i] = max(layers[i], rel_error_np(h, states[i][r, :, 0, real].numpy()))
-            _, out_slice = _logit_slots(n, length, n_logits)
-            want = want_logits[r, :, 0, out_slice].T
-            logits_err = max(logits_err, rel_error_np(logits[r, out_slice], want.numpy()))
-        progress()
-    if not markers:
-        layers = [math.inf] * len(layers)
-    return ProfileRun(
-        implementation="mil-fp32",
-        baseline=MODULE_BASELINE,
-        description="",
-        layer_rel_error=layers,
-        logits_rel_error=logits_err,
-        finite=finite,
-        seconds=seconds,
-    )
-
-
-def _run_against_reference(
-    evaluator: Evaluator,
-    module: BC1LDecoder,
-    batches: list[Batch],
-    references: dict[str, ReferenceRun],
-    embed_table: torch.Tensor,
-    markers: list[str],
-    specs: dict[str, str],
-    progress: Callable[[], None],
-    norms: dict[Any, float],
-) -> ProfileRun:
-    """One profile against the reference; ``norms`` (the reference's, by fixture and layer)
-    are filled by the first profile and read by the next."""
-    length, n_logits = module.io.length, module.io.logit_positions
-    layers = [0.0] * len(module.layers)
-    logits_err = 0.0
-    finite = True
-    non_finite: list[str] = []
-    rows: list[PositionRow] = []
-    choice = ChoiceCheck(module.chunk_sizes) if module.io.output != "logits" else None
-    feeds = [program_feed(specs, module, batch, embed_table)[0] for batch in batches]
-    wheres = [", ".join(f.name for f in batch.fixtures) for batch in batches]
-    start = time.perf_counter()
-    results = run_many_capturing_logits(evaluator, feeds, markers, check=choice, wheres=wheres)
-    seconds = time.perf_counter() - start
-    for batch, result in zip(batches, results, strict=True):
-        non_finite += [name for name in result.non_finite if name not in non_finite]
-        logits = _logits(result.outputs)
-        finite &= bool(torch.isfinite(logits).all()) and all(
-            bool(np.isfinite(result.captured[m]).all()) for m in markers
-        )
-        for r, fixture in enumerate(batch.fixtures):
-            ref = references[fixture.name]
-            n = len(fixture.token_ids)
-            real = slice(length - n, length)
-            for i, marker in enumerate(markers):
-                h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
-                err = rel_error_np(h, ref.hidden[i].numpy(), norms, (fixture.name, i))
-                layers[i] = max(layers[i], err)
-            positions, out_slice = _logit_slots(n, length, n_logits)
+                if baseline is None:
+                    want = references[fixture.name].hidden[i].numpy()
+                    h = h.T / module.spec.stream_scale
+                else:
+                    want = baseline[b][0][i][r, :, 0, real].numpy()
+                    run.finite &= bool(np.isfinite(h).all())
+                error = rel_error_np(h, want, norms, (fixture.name, i))
+                run.layer_rel_error[i] = max(run.layer_rel_error[i], error)
             cand = logits[r, out_slice]
-            want = ref.logits[positions]
-            err = rel_error_np(cand, want.numpy(), norms, (fixture.name, "logits"))
-            logits_err = max(logits_err, err)
-            rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
+            if baseline is None:
+                want_logits = references[fixture.name].logits[positions]
+                run.positions += compare_positions(
+                    fixture.name, fixture.slice, n, positions, cand, want_logits
+                )
+            else:
+                want_logits = baseline[b][1][r, :, 0, out_slice].T
+            error = rel_error_np(cand, want_logits.numpy(), norms, (fixture.name, "logits"))
+            run.logits_rel_error = max(run.logits_rel_error, error)
         progress()
     if not markers:
-        layers = [math.inf] * len(layers)
-    return ProfileRun(
-        implementation=f"mil-{evaluator.profile.name}",
-        baseline="reference",
-        description="",
-        layer_rel_error=layers,
-        logits_rel_error=logits_err,
-        finite=finite,
-        positions=rows,
-        non_finite_values=non_finite,
-        seconds=seconds,
-        choice=choice,
-    )
+        run.layer_rel_error = [math.inf] * len(module.layers)
+    return run
 
 
 def _choice_gate(choice: ChoiceCheck | None) -> list[GateResult]:
@@ -457,8 +407,7 @@ def _runtime_level(
     module: BC1LDecoder,
     batches: list[Batch],
     references: dict[str, ReferenceRun],
-    embed_table: torch.Tensor,
-    specs: dict[str, str],
+    feeds: list[tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]],
 ) -> RuntimeLevel:
     available, status = runtime.availability()
     if not available:
@@ -468,33 +417,12 @@ def _runtime_level(
             f"{status}; not compared: io.output {module.io.output} returns no logits"
         )
     predict = runtime.predictor(package)
-    length, n_logits = module.io.length, module.io.logit_positions
-    rows: list[PositionRow] = []
-    logits_err = 0.0
-    finite = True
-    seconds = 0.0
-    for batch in batches:
-        feed, _, _ = program_feed(specs, module, batch, embed_table)
-        start = time.perf_counter()
-        outputs = predict(feed)
-        seconds += time.perf_counter() - start
-        logits = _logits(outputs)
-        finite &= bool(torch.isfinite(logits).all())
-        for r, fixture in enumerate(batch.fixtures):
-            ref = references[fixture.name]
-            n = len(fixture.token_ids)
-            positions, out_slice = _logit_slots(n, length, n_logits)
-            cand, want = logits[r, out_slice], ref.logits[positions]
-            logits_err = max(logits_err, rel_error_np(cand, want.numpy()))
-            rows += compare_positions(fixture.name, fixture.slice, n, positions, cand, want)
-    run = ProfileRun(
-        implementation=runtime.IMPLEMENTATION,
-        baseline="reference",
-        description=f"Core ML predictions ({status}); placement not observed",
-        layer_rel_error=[],
-        logits_rel_error=logits_err,
-        finite=finite,
-        positions=rows,
-        seconds=seconds,
+    start = time.perf_counter()
+    results = [Evaluation(predict(feed), {}) for feed, _, _ in feeds]
+    seconds = time.perf_counter() - start
+    description = f"Core ML predictions ({status}); placement not observed"
+    run = _compare(
+        runtime.IMPLEMENTATION, description, module, batches, results, [], references, {}
     )
+    run.layer_rel_error, run.seconds = [], seconds
     return RuntimeLevel(status, run)

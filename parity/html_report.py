@@ -23,17 +23,11 @@ th { background: #f4f4f4; }
 """
 
 
-def _num(value: Any) -> float:
-    if isinstance(value, str):
-        return float(value)  # "inf" / "nan" as JSON spells them
-    return float(value)
-
-
 def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, int | float) or (isinstance(value, str) and value in ("inf", "nan")):
-        v = _num(value)
+        v = float(value)
         return f"{v:.4g}" if math.isfinite(v) else str(v)
     if isinstance(value, list):
         return ", ".join(escape(str(v)) for v in value) if value else "-"
@@ -54,20 +48,20 @@ def _layer_series(doc: dict[str, Any]) -> dict[str, list[float]]:
     series: dict[str, list[float]] = {}
     layers = doc.get("layers", [])
     if layers:
-        series["torch-fp32 vs reference"] = [_num(r["fp32_rel_error"]) for r in layers]
-        series["torch-fp16 vs reference"] = [_num(r["fp16_rel_error"]) for r in layers]
+        series["torch-fp32 vs reference"] = [float(r["fp32_rel_error"]) for r in layers]
+        series["torch-fp16 vs reference"] = [float(r["fp16_rel_error"]) for r in layers]
     for run in doc.get("conversion", {}).get("runs", []):
         if run.get("layer_rel_error"):
             label = f"{run['implementation']} vs " + (
                 "BC1L module (fp64)" if run["baseline"] != "reference" else "reference"
             )
-            series[label] = [_num(v) for v in run["layer_rel_error"]]
+            series[label] = [float(v) for v in run["layer_rel_error"]]
     return series
 
 
 def _stream_section(stream: dict[str, Any]) -> list[str]:
     series = {
-        label: [_num(row[key]) for row in stream["layers"]] for key, label in RANGE_SERIES.items()
+        label: [float(row[key]) for row in stream["layers"]] for key, label in RANGE_SERIES.items()
     }
     branches = ", ".join(f"{b['scale']:g} at {b['where']}" for b in stream["branch_scales"])
     return [
@@ -78,7 +72,7 @@ def _stream_section(stream: dict[str, Any]) -> list[str]:
         f"{stream['weights_to_fp16_zero']}.</p>",
         layer_chart(
             series,
-            {"fp16 max": _num(stream["fp16_max"]), "scaling limit": _num(stream["limit"])},
+            {"fp16 max": float(stream["fp16_max"]), "scaling limit": float(stream["limit"])},
             "largest |value| per layer",
             floor=1e-3,
             y_label="max |value|",
@@ -151,7 +145,7 @@ def _layer_chart_section(series: dict[str, list[float]], gates: list[dict[str, A
     if not series:
         return []
     thresholds = {
-        g["implementation"] + " gate": _num(g["threshold"])
+        g["implementation"] + " gate": float(g["threshold"])
         for g in gates
         if g["name"] in PER_LAYER_GATES
     }
@@ -175,7 +169,7 @@ def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
     ]
     points = {
         run["implementation"]: [
-            (_num(p["margin"]), _num(p["logit_error"])) for p in run["positions"]
+            (float(p["margin"]), float(p["logit_error"])) for p in run["positions"]
         ]
         for run in runs
     }

@@ -65,11 +65,6 @@ def decode_steps(
         yield p, session.call("decode", [c.ids[p]])[:, -1]
 
 
-def sequential(session: CacheSession, c: Continuation, prefill: str) -> dict[int, np.ndarray]:
-    """`decode_steps`' logits by position."""
-    return dict(decode_steps(session, c, prefill))
-
-
 def extend_steps(
     session: CacheSession, c: Continuation, prefill: str, k: int
 ) -> Iterator[tuple[int, np.ndarray]]:
@@ -83,11 +78,6 @@ def extend_steps(
         for u in range(len(chunk)):
             yield p + u, logits[:, k - len(chunk) + u]
         p += len(chunk)
-
-
-def extended(session: CacheSession, c: Continuation, prefill: str, k: int) -> dict[int, np.ndarray]:
-    """`extend_steps`' logits by position."""
-    return dict(extend_steps(session, c, prefill, k))
 
 
 def extend_vs_decode(
