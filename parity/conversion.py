@@ -35,6 +35,7 @@ from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
 from parity.gate import GateResult, Worst, all_passed, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
+from parity.measure import worst_gate
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
 from parity.mil import Evaluation, Evaluator, get_profile, load_package
 from parity.mil.program import dtype_name
@@ -74,21 +75,14 @@ class ProfileRun:
 
 
 @dataclass
-class RuntimeLevel:
-    """The Core ML level: run or not, and its run when it ran."""
-
-    status: str
-    run: ProfileRun | None = None
-
-
-@dataclass
 class ConversionReport:
     """Everything the conversion level measured, its gates, and the runtime level."""
 
     gates: list[GateResult]
     runs: list[ProfileRun]
     markers: list[str]
-    runtime: RuntimeLevel
+    runtime_status: str  # the Core ML level: run, or why not
+    runtime: ProfileRun | None  # its run, when it ran
     length: int
     implementations: dict[str, str] = field(default_factory=dict)
 
@@ -139,15 +133,25 @@ def fp64_baseline(
             for b in range(len(inputs)):
                 hs[b] = piece(hs[b], masks[b][i])
                 states[b].append(hs[b])
-        # The head as BC1LDecoder.forward computes it: final norm, then each chunk's conv.
-        norm = fp64_piece(module.final_norm, precision)
-        normed = [norm(h[:, :, :, module.io.length - n :]) for h in hs]
-        chunks: list[list[torch.Tensor]] = [[] for _ in inputs]
-        for conv in module.lm_head:
-            piece = fp64_piece(conv, precision)
-            for b in range(len(inputs)):
-                chunks[b].append(piece(normed[b]))
-    return [(states[b], torch.cat(chunks[b], dim=1)) for b in range(len(inputs))]
+        last = [h[:, :, :, module.io.length - n :] for h in hs]
+        logits = fp64_head(module, last, lambda part: fp64_piece(part, precision))
+    return list(zip(states, logits, strict=True))
+
+
+def fp64_head(
+    module: BC1LDecoder, hs: list[torch.Tensor], piece: Callable[[torch.nn.Module], Any]
+) -> list[torch.Tensor]:
+    """The head as `BC1LDecoder.forward` computes it on each stream (1 or B, D, 1, n) of
+    ``hs``: the final norm, then each LM-head chunk's conv, one fp64 ``piece`` of ``module``
+    at a time; the logits (1 or B, V, 1, n)."""
+    norm = piece(module.final_norm)
+    normed = [norm(h) for h in hs]
+    chunks: list[list[torch.Tensor]] = [[] for _ in hs]
+    for conv in module.lm_head:
+        head = piece(conv)
+        for b, h in enumerate(normed):
+            chunks[b].append(head(h))
+    return [torch.cat(c, dim=1) for c in chunks]
 
 
 def program_feed(
@@ -233,11 +237,13 @@ def check_conversion(
         log.info("MIL evaluator, profile %s: %.1f s, %d batches", name, run.seconds, len(batches))
         del evaluator
     gates += _gates(runs, thresholds, bool(markers))
-    runtime_level = _runtime_level(package, module, batches, references, feeds)
+    status, runtime_run = _runtime_level(package, module, batches, references, feeds)
     implementations = {run.implementation: run.description for run in runs}
-    if runtime_level.run is not None:
-        implementations[runtime.IMPLEMENTATION] = runtime_level.run.description
-    return ConversionReport(gates, runs, markers, runtime_level, module.io.length, implementations)
+    if runtime_run is not None:
+        implementations[runtime.IMPLEMENTATION] = runtime_run.description
+    return ConversionReport(
+        gates, runs, markers, status, runtime_run, module.io.length, implementations
+    )
 
 
 def rel_error_np(
@@ -262,11 +268,6 @@ def _norm(x: np.ndarray) -> float:
     (tests/test_reproducible.py), and it stalled on a busy second core."""
     flat = x.ravel()
     return math.sqrt(float(np.einsum("i,i->", flat, flat)))
-
-
-def _logits(outputs: dict[str, np.ndarray]) -> torch.Tensor:
-    """The program's LM-head chunks joined: (B, n, V) (`graph_passes.logits_layout`)."""
-    return torch.from_numpy(join_logits(outputs))
 
 
 def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], slice]:
@@ -300,7 +301,7 @@ def _compare(
     for b, (batch, result) in enumerate(zip(batches, results, strict=True)):
         seen = run.non_finite_values
         seen += [name for name in result.non_finite if name not in seen]
-        logits = _logits(result.outputs)
+        logits = torch.from_numpy(join_logits(result.outputs))  # (B, n, V)
         run.finite &= bool(torch.isfinite(logits).all())
         if baseline is None:
             run.finite &= all(bool(np.isfinite(result.captured[m]).all()) for m in markers)
@@ -358,14 +359,12 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
         for i, err in enumerate(fp32.layer_rel_error):
             worst.see(err, f"layer {i}")
         worst.see(fp32.logits_rel_error, "logits")
+        detail = (
+            "max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
+            "positions, against the BC1L module with the program's constants in fp64"
+        )
         gates.append(
-            gate("mil-fp32", "mil_fp32_layer_rel_error").check(
-                worst.value,
-                thresholds.mil_fp32_layer_rel_error,
-                where=worst.where,
-                detail="max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
-                "positions, against the BC1L module with the program's constants in fp64",
-            )
+            worst_gate("mil-fp32", "mil_fp32_layer_rel_error", thresholds, worst, detail=detail)
         )
     gated = by_name.get(f"mil-{GATED_PROFILE}")
     if gated is not None:
@@ -408,14 +407,12 @@ def _runtime_level(
     batches: list[Batch],
     references: dict[str, ReferenceRun],
     feeds: list[tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]],
-) -> RuntimeLevel:
+) -> tuple[str, ProfileRun | None]:
     available, status = runtime.availability()
     if not available:
-        return RuntimeLevel(status)
+        return status, None
     if module.io.output != "logits":  # Core ML returns the outputs only: no logits to compare
-        return RuntimeLevel(
-            f"{status}; not compared: io.output {module.io.output} returns no logits"
-        )
+        return f"{status}; not compared: io.output {module.io.output} returns no logits", None
     predict = runtime.predictor(package)
     start = time.perf_counter()
     results = [Evaluation(predict(feed), {}) for feed, _, _ in feeds]
@@ -425,4 +422,4 @@ def _runtime_level(
         runtime.IMPLEMENTATION, description, module, batches, results, [], references, {}
     )
     run.layer_rel_error, run.seconds = [], seconds
-    return RuntimeLevel(status, run)
+    return status, run

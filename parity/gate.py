@@ -17,6 +17,7 @@ list it in the README's gate table (a test compares the table with this registry
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -44,11 +45,9 @@ class Comparison(str, Enum):
 
     def holds(self, value: float, threshold: float) -> bool:
         """True when ``value`` satisfies the comparison (never for NaN)."""
-        if self is Comparison.AT_MOST:
-            return value <= threshold
-        if self is Comparison.AT_LEAST:
-            return value >= threshold
-        return value == threshold
+        return {"<=": operator.le, ">=": operator.ge, "==": operator.eq}[self.value](
+            value, threshold
+        )
 
 
 @dataclass(frozen=True)

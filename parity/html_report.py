@@ -7,7 +7,7 @@ import math
 from html import escape
 from typing import Any
 
-from parity.stream_report import RANGE_SERIES
+from parity.report import RANGE_SERIES
 from parity.svg import layer_chart, margin_chart
 
 # The gates whose thresholds the per-layer chart draws (parity.gate's names).

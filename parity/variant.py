@@ -33,12 +33,11 @@ from parity.fixtures import Fixture
 from parity.gate import GateResult, all_passed, gate
 from parity.memory import release_memory
 from parity.report import gate_line
-from parity.result import clean_json
+from parity.result import Outputs, clean_json  # held-out text, window or sentence -> output
 
 # The levels a variant is scored at, in order: torch with the decoded weights, then the
 # emitted program in anec's MIL evaluator.
 LEVELS = ("torch-fp16", "mil-fp16")
-Outputs = dict[str, torch.Tensor]  # held-out text, window or sentence -> its output, fp32
 Advance = Callable[[], None]
 Wrap = Callable[[torch.nn.Module], Any]  # a module -> a context manager changing how it runs
 

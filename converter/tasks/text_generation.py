@@ -42,7 +42,7 @@ from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.memory import release_memory
 from parity.reference import ReferenceRun, run_reference
-from parity.report_files import merge
+from parity.report import merge
 from parity.result import Thresholds
 from parity.torch_settings import with_parity_torch
 
