@@ -59,14 +59,10 @@ class HeldOut(HeldOutSlice):
     window_source: dict[str, tuple[str, int]]  # window -> (text fixture, its last position)
     all_positions: bool = False  # MIL level through the all-positions program, a window a text
 
-    @property
-    def positions(self) -> int:
-        """Scored positions per level: every real token of every text."""
-        return sum(len(f.token_ids) for f in self.fixtures)
-
     def about(self) -> tuple[dict[str, Any], str]:
-        """The texts, their scored positions and what the MIL level evaluates."""
-        texts, positions = len(self.fixtures), self.positions
+        """The texts, their scored positions (every real token of every text, per level) and
+        what the MIL level evaluates."""
+        texts, positions = len(self.fixtures), sum(len(f.token_ids) for f in self.fixtures)
         mil = "every position (all-positions program)" if self.all_positions else "windows"
         about = {"source": self.source, "texts": texts, "positions": positions, "mil": mil}
         line = f"held-out slice: {self.source}; {texts} texts, {positions} positions"
@@ -79,15 +75,14 @@ def torch_logits(module: BC1LDecoder, decoded: dict[str, np.ndarray], held_out: 
     in fp16 (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
     run = with_weights(module, decoded, torch.float16)
     length = module.io.length
-    out: Logits = {}
     (batch,) = make_batches(held_out.fixtures, len(held_out.fixtures), length, held_out.pad_id)
     x, mask = module_inputs(run, batch, embed_table, torch.float16)
     with wrap(run) if wrap is not None else contextlib.nullcontext():
         _, logits = run_module(run, x, mask)
-    for r, fixture in enumerate(batch.fixtures):
-        n = len(fixture.token_ids)
-        out[fixture.name] = logits[r, :, 0, length - n :].T.float()
-    return out
+    return {
+        f.name: logits[r, :, 0, length - len(f.token_ids) :].T.float()
+        for r, f in enumerate(batch.fixtures)
+    }
 
 
 def mil_logits(evaluator: Any, module: BC1LDecoder, held_out: HeldOut, embed_table: torch.Tensor,

@@ -21,7 +21,7 @@ import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 Level = Literal[
     "torch-fp32",
@@ -33,7 +33,6 @@ Level = Literal[
     "plan",
     "recheck",
 ]
-LEVELS: tuple[Level, ...] = get_args(Level)
 
 
 class Comparison(str, Enum):

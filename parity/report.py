@@ -160,24 +160,13 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
     }
     if report.runtime is not None:
         runtime_doc |= run_doc(report.runtime) | {"status": report.runtime_status}
+    gated = {g.implementation for g in report.gates}
     levels = [
-        {
-            "level": "conversion",
-            "implementation": run.implementation,
-            "against": run.baseline,
-            "status": "run",
-            "gated": run.implementation in {g.implementation for g in report.gates},
-        }
+        level_row("conversion", run.implementation, run.baseline, gated=run.implementation in gated)
         for run in report.runs
     ]
     levels.append(
-        {
-            "level": "runtime",
-            "implementation": runtime.IMPLEMENTATION,
-            "against": "reference",
-            "status": report.runtime_status,
-            "gated": False,
-        }
+        level_row("runtime", runtime.IMPLEMENTATION, "reference", report.runtime_status, False)
     )
     return {
         "levels": levels,
@@ -229,17 +218,13 @@ def conversion_to_text(report: ConversionReport) -> str:
     return "\n".join(lines)
 
 
-TORCH_LEVELS = [
-    {"level": "rewrite", "implementation": name, "against": "reference", "status": "run",
-     "gated": True}
-    for name in ("torch-fp32", "torch-fp16")
-]  # fmt: skip
-
-
-def merge(report: ParityReport, conversion: ConversionReport) -> None:
-    """Add the conversion level's gates and implementations to the torch report."""
-    report.gates.extend(conversion.gates)
-    report.implementations.update(conversion.implementations)
+def level_row(
+    level: str, implementation: str, against: str, status: str = "run", gated: bool = True
+) -> dict[str, Any]:
+    """One row of the levels table (parity.json ``levels``, parity.html's table)."""
+    return dict(
+        level=level, implementation=implementation, against=against, status=status, gated=gated
+    )
 
 
 def parity_document(
@@ -252,7 +237,7 @@ def parity_document(
     cached decoder's cache level); without either, the conversion level says why it did not
     run (a torch gate failed, or it has not run yet)."""
     doc = report_to_json(report, extra)
-    table: list[dict[str, Any]] = [dict(level) for level in TORCH_LEVELS]
+    table = [level_row("rewrite", name, "reference") for name in ("torch-fp32", "torch-fp16")]
     if conversion is not None:
         conv = conversion_to_json(conversion)
         table += conv.pop("levels")
@@ -265,9 +250,6 @@ def parity_document(
             if report.passed
             else "not run: a torch-level gate failed, nothing was converted"
         )
-        table.append(
-            {"level": "conversion", "implementation": "mil", "against": "-", "status": status,
-             "gated": True}
-        )  # fmt: skip
+        table.append(level_row("conversion", "mil", "-", status))
     doc["levels"] = table
     return doc

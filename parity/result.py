@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graph_passes.stream_scale import StreamScaling
+from graph_passes.stream_scale import FP16_MAX, StreamScaling
 from parity.fixtures import Batch
 from parity.gate import GateResult, all_passed, json_number
 
@@ -26,7 +26,6 @@ OUTPUT = "output"
 # outputs (`parity.measure`).
 Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 
-FP16_MAX = 65504.0
 # Diagnostic only (names the layer where an fp16 failure starts; gates are in the recipe):
 # fp16 storage alone gives relative errors around 1e-3, so 1e-2 marks a real divergence.
 FP16_DIVERGENCE = 1e-2

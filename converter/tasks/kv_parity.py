@@ -22,6 +22,7 @@ from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_
 from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession, MilFunctions, session_for
 from parity.mil.program import load_package
+from parity.report import level_row
 
 
 def function_gates(
@@ -144,18 +145,10 @@ def cached_fp32_check(
 
 # The levels the cached functions are gated at (parity.html's levels table).
 KV_LEVELS = [
-    {
-        "level": "mil-fp32",
-        "implementation": "mil-fp32",
-        "against": "the cached module with the program's constants in fp64, per call and layer",
-        "status": "run",
-        "gated": True,
-    },
-    {
-        "level": "kv-cache",
-        "implementation": "mil-fp16",
-        "against": "reference (the original model's full recompute, fp32)",
-        "status": "run",
-        "gated": True,
-    },
+    level_row(
+        "mil-fp32",
+        "mil-fp32",
+        "the cached module with the program's constants in fp64, per call and layer",
+    ),
+    level_row("kv-cache", "mil-fp16", "reference (the original model's full recompute, fp32)"),
 ]
