@@ -20,7 +20,6 @@ import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
-from parity.compression_metrics import psnr_db
 from parity.compression_positions import all_positions
 from parity.conversion import input_dtypes, program_feed
 from parity.decoder_gates import module_inputs, run_module
@@ -43,6 +42,7 @@ from parity.variant import (
     Wrap,
     decoded_alike,
     evaluator_weights,
+    psnr_db,
 )
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32

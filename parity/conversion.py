@@ -33,7 +33,7 @@ from graph_passes.markers import MarkerError, find_markers
 from parity import runtime
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
-from parity.gate import GateResult, Worst, all_passed, first_few, gate, worst_of
+from parity.gate import Gated, GateResult, Worst, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.measure import worst_gate
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
@@ -75,7 +75,7 @@ class ProfileRun:
 
 
 @dataclass
-class ConversionReport:
+class ConversionReport(Gated):
     """Everything the conversion level measured, its gates, and the runtime level."""
 
     gates: list[GateResult]
@@ -85,11 +85,6 @@ class ConversionReport:
     runtime: ProfileRun | None  # its run, when it ran
     length: int
     implementations: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        """True when every conversion-level gate passed."""
-        return all_passed(self.gates)
 
 
 def _program_constant(precision: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -159,9 +159,15 @@ def json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-def all_passed(results: Iterable[GateResult]) -> bool:
-    """True when every result passed (and for none)."""
-    return all(r.passed for r in results)
+class Gated:
+    """A result holding its checked ``gates``: passed when every gate passed (and for none)."""
+
+    gates: list[GateResult]
+
+    @property
+    def passed(self) -> bool:
+        """True when every gate passed."""
+        return all(g.passed for g in self.gates)
 
 
 def first_few(names: list[str], shown: int = 3) -> str:

@@ -157,6 +157,18 @@ def _layer_chart_section(series: dict[str, list[float]], gates: list[dict[str, A
     ]
 
 
+# The slice table's figures: header -> `parity.metrics.Summary` field.
+_SLICE_COLUMNS = {
+    "argmax agreement": "argmax_agreement",
+    "max |dp|": "max_abs_dprob",
+    "max KL": "max_kl",
+    "mean KL": "mean_kl",
+    "top-k overlap": "mean_topk_overlap",
+    "max logit error": "max_logit_error",
+    "certified": "certified_share",
+}
+
+
 def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
     """The margin chart and the slice table of the runs compared per position."""
     if not runs:
@@ -175,25 +187,11 @@ def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
     }
     parts.append(margin_chart(points, "logit error against margin"))
     parts.append("<h2>Slices</h2>")
-    header = [
-        "implementation",
-        "slice",
-        "positions",
-        "argmax agreement",
-        "max |dp|",
-        "max KL",
-        "mean KL",
-        "top-k overlap",
-        "max logit error",
-        "certified",
-        "uncertified positions",
-    ]
-    keys = ["argmax_agreement", "max_abs_dprob", "max_kl", "mean_kl", "mean_topk_overlap"]
-    keys += ["max_logit_error", "certified_share"]
+    header = ["implementation", "slice", "positions", *_SLICE_COLUMNS, "uncertified positions"]
     rows = []
     for run in runs:
         for name, s in run.get("slices", {}).items():
-            cells = [_fmt(s[k]) if s["positions"] else "-" for k in keys]
+            cells = [_fmt(s[k]) if s["positions"] else "-" for k in _SLICE_COLUMNS.values()]
             rows.append(
                 [_fmt(run["implementation"]), _fmt(name), _fmt(s["positions"])]
                 + cells

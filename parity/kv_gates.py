@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity.gate import GateResult, Worst, first_few, gate
+from parity.gate import Gated, GateResult, Worst, first_few, gate
 from parity.kv_reference import Continuation, SpilledRows
 from parity.kv_session import CacheSession
 
@@ -29,17 +29,12 @@ STALE_STEPS = 8  # decode steps checked after a rejected draft
 
 
 @dataclass
-class KvParity:
+class KvParity(Gated):
     """The cache gates, the argmax flips they counted and per-fixture figures."""
 
     gates: list[GateResult] = field(default_factory=list)
     flips: list[str] = field(default_factory=list)
     rows: list[dict[str, object]] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all(g.passed for g in self.gates)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ import torch
 
 from graph_passes.stream_scale import FP16_MAX, StreamScaling
 from parity.fixtures import Batch
-from parity.gate import GateResult, all_passed, json_number
+from parity.gate import Gated, GateResult, json_number
 
 # Outputs by name: an encoder's task output under `OUTPUT`, a decision model's tail outputs
 # under graph_passes.decision.OUTPUT_NAMES.
@@ -84,7 +84,7 @@ class FixtureRow:
 
 
 @dataclass
-class ParityReport:
+class ParityReport(Gated):
     """Everything a parity run measured, and the verdict."""
 
     gates: list[GateResult]
@@ -94,11 +94,6 @@ class ParityReport:
     implementations: dict[str, str] = field(default_factory=dict)
     # Decoders: the measured ranges and the power-of-two scales chosen from them.
     stream: StreamScaling | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all_passed(self.gates)
 
 
 def rel_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
