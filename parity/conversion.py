@@ -10,7 +10,7 @@ The MIL evaluator runs the saved ``.mlpackage`` on the fixtures, in each numeric
   finite), with KL, top-k overlap, the argmax certificate and the slices reported;
 * ``mil-fp16-acc`` against the original model: the same figures, reported, not gated;
 
-and, on macOS only, Core ML's own predictions (``parity.runtime``); elsewhere that level is
+and, on macOS only, Core ML's own predictions (`availability`); elsewhere that level is
 marked not run.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,6 @@ import torch
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from graph_passes.markers import MarkerError, find_markers
-from parity import runtime
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch
 from parity.gate import Gated, GateResult, Worst, first_few, gate, worst_of
@@ -235,7 +235,7 @@ def check_conversion(
     status, runtime_run = _runtime_level(package, module, batches, references, feeds)
     implementations = {run.implementation: run.description for run in runs}
     if runtime_run is not None:
-        implementations[runtime.IMPLEMENTATION] = runtime_run.description
+        implementations[RUNTIME] = runtime_run.description
     return ConversionReport(
         gates, runs, markers, status, runtime_run, module.io.length, implementations
     )
@@ -396,6 +396,27 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
     return gates
 
 
+# ---- the Core ML runtime level: predictions of the emitted package with CPU_AND_NE, macOS only --
+# On any other platform it reports "not run on this platform" and produces no figures, never a
+# substitute. Requesting CPU_AND_NE does not show where ops ran (SPEC section 5): these outputs
+# say what Core ML computed, not which engine computed it.
+
+NOT_RUN = "not run on this platform"
+RUNTIME = "coreml-cpu-and-ne"  # the runtime level's implementation
+
+
+def availability() -> tuple[bool, str]:
+    """Whether Core ML can run here, and why not when it cannot."""
+    system = f"{platform.system()} {platform.machine()}"
+    if platform.system() != "Darwin":
+        return False, f"{NOT_RUN} ({system}): Core ML predictions need macOS"
+    try:
+        import coremltools.libcoremlpython  # noqa: F401
+    except ImportError as e:
+        return False, f"{NOT_RUN} ({system}): coremltools cannot load Core ML: {e}"
+    return True, f"Core ML on {system}, compute units CPU_AND_NE"
+
+
 def _runtime_level(
     package: Path,
     module: BC1LDecoder,
@@ -403,18 +424,19 @@ def _runtime_level(
     references: dict[str, ReferenceRun],
     feeds: list[tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]],
 ) -> tuple[str, ProfileRun | None]:
-    available, status = runtime.availability()
+    available, status = availability()
     if not available:
         return status, None
     if module.io.output != "logits":  # Core ML returns the outputs only: no logits to compare
         return f"{status}; not compared: io.output {module.io.output} returns no logits", None
-    predict = runtime.predictor(package)
+    import coremltools as ct
+
+    model: Any = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.CPU_AND_NE)
     start = time.perf_counter()
-    results = [Evaluation(predict(feed), {}) for feed, _, _ in feeds]
+    predicted = [model.predict(feed) for feed, _, _ in feeds]
+    results = [Evaluation({k: np.asarray(v) for k, v in p.items()}, {}) for p in predicted]
     seconds = time.perf_counter() - start
     description = f"Core ML predictions ({status}); placement not observed"
-    run = _compare(
-        runtime.IMPLEMENTATION, description, module, batches, results, [], references, {}
-    )
+    run = _compare(RUNTIME, description, module, batches, results, [], references, {})
     run.layer_rel_error, run.seconds = [], seconds
     return status, run

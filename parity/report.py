@@ -12,9 +12,8 @@ import dataclasses
 from typing import Any
 
 from graph_passes.stream_scale import FP16_MAX, LIMIT, StreamScaling
-from parity import runtime
-from parity.conversion import MODULE_BASELINE, ConversionReport, ProfileRun
-from parity.gate import GateResult, json_number
+from parity.conversion import MODULE_BASELINE, RUNTIME, ConversionReport, ProfileRun
+from parity.gate import GateResult, first_few, json_number
 from parity.metrics import slices
 from parity.result import ParityReport, clean_json, rows_to_json
 
@@ -155,7 +154,7 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
 
     runtime_doc: dict[str, Any] = {
         "level": "runtime",
-        "implementation": runtime.IMPLEMENTATION,
+        "implementation": RUNTIME,
         "status": report.runtime_status,
     }
     if report.runtime is not None:
@@ -165,9 +164,7 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
         level_row("conversion", run.implementation, run.baseline, gated=run.implementation in gated)
         for run in report.runs
     ]
-    levels.append(
-        level_row("runtime", runtime.IMPLEMENTATION, "reference", report.runtime_status, False)
-    )
+    levels.append(level_row("runtime", RUNTIME, "reference", report.runtime_status, False))
     return {
         "levels": levels,
         "conversion": {
@@ -202,9 +199,7 @@ def conversion_to_text(report: ConversionReport) -> str:
                     f"{s.certified_share:.1%}"
                 )
         if summary.uncertified:
-            shown = ", ".join(summary.uncertified[:10])
-            more = len(summary.uncertified) - 10
-            lines.append(f"      uncertified: {shown}" + (f" and {more} more" if more > 0 else ""))
+            lines.append(f"      uncertified: {first_few(summary.uncertified, 10)}")
     lines.append(f"Runtime level (Core ML): {report.runtime_status}")
     names = [run.implementation for run in report.runs if run.layer_rel_error]
     if names:
