@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity.gate import Gated, GateResult, Worst, first_few, gate
-from parity.kv_reference import Continuation, SpilledRows
 from parity.kv_session import CacheSession
+from parity.reference import Continuation, SpilledRows
 
 LEVEL = "kv-cache"
 MARGIN = 0.5  # argmax must agree where the reference's top1 - top2 exceeds this

@@ -31,10 +31,10 @@ from graph_passes.markers import MarkerError, find_markers
 from graph_passes.model import Block
 from parity.conversion import fp64_head, fp64_piece, rel_error_np
 from parity.gate import GateResult, Worst, gate
-from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16
 from parity.model_copies import set_weights
+from parity.reference import Continuation
 
 PROFILE = "fp32"
 # A compressed variant's decoded weights by window-module parameter name (None: the module's).

@@ -29,8 +29,8 @@ from converter.evidence import Evidence
 from converter.generate import Runtime, greedy
 from parity.gate import Worst, first_few, gate
 from parity.kv_gates import LEVEL, MARGIN, decode_steps, extend_steps, extend_vs_decode
-from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession
+from parity.reference import Continuation
 
 DRIFT_FORMAT = "anec-extend-drift/1"
 

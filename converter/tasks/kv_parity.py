@@ -16,12 +16,11 @@ from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
 from parity.gate import GateResult, gate
-from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
-from parity.kv_reference import Continuation
-from parity.kv_session import CacheSession, MilFunctions, session_for
+from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
 from parity.mil.program import load_package
+from parity.reference import Continuation
 from parity.report import level_row
 
 
