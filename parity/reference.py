@@ -9,7 +9,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO, Protocol
+from typing import IO
 
 import numpy as np
 import torch
@@ -56,12 +56,6 @@ def run_reference(model: nn.Module, token_ids: tuple[int, ...]) -> ReferenceRun:
         ids = torch.tensor([token_ids], dtype=torch.int64)
         logits = model(input_ids=ids, use_cache=False).logits[0]
     return ReferenceRun(hidden=hidden, logits=logits.detach().float())
-
-
-class Rows(Protocol):
-    """Rows of logits by index (an array, or `SpilledRows`)."""
-
-    def __getitem__(self, row: int) -> np.ndarray: ...
 
 
 class SpilledRows:
@@ -122,8 +116,8 @@ class Continuation:
     prompt: tuple[int, ...]
     ids: tuple[int, ...]  # prompt + continuation
     # (len(ids) - len(prompt) + 1, V) fp32: the full-recompute logits at positions
-    # len(prompt) - 1 .. len(ids) - 1 (each predicts the next token).
-    logits: Rows
+    # len(prompt) - 1 .. len(ids) - 1 (each predicts the next token); rows read by index.
+    logits: np.ndarray | SpilledRows
 
     def reference(self, position: int) -> np.ndarray:
         """The reference logits (V,) at ``position`` (>= len(prompt) - 1)."""
