@@ -10,8 +10,8 @@ The MIL evaluator runs the saved ``.mlpackage`` on the fixtures, in each numeric
   finite), with KL, top-k overlap, the argmax certificate and the slices reported;
 * ``mil-fp16-acc`` against the original model: the same figures, reported, not gated;
 
-and, on macOS only, Core ML's own predictions (`availability`); elsewhere that level is
-marked not run.
+and, on macOS only, Core ML's own predictions (the runtime level, `_runtime_level`); elsewhere
+that level is marked not run.
 """
 
 from __future__ import annotations
