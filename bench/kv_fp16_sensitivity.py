@@ -4,7 +4,7 @@
 
 For issue 22's Gemma 3 state-cache gates. Takes the recipe's ``--prompt``-th fixture prompt,
 its greedy continuation of ``--steps`` tokens by the original model in fp32 and the full
-recompute's logits (``parity.kv_reference.continuation``, as the cache gates do), then runs
+recompute's logits (``parity.reference.continuation``, as the cache gates do), then runs
 the rewritten model's layers over the whole sequence in one call through the cached module's
 own layer code (an empty cache, each local layer's window mask), in fp32 and cast to fp16 with
 the torch levels' settings. Prints, per run, the largest |logit error| against the reference,
@@ -26,9 +26,9 @@ from converter.recipe.loader import load_recipe
 from converter.tasks.text_generation import Rewrite, rewrite_decoder
 from graph_passes.cache_host import CallShape, call_inputs
 from graph_passes.cached_decoder import CachedDecoder, CacheIO
-from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import rope_rows
 from parity.model_copies import cast_copy
+from parity.reference import Continuation, continuation, originals
 from parity.torch_settings import parity_torch
 
 HEAD_POSITIONS = 64  # the LM head over this many positions at a time (V x 64 fp32 logits)

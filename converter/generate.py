@@ -25,8 +25,15 @@ import numpy as np
 from converter.errors import InputError
 from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
-from parity.kv_chain import ChunkMeta, MilChain, chain_runner
-from parity.kv_session import CacheSession, FunctionRunner, FunctionShape, MilFunctions
+from parity.kv_session import (
+    CacheSession,
+    ChunkMeta,
+    FunctionRunner,
+    FunctionShape,
+    MilChain,
+    MilFunctions,
+    chain_runner,
+)
 
 
 @dataclass
@@ -124,7 +131,7 @@ def chunk_of(entry: dict[str, Any], layers: int) -> ChunkMeta:
 
 def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:
     """Sessions run by the MIL evaluator (functions prepared once, a fresh state each); a
-    chunked decoder's chunks run as one chain (`parity.kv_chain`)."""
+    chunked decoder's chunks run as one chain (`parity.kv_session`)."""
     from parity.mil.program import load_package
 
     mil: MilFunctions | MilChain

@@ -176,7 +176,7 @@ class CachedDecoder(nn.Module):
 
     def model_cache_shape(self) -> tuple[int, int, int, int]:
         """(2N, KV, S, d) over every layer of the model, whichever chunk this is: the
-        one-package layout a chunked decoder's host loop keeps (`parity.kv_chain`)."""
+        one-package layout a chunked decoder's host loop keeps (`parity.kv_session`)."""
         n = self.spec.num_layers
         return (2 * n, self.kv_heads, self.io.cache_length, self.head_dim)
 

@@ -1,7 +1,7 @@
 """A compressed decoder variant's `VariantKind` (``parity.variant``): logits per held-out text.
 
 ``torch-fp16`` scores every real position of each held-out text; ``mil-fp16`` with
-``mil_positions: all`` the program's all-positions copy (``parity.compression_positions``: the
+``mil_positions: all`` the program's all-positions copy (`all_positions`: the
 same weights, the last-position slice removed) on every real position of each text, one
 evaluation per text, with a number n the emitted program on each text's last n prefixes;
 ``mil-fp32`` is the program against the torch module with the same decoded weights. Per
@@ -20,8 +20,6 @@ import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
-from parity.compression_metrics import psnr_db
-from parity.compression_positions import all_positions
 from parity.conversion import input_dtypes, program_feed
 from parity.decoder_gates import module_inputs, run_module
 from parity.fixtures import Fixture, make_batches
@@ -43,6 +41,7 @@ from parity.variant import (
     Wrap,
     decoded_alike,
     evaluator_weights,
+    psnr_db,
 )
 
 Logits = dict[str, torch.Tensor]  # fixture or window name -> (positions, V) fp32
@@ -59,14 +58,10 @@ class HeldOut(HeldOutSlice):
     window_source: dict[str, tuple[str, int]]  # window -> (text fixture, its last position)
     all_positions: bool = False  # MIL level through the all-positions program, a window a text
 
-    @property
-    def positions(self) -> int:
-        """Scored positions per level: every real token of every text."""
-        return sum(len(f.token_ids) for f in self.fixtures)
-
     def about(self) -> tuple[dict[str, Any], str]:
-        """The texts, their scored positions and what the MIL level evaluates."""
-        texts, positions = len(self.fixtures), self.positions
+        """The texts, their scored positions (every real token of every text, per level) and
+        what the MIL level evaluates."""
+        texts, positions = len(self.fixtures), sum(len(f.token_ids) for f in self.fixtures)
         mil = "every position (all-positions program)" if self.all_positions else "windows"
         about = {"source": self.source, "texts": texts, "positions": positions, "mil": mil}
         line = f"held-out slice: {self.source}; {texts} texts, {positions} positions"
@@ -79,15 +74,14 @@ def torch_logits(module: BC1LDecoder, decoded: dict[str, np.ndarray], held_out: 
     in fp16 (inside ``wrap(module)`` when given, e.g. activation fake-quantization hooks)."""
     run = with_weights(module, decoded, torch.float16)
     length = module.io.length
-    out: Logits = {}
     (batch,) = make_batches(held_out.fixtures, len(held_out.fixtures), length, held_out.pad_id)
     x, mask = module_inputs(run, batch, embed_table, torch.float16)
     with wrap(run) if wrap is not None else contextlib.nullcontext():
         _, logits = run_module(run, x, mask)
-    for r, fixture in enumerate(batch.fixtures):
-        n = len(fixture.token_ids)
-        out[fixture.name] = logits[r, :, 0, length - n :].T.float()
-    return out
+    return {
+        f.name: logits[r, :, 0, length - len(f.token_ids) :].T.float()
+        for r, f in enumerate(batch.fixtures)
+    }
 
 
 def mil_logits(evaluator: Any, module: BC1LDecoder, held_out: HeldOut, embed_table: torch.Tensor,
@@ -300,3 +294,68 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
         want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
         worst = max(worst, rel_error(have, want))
     return worst, mismatched
+
+
+# ---- the all-positions copy of a decoder program, for scoring a variant at MIL level ----------
+# A draft program returns logits at its last ``n`` window positions only (``io.logits: last``):
+# the last layer's output is cut by one ``slice_by_index`` on the position axis before the final
+# norm and the LM head. Scoring 1,000 held-out positions through it would take 1,000
+# evaluations, one per prefix. Instead the same program - the same constant and ``constexpr_*``
+# ops, so byte-identical weights - has that one slice removed and every later op's output type
+# re-inferred: one evaluation then scores every position of a window. Nothing else changes: the
+# final norm and the LM head act per position, so each position's logits are the ones the
+# emitted program computes when that position is the last.
+
+POSITION_AXIS = 3  # BC1L: (batch, channels, 1, length)
+# The logit outputs: (batch, positions, 1, V_k), the vocabulary last (graph_passes.logits_layout).
+OUTPUT_POSITION_AXIS = 1
+
+
+class NotALastPositionProgram(ValueError):
+    """The program has no single position slice before its head."""
+
+
+def position_slice(function: Any) -> Any | None:
+    """The op cutting the last layer's output to the last window positions, or None when the
+    function already returns every position. Raises when more than one op could be it."""
+    found = []
+    for op in function.operations:
+        if op.op_type != "slice_by_index":
+            continue
+        x = op.inputs["x"]
+        if x.rank != 4 or op.outputs[0].shape[POSITION_AXIS] == x.shape[POSITION_AXIS]:
+            continue
+        begin = np.asarray(op.inputs["begin"].val)
+        if not np.all(begin[:POSITION_AXIS] == 0):
+            continue
+        if op.outputs[0].shape[:POSITION_AXIS] != x.shape[:POSITION_AXIS]:
+            continue
+        found.append(op)
+    if len(found) > 1:
+        names = ", ".join(op.name for op in found)
+        raise NotALastPositionProgram(f"{len(found)} position slices ({names}); expected one")
+    return found[0] if found else None
+
+
+def all_positions(program: Any, function: str = "main") -> int:
+    """Remove ``function``'s last-position slice in place and re-infer every later op's output
+    type; returns how many positions the outputs now hold. Constants are not touched."""
+    f = program.functions[function]
+    op = position_slice(f)
+    if op is None:
+        return int(f.outputs[0].shape[OUTPUT_POSITION_AXIS])
+    source, cut = op.inputs["x"], op.outputs[0]
+    ops = list(f.operations)
+    later = ops[ops.index(op) + 1 :]
+    f.replace_uses_of_var_after_op(
+        anchor_op=op, old_var=cut, new_var=source, no_check_var_types=True
+    )
+    f.remove_ops([op])
+    with f:  # coremltools' type inference may build helper values inside the function
+        for child in later:
+            if child.op_type != "const":
+                child.type_value_inference(overwrite_output=True)
+    positions = {int(v.shape[OUTPUT_POSITION_AXIS]) for v in f.outputs}
+    if positions != {int(source.shape[POSITION_AXIS])}:
+        raise NotALastPositionProgram(f"outputs hold {sorted(positions)} positions after the cut")
+    return positions.pop()

@@ -21,7 +21,7 @@ from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, first_few, gate, stability_gates, worst_of
-from parity.measure import Measured, measure
+from parity.measure import Measured, measure, worst_gate
 from parity.model_copies import cast_copy
 from parity.reference import ReferenceRun
 from parity.result import (
@@ -131,27 +131,17 @@ def _gates(m32: Measured, m16: Measured, rows: list[FixtureRow], thresholds: Thr
     logits = worst_of((row.fp32_logits_rel_error, row.name) for row in rows)
     dprob = worst_of((row.fp16_max_abs_dprob, row.name) for row in rows)
     return [
-        gate("torch-fp32", "fp32_layer_rel_error").check(
-            m32.worst_layer.value,
-            thresholds.fp32_layer_rel_error,
-            where=m32.worst_layer.where,
-            detail="max over layers and fixtures of ||h'-h||/||h|| at real positions",
-        ),
-        gate("torch-fp32", "fp32_logits_rel_error").check(
-            logits.value, thresholds.fp32_logits_rel_error, where=logits.where
-        ),
+        worst_gate("torch-fp32", "fp32_layer_rel_error", thresholds, m32.worst_layer,
+                   detail="max over layers and fixtures of ||h'-h||/||h|| at real positions"),
+        worst_gate("torch-fp32", "fp32_logits_rel_error", thresholds, logits),
         gate("torch-fp16", "fp16_argmax_agreement").check(
             agree / total if total else math.nan,
             thresholds.fp16_argmax_agreement,
             where=first_few(flipped),
             detail=f"{agree}/{total} real positions",
         ),
-        gate("torch-fp16", "fp16_max_abs_dprob").check(
-            dprob.value,
-            thresholds.fp16_max_abs_dprob,
-            where=dprob.where,
-            detail="softmax at T=1 over the whole vocabulary, real positions",
-        ),
+        worst_gate("torch-fp16", "fp16_max_abs_dprob", thresholds, dprob,
+                   detail="softmax at T=1 over the whole vocabulary, real positions"),
         *stability_gates("torch-fp16", "torch-fp16", m16.finite, m16.deterministic,
                          "every layer and logit, padded positions included"),
     ]  # fmt: skip

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from graph_passes.encoder import BC1LEncoder
-from parity.compression_metrics import psnr_db
 from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch
@@ -36,6 +35,7 @@ from parity.variant import (
     VariantLevel,
     decoded_alike,
     evaluator_weights,
+    psnr_db,
 )
 
 SentenceOutputs = dict[str, torch.Tensor]  # held-out sentence -> its task output (real part), fp32

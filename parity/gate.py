@@ -17,10 +17,11 @@ list it in the README's gate table (a test compares the table with this registry
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 Level = Literal[
     "torch-fp32",
@@ -32,7 +33,6 @@ Level = Literal[
     "plan",
     "recheck",
 ]
-LEVELS: tuple[Level, ...] = get_args(Level)
 
 
 class Comparison(str, Enum):
@@ -44,11 +44,9 @@ class Comparison(str, Enum):
 
     def holds(self, value: float, threshold: float) -> bool:
         """True when ``value`` satisfies the comparison (never for NaN)."""
-        if self is Comparison.AT_MOST:
-            return value <= threshold
-        if self is Comparison.AT_LEAST:
-            return value >= threshold
-        return value == threshold
+        return {"<=": operator.le, ">=": operator.ge, "==": operator.eq}[self.value](
+            value, threshold
+        )
 
 
 @dataclass(frozen=True)
@@ -161,9 +159,15 @@ def json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-def all_passed(results: Iterable[GateResult]) -> bool:
-    """True when every result passed (and for none)."""
-    return all(r.passed for r in results)
+class Gated:
+    """A result holding its checked ``gates``: passed when every gate passed (and for none)."""
+
+    gates: list[GateResult]
+
+    @property
+    def passed(self) -> bool:
+        """True when every gate passed."""
+        return all(g.passed for g in self.gates)
 
 
 def first_few(names: list[str], shown: int = 3) -> str:

@@ -4,11 +4,11 @@ document as ``parity.json`` so a report can be rendered again from the JSON alon
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from parity.stream_report import RANGE_SERIES
-from parity.svg import layer_chart, margin_chart
+from parity.report import RANGE_SERIES
 
 # The gates whose thresholds the per-layer chart draws (parity.gate's names).
 PER_LAYER_GATES = ("fp32_layer_rel_error", "mil_fp32_layer_rel_error")
@@ -23,17 +23,11 @@ th { background: #f4f4f4; }
 """
 
 
-def _num(value: Any) -> float:
-    if isinstance(value, str):
-        return float(value)  # "inf" / "nan" as JSON spells them
-    return float(value)
-
-
 def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, int | float) or (isinstance(value, str) and value in ("inf", "nan")):
-        v = _num(value)
+        v = float(value)
         return f"{v:.4g}" if math.isfinite(v) else str(v)
     if isinstance(value, list):
         return ", ".join(escape(str(v)) for v in value) if value else "-"
@@ -54,20 +48,20 @@ def _layer_series(doc: dict[str, Any]) -> dict[str, list[float]]:
     series: dict[str, list[float]] = {}
     layers = doc.get("layers", [])
     if layers:
-        series["torch-fp32 vs reference"] = [_num(r["fp32_rel_error"]) for r in layers]
-        series["torch-fp16 vs reference"] = [_num(r["fp16_rel_error"]) for r in layers]
+        series["torch-fp32 vs reference"] = [float(r["fp32_rel_error"]) for r in layers]
+        series["torch-fp16 vs reference"] = [float(r["fp16_rel_error"]) for r in layers]
     for run in doc.get("conversion", {}).get("runs", []):
         if run.get("layer_rel_error"):
             label = f"{run['implementation']} vs " + (
                 "BC1L module (fp64)" if run["baseline"] != "reference" else "reference"
             )
-            series[label] = [_num(v) for v in run["layer_rel_error"]]
+            series[label] = [float(v) for v in run["layer_rel_error"]]
     return series
 
 
 def _stream_section(stream: dict[str, Any]) -> list[str]:
     series = {
-        label: [_num(row[key]) for row in stream["layers"]] for key, label in RANGE_SERIES.items()
+        label: [float(row[key]) for row in stream["layers"]] for key, label in RANGE_SERIES.items()
     }
     branches = ", ".join(f"{b['scale']:g} at {b['where']}" for b in stream["branch_scales"])
     return [
@@ -78,7 +72,7 @@ def _stream_section(stream: dict[str, Any]) -> list[str]:
         f"{stream['weights_to_fp16_zero']}.</p>",
         layer_chart(
             series,
-            {"fp16 max": _num(stream["fp16_max"]), "scaling limit": _num(stream["limit"])},
+            {"fp16 max": float(stream["fp16_max"]), "scaling limit": float(stream["limit"])},
             "largest |value| per layer",
             floor=1e-3,
             y_label="max |value|",
@@ -151,7 +145,7 @@ def _layer_chart_section(series: dict[str, list[float]], gates: list[dict[str, A
     if not series:
         return []
     thresholds = {
-        g["implementation"] + " gate": _num(g["threshold"])
+        g["implementation"] + " gate": float(g["threshold"])
         for g in gates
         if g["name"] in PER_LAYER_GATES
     }
@@ -161,6 +155,18 @@ def _layer_chart_section(series: dict[str, list[float]], gates: list[dict[str, A
         "Hollow points are clamped to the axis (0, inf or NaN).</p>",
         layer_chart(series, thresholds, "per-layer relative error"),
     ]
+
+
+# The slice table's figures: header -> `parity.metrics.Summary` field.
+_SLICE_COLUMNS = {
+    "argmax agreement": "argmax_agreement",
+    "max |dp|": "max_abs_dprob",
+    "max KL": "max_kl",
+    "mean KL": "mean_kl",
+    "top-k overlap": "mean_topk_overlap",
+    "max logit error": "max_logit_error",
+    "certified": "certified_share",
+}
 
 
 def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
@@ -175,31 +181,17 @@ def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
     ]
     points = {
         run["implementation"]: [
-            (_num(p["margin"]), _num(p["logit_error"])) for p in run["positions"]
+            (float(p["margin"]), float(p["logit_error"])) for p in run["positions"]
         ]
         for run in runs
     }
     parts.append(margin_chart(points, "logit error against margin"))
     parts.append("<h2>Slices</h2>")
-    header = [
-        "implementation",
-        "slice",
-        "positions",
-        "argmax agreement",
-        "max |dp|",
-        "max KL",
-        "mean KL",
-        "top-k overlap",
-        "max logit error",
-        "certified",
-        "uncertified positions",
-    ]
-    keys = ["argmax_agreement", "max_abs_dprob", "max_kl", "mean_kl", "mean_topk_overlap"]
-    keys += ["max_logit_error", "certified_share"]
+    header = ["implementation", "slice", "positions", *_SLICE_COLUMNS, "uncertified positions"]
     rows = []
     for run in runs:
         for name, s in run.get("slices", {}).items():
-            cells = [_fmt(s[k]) if s["positions"] else "-" for k in keys]
+            cells = [_fmt(s[k]) if s["positions"] else "-" for k in _SLICE_COLUMNS.values()]
             rows.append(
                 [_fmt(run["implementation"]), _fmt(name), _fmt(s["positions"])]
                 + cells
@@ -219,3 +211,163 @@ def _layer_table_section(series: dict[str, list[float]]) -> list[str]:
         for i in range(n)
     ]
     return ["<h2>Per-layer table</h2>", _table(["layer", *names], rows)]
+
+
+# ---- inline SVG charts (no plotting dependency) ------------------------------------------------
+# Log axes only: the figures plotted (relative errors, logit errors, margins) span decades.
+# Non-finite and non-positive values are clamped to the axis floor and drawn hollow.
+
+WIDTH, HEIGHT = 640, 300
+LEFT, RIGHT, TOP, BOTTOM = 64, 150, 16, 40
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
+
+
+def _range(values: Sequence[float], floor: float) -> tuple[float, float]:
+    good = [v for v in values if math.isfinite(v) and v > 0]
+    if not good:
+        return floor, floor * 10
+    low = max(min(good), floor)
+    high = max(max(good), low * 10)
+    return 10 ** math.floor(math.log10(low)), 10 ** math.ceil(math.log10(high))
+
+
+class _LogAxes:
+    def __init__(self, x_range: tuple[float, float] | None, y_range: tuple[float, float]):
+        self.x_range, self.y_range = x_range, y_range
+
+    def y(self, value: float) -> tuple[float, bool]:
+        """The pixel row of ``value``, and whether it was clamped to the axis (inf, NaN, 0)."""
+        low, high = self.y_range
+        if not math.isfinite(value):
+            v, clamped = high, True  # inf and NaN at the top, hollow
+        else:
+            v, clamped = min(max(value, low), high), not low <= value <= high
+        frac = (math.log10(v) - math.log10(low)) / (math.log10(high) - math.log10(low))
+        return TOP + (1 - frac) * (HEIGHT - TOP - BOTTOM), clamped
+
+    def x(self, value: float) -> float:
+        assert self.x_range is not None
+        low, high = self.x_range
+        v = min(max(value, low), high)
+        frac = (math.log10(v) - math.log10(low)) / (math.log10(high) - math.log10(low))
+        return LEFT + frac * (WIDTH - LEFT - RIGHT)
+
+    def frame(self, x_label: str, y_label: str, x_ticks: list[tuple[float, str]]) -> list[str]:
+        parts = [
+            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
+            f'height="{HEIGHT - TOP - BOTTOM}" fill="none" stroke="#999"/>'
+        ]
+        low, high = self.y_range
+        for exp in range(round(math.log10(low)), round(math.log10(high)) + 1):
+            y, _ = self.y(10.0**exp)
+            parts.append(
+                f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" '
+                f'stroke="#eee"/><text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" '
+                f'font-size="11">1e{exp}</text>'
+            )
+        for x, label in x_ticks:
+            parts.append(
+                f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle" '
+                f'font-size="11">{escape(label)}</text>'
+            )
+        parts.append(
+            f'<text x="{(LEFT + WIDTH - RIGHT) / 2}" y="{HEIGHT - 6}" text-anchor="middle" '
+            f'font-size="12">{escape(x_label)}</text>'
+            f'<text x="14" y="{(TOP + HEIGHT - BOTTOM) / 2}" text-anchor="middle" '
+            f'font-size="12" transform="rotate(-90 14 {(TOP + HEIGHT - BOTTOM) / 2})">'
+            f"{escape(y_label)}</text>"
+        )
+        return parts
+
+
+def _legend(names: Sequence[str]) -> list[str]:
+    parts = []
+    for i, name in enumerate(names):
+        y = TOP + 14 + 18 * i
+        parts.append(
+            f'<rect x="{WIDTH - RIGHT + 10}" y="{y - 9}" width="10" height="10" '
+            f'fill="{COLOURS[i % len(COLOURS)]}"/><text x="{WIDTH - RIGHT + 26}" y="{y}" '
+            f'font-size="11">{escape(name)}</text>'
+        )
+    return parts
+
+
+def _svg(parts: list[str], title: str) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+        f'role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>'
+        + "".join(parts)
+        + "</svg>"
+    )
+
+
+def layer_chart(
+    series: dict[str, list[float]],
+    thresholds: dict[str, float],
+    title: str,
+    floor: float = 1e-9,
+    y_label: str = "relative error",
+) -> str:
+    """Per-layer values (one line per series) on a log y axis, thresholds as dashed lines."""
+    values = [v for s in series.values() for v in s] + list(thresholds.values())
+    axes = _LogAxes(None, _range(values, floor))
+    n = max((len(s) for s in series.values()), default=1)
+    span = WIDTH - LEFT - RIGHT
+
+    def x(i: int) -> float:
+        return LEFT + (i + 0.5) * span / n
+
+    ticks = [(x(i), str(i)) for i in range(n) if n <= 16 or i % max(1, n // 10) == 0]
+    parts = axes.frame("layer", y_label, ticks)
+    for i, (name, value) in enumerate(thresholds.items()):
+        y, _ = axes.y(value)
+        parts.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#555" '
+            f'stroke-dasharray="5,4"/><text x="{WIDTH - RIGHT - 4}" y="{y - 4 - 10 * i:.1f}" '
+            f'text-anchor="end" font-size="10">{escape(name)} {value:g}</text>'
+        )
+    for i, ys in enumerate(series.values()):
+        colour = COLOURS[i % len(COLOURS)]
+        points = [(x(j), *axes.y(v)) for j, v in enumerate(ys)]
+        path = " ".join(f"{px:.1f},{py:.1f}" for px, py, _ in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}"/>')
+        for px, py, clamped in points:
+            fill = "white" if clamped else colour
+            parts.append(
+                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.5" fill="{fill}" stroke="{colour}"/>'
+            )
+    return _svg(parts + _legend(list(series)), title)
+
+
+def margin_chart(series: dict[str, list[tuple[float, float]]], title: str) -> str:
+    """Logit error (y) against reference margin (x), log-log, with the line y = x / 2:
+    points below it are certified (margin > 2 delta)."""
+    xs = [m for pts in series.values() for m, _ in pts]
+    ys = [e for pts in series.values() for _, e in pts]
+    x_range = _range(xs, 1e-3)
+    y_range = _range(ys + [x_range[0] / 2, x_range[1] / 2], 1e-6)
+    axes = _LogAxes(x_range, y_range)
+    low, high = x_range
+    ticks = [
+        (axes.x(10.0**e), f"1e{e}")
+        for e in range(round(math.log10(low)), round(math.log10(high)) + 1)
+    ]
+    parts = axes.frame("reference margin top1 - top2 (logits)", "max |logit error|", ticks)
+    (x0, x1) = (low, high)
+    y0, _ = axes.y(x0 / 2)
+    y1, _ = axes.y(x1 / 2)
+    parts.append(
+        f'<line x1="{axes.x(x0):.1f}" y1="{y0:.1f}" x2="{axes.x(x1):.1f}" y2="{y1:.1f}" '
+        f'stroke="#555" stroke-dasharray="5,4"/><text x="{axes.x(x1) - 4:.1f}" '
+        f'y="{y1 + 14:.1f}" text-anchor="end" font-size="10">error = margin / 2</text>'
+    )
+    for i, pts in enumerate(series.values()):
+        colour = COLOURS[i % len(COLOURS)]
+        for margin, error in pts:
+            py, clamped = axes.y(error)
+            fill = "white" if clamped else colour
+            parts.append(
+                f'<circle cx="{axes.x(margin):.1f}" cy="{py:.1f}" r="2.5" fill="{fill}" '
+                f'fill-opacity="0.7" stroke="{colour}"/>'
+            )
+    return _svg(parts + _legend(list(series)), title)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity.gate import GateResult, Worst, first_few, gate
-from parity.kv_reference import Continuation, SpilledRows
+from parity.gate import Gated, GateResult, Worst, first_few, gate
 from parity.kv_session import CacheSession
+from parity.reference import Continuation, SpilledRows
 
 LEVEL = "kv-cache"
 MARGIN = 0.5  # argmax must agree where the reference's top1 - top2 exceeds this
@@ -29,17 +29,12 @@ STALE_STEPS = 8  # decode steps checked after a rejected draft
 
 
 @dataclass
-class KvParity:
+class KvParity(Gated):
     """The cache gates, the argmax flips they counted and per-fixture figures."""
 
     gates: list[GateResult] = field(default_factory=list)
     flips: list[str] = field(default_factory=list)
     rows: list[dict[str, object]] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all(g.passed for g in self.gates)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -65,11 +60,6 @@ def decode_steps(
         yield p, session.call("decode", [c.ids[p]])[:, -1]
 
 
-def sequential(session: CacheSession, c: Continuation, prefill: str) -> dict[int, np.ndarray]:
-    """`decode_steps`' logits by position."""
-    return dict(decode_steps(session, c, prefill))
-
-
 def extend_steps(
     session: CacheSession, c: Continuation, prefill: str, k: int
 ) -> Iterator[tuple[int, np.ndarray]]:
@@ -83,11 +73,6 @@ def extend_steps(
         for u in range(len(chunk)):
             yield p + u, logits[:, k - len(chunk) + u]
         p += len(chunk)
-
-
-def extended(session: CacheSession, c: Continuation, prefill: str, k: int) -> dict[int, np.ndarray]:
-    """`extend_steps`' logits by position."""
-    return dict(extend_steps(session, c, prefill, k))
 
 
 def extend_vs_decode(

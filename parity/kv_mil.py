@@ -29,12 +29,12 @@ from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import chunk_names, join_logits
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.model import Block
-from parity.conversion import fp64_piece, rel_error_np
+from parity.conversion import fp64_head, fp64_piece, rel_error_np
 from parity.gate import GateResult, Worst, gate
-from parity.kv_reference import Continuation
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16
 from parity.model_copies import set_weights
+from parity.reference import Continuation
 
 PROFILE = "fp32"
 # A compressed variant's decoded weights by window-module parameter name (None: the module's).
@@ -214,19 +214,13 @@ def _compare_logits(
 ) -> None:
     """The last chunk's logits: the final norm, then one LM-head chunk at a time in fp64."""
     window = next(iter(modules.values())).window
-    norm = _piece(window, window.final_norm, precision, weights)
     returned = [
         h[:, :, :, -1:] if modules[c.function].io.logits == "last" else h
         for c, h in zip(calls, hs, strict=True)
     ]
-    normed = [norm(h) for h in returned]
-    chunks: list[list[torch.Tensor]] = [[] for _ in calls]
-    for conv in window.lm_head:
-        piece = _piece(window, conv, precision, weights)
-        for b, h in enumerate(normed):
-            chunks[b].append(piece(h)[0, :, 0, :])  # (V_k, m)
-    for call, parts in zip(calls, chunks, strict=True):
-        want = torch.cat(parts).T  # (m, V)
+    heads = fp64_head(window, returned, lambda part: _piece(window, part, precision, weights))
+    for call, logits in zip(calls, heads, strict=True):
+        want = logits[0, :, 0, :].T  # (m, V)
         real = call.real[-want.shape[0] :]
         assert call.logits is not None
         mine = torch.from_numpy(real)

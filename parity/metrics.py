@@ -58,22 +58,7 @@ def compare_positions(
     k = min(TOP_K, ref.shape[-1])
     rows = []
     for i, pos in enumerate(positions):
-        if not bool(finite[i]):
-            rows.append(
-                PositionRow(
-                    fixture,
-                    slice_name,
-                    tokens,
-                    pos,
-                    float(top2[i, 0] - top2[i, 1]),
-                    math.inf,
-                    False,
-                    math.inf,
-                    math.inf,
-                    0.0,
-                )  # fmt: skip
-            )
-            continue
+        ok = bool(finite[i])  # a non-finite candidate: every figure at its worst
         log_cand = cand[i].log_softmax(-1)
         overlap = set(ref[i].topk(k).indices.tolist()) & set(cand[i].topk(k).indices.tolist())
         rows.append(
@@ -83,11 +68,13 @@ def compare_positions(
                 tokens=tokens,
                 position=pos,
                 margin=float(top2[i, 0] - top2[i, 1]),
-                logit_error=float((cand[i] - ref[i]).abs().max()),
-                argmax_kept=bool(cand[i].argmax() == ref[i].argmax()),
-                abs_dprob=float((log_cand.exp() - p_ref[i]).abs().max()),
-                kl=float((p_ref[i] * (log_ref[i] - log_cand)).sum().clamp_min(0.0)),
-                topk_overlap=len(overlap) / k,
+                logit_error=float((cand[i] - ref[i]).abs().max()) if ok else math.inf,
+                argmax_kept=ok and bool(cand[i].argmax() == ref[i].argmax()),
+                abs_dprob=float((log_cand.exp() - p_ref[i]).abs().max()) if ok else math.inf,
+                kl=float((p_ref[i] * (log_ref[i] - log_cand)).sum().clamp_min(0.0))
+                if ok
+                else math.inf,
+                topk_overlap=len(overlap) / k if ok else 0.0,
             )
         )
     return rows

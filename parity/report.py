@@ -1,12 +1,21 @@
-"""Parity reports: JSON for machines, a text table for people."""
+"""Parity reports: one document (``parity.json``, rendered as ``parity.txt`` and
+``parity.html``) covering every level, each number labelled with the implementation that
+produced it: the rewrite (torch fp32 and fp16 against the original), the conversion (the
+emitted program in the MIL evaluator: what `parity.conversion` measured, its gates rendered
+with the torch levels'), the Core ML runtime (macOS only, otherwise marked not run), and the
+residual stream's measured range with the power-of-two scales chosen from it
+(`graph_passes.stream_scale`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from parity.gate import GateResult, json_number
-from parity.result import ParityReport, rows_to_json
-from parity.stream_report import stream_to_json, stream_to_text
+from graph_passes.stream_scale import FP16_MAX, LIMIT, StreamScaling
+from parity.conversion import MODULE_BASELINE, RUNTIME, ConversionReport, ProfileRun
+from parity.gate import GateResult, first_few, json_number
+from parity.metrics import slices
+from parity.result import ParityReport, clean_json, rows_to_json
 
 SCHEMA_VERSION = 1
 
@@ -62,3 +71,180 @@ def report_to_text(report: ParityReport) -> str:
             f"{f.fp16_max_abs_dprob:>7.4f}  {f.certified_positions}/{f.tokens}"
         )
     return "\n".join(lines)
+
+
+RANGE_SERIES = {
+    "stream": "residual stream",
+    "attention_out": "attention output",
+    "mlp_product": "act(gate) * up",
+    "mlp_out": "down projection output",
+    "projections": "q/k/v, gate/up outputs",
+}
+MEASURED_ON = (
+    "largest |value| per layer, fp32, the checkpoint's scale, on every fixture position "
+    "(padding included)"
+)
+
+
+def stream_to_json(scaling: StreamScaling) -> dict[str, Any]:
+    """The ``stream`` section of parity.json."""
+    return {
+        "measured_on": MEASURED_ON,
+        "limit": LIMIT,
+        "fp16_max": FP16_MAX,
+        "scale": scaling.scale,
+        "peak": scaling.peak,
+        "branch_scales": [{**dataclasses.asdict(b), "where": b.where} for b in scaling.branches],
+        "layers": [dataclasses.asdict(row) for row in scaling.layers],
+        "scaled_tensors": [dataclasses.asdict(t) for t in scaling.tensors],
+        "weights_to_fp16_subnormal": scaling.to_subnormal,
+        "weights_to_fp16_zero": scaling.to_zero,
+    }
+
+
+def stream_to_text(scaling: StreamScaling) -> str:
+    """The range table and the chosen scales, for parity.txt."""
+    lines = [
+        f"Residual stream range ({MEASURED_ON}); values above {LIMIT:g} are scaled by powers "
+        "of two:",
+        f"  stream scale s = {scaling.scale:g} (peak |h| {scaling.peak:.1f}, "
+        f"{FP16_MAX / max(scaling.peak * scaling.scale, 1e-30):.2f}x below fp16's largest "
+        "value once scaled)",
+    ]
+    for b in scaling.branches:
+        lines.append(
+            f"  branch scale {b.scale:g} at {b.where} (layer {b.layer} {b.branch}: "
+            f"{b.measured:.1f} inside the branch)"
+        )
+    if scaling.tensors:
+        lines.append(
+            f"  scaled weights pushed into fp16 subnormals: {scaling.to_subnormal}, to zero: "
+            f"{scaling.to_zero} (over {len(scaling.tensors)} tensors)"
+        )
+    lines.append("layer  " + "  ".join(f"{name:>12}" for name in RANGE_SERIES))
+    for row in scaling.layers:
+        values = "  ".join(f"{getattr(row, key):>12.1f}" for key in RANGE_SERIES)
+        lines.append(f"{row.layer:>5}  {values}")
+    return "\n".join(lines)
+
+
+def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
+    """The conversion and runtime levels as JSON-ready data (inf spelt as a string)."""
+
+    def run_doc(run: ProfileRun) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "implementation": run.implementation,
+            "baseline": run.baseline,
+            "description": run.description,
+            "status": "run",
+            "finite": run.finite,
+            "layer_rel_error": [json_number(v) for v in run.layer_rel_error],
+            "logits_rel_error": json_number(run.logits_rel_error),
+        }
+        if run.positions:
+            doc["slices"] = {
+                name: clean_json(vars(s))
+                for name, s in slices(run.positions, report.length).items()
+            }
+            doc["positions"] = [
+                row_doc | {"certified": row.certified}
+                for row_doc, row in zip(rows_to_json(run.positions), run.positions, strict=True)
+            ]
+        return doc
+
+    runtime_doc: dict[str, Any] = {
+        "level": "runtime",
+        "implementation": RUNTIME,
+        "status": report.runtime_status,
+    }
+    if report.runtime is not None:
+        runtime_doc |= run_doc(report.runtime) | {"status": report.runtime_status}
+    gated = {g.implementation for g in report.gates}
+    levels = [
+        level_row("conversion", run.implementation, run.baseline, gated=run.implementation in gated)
+        for run in report.runs
+    ]
+    levels.append(level_row("runtime", RUNTIME, "reference", report.runtime_status, False))
+    return {
+        "levels": levels,
+        "conversion": {
+            "markers": report.markers,
+            "runs": [{"level": "conversion"} | run_doc(run) for run in report.runs],
+        },
+        "runtime": runtime_doc,
+    }
+
+
+def conversion_to_text(report: ConversionReport) -> str:
+    """A readable summary of the conversion and runtime levels."""
+    lines = ["Conversion level (the emitted program, MIL evaluator):"]
+    for run in report.runs:
+        summary = run.summary()
+        line = (
+            f"  {run.implementation:<13} worst layer {max(run.layer_rel_error, default=0):.3g}"
+            f"  logits {run.logits_rel_error:.3g}  finite {'yes' if run.finite else 'NO'}"
+        )
+        if summary.positions:
+            line += (
+                f"  argmax {summary.argmax_agreement:.1%}  max|dp| {summary.max_abs_dprob:.3g}"
+                f"  max KL {summary.max_kl:.3g}  certified {summary.certified_share:.1%}"
+            )
+        against = "BC1L module (fp64)" if run.baseline == MODULE_BASELINE else run.baseline
+        lines.append(line + f"  (against {against})")
+        for name, s in slices(run.positions, report.length).items() if run.positions else []:
+            if name != "all" and s.positions:
+                lines.append(
+                    f"      slice {name:<16} {s.positions:>4} positions  argmax "
+                    f"{s.argmax_agreement:.1%}  max|dp| {s.max_abs_dprob:.3g}  certified "
+                    f"{s.certified_share:.1%}"
+                )
+        if summary.uncertified:
+            lines.append(f"      uncertified: {first_few(summary.uncertified, 10)}")
+    lines.append(f"Runtime level (Core ML): {report.runtime_status}")
+    names = [run.implementation for run in report.runs if run.layer_rel_error]
+    if names:
+        lines.append("")
+        lines.append("layer  " + "  ".join(f"{n:>13}" for n in names))
+        for i in range(len(report.runs[0].layer_rel_error)):
+            cells = [
+                f"{run.layer_rel_error[i]:>13.3g}" for run in report.runs if run.layer_rel_error
+            ]
+            lines.append(f"{i:>5}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def level_row(
+    level: str, implementation: str, against: str, status: str = "run", gated: bool = True
+) -> dict[str, Any]:
+    """One row of the levels table (parity.json ``levels``, parity.html's table)."""
+    return dict(
+        level=level, implementation=implementation, against=against, status=status, gated=gated
+    )
+
+
+def parity_document(
+    report: ParityReport,
+    conversion: ConversionReport | None,
+    extra: dict[str, Any],
+    levels: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The JSON document. ``levels`` lists the levels run instead of the conversion level (a
+    cached decoder's cache level); without either, the conversion level says why it did not
+    run (a torch gate failed, or it has not run yet)."""
+    doc = report_to_json(report, extra)
+    table = [level_row("rewrite", name, "reference") for name in ("torch-fp32", "torch-fp16")]
+    if conversion is not None:
+        conv = conversion_to_json(conversion)
+        table += conv.pop("levels")
+        doc |= conv
+    elif levels:
+        table += levels
+    else:
+        status = (
+            "not run yet: the torch levels passed, the program is converted next"
+            if report.passed
+            else "not run: a torch-level gate failed, nothing was converted"
+        )
+        table.append(level_row("conversion", "mil", "-", status))
+    doc["levels"] = table
+    return doc

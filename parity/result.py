@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graph_passes.stream_scale import StreamScaling
+from graph_passes.stream_scale import FP16_MAX, StreamScaling
 from parity.fixtures import Batch
-from parity.gate import GateResult, all_passed, json_number
+from parity.gate import Gated, GateResult, json_number
 
 # Outputs by name: an encoder's task output under `OUTPUT`, a decision model's tail outputs
 # under graph_passes.decision.OUTPUT_NAMES.
@@ -26,7 +26,6 @@ OUTPUT = "output"
 # outputs (`parity.measure`).
 Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 
-FP16_MAX = 65504.0
 # Diagnostic only (names the layer where an fp16 failure starts; gates are in the recipe):
 # fp16 storage alone gives relative errors around 1e-3, so 1e-2 marks a real divergence.
 FP16_DIVERGENCE = 1e-2
@@ -85,7 +84,7 @@ class FixtureRow:
 
 
 @dataclass
-class ParityReport:
+class ParityReport(Gated):
     """Everything a parity run measured, and the verdict."""
 
     gates: list[GateResult]
@@ -95,11 +94,6 @@ class ParityReport:
     implementations: dict[str, str] = field(default_factory=dict)
     # Decoders: the measured ranges and the power-of-two scales chosen from them.
     stream: StreamScaling | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all_passed(self.gates)
 
 
 def rel_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:

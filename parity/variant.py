@@ -14,12 +14,13 @@ weights elsewhere: compression lives in the weights alone, so only rounding may 
 `VariantKind` is that core; a model kind is a small subclass saying how a level runs, what it
 compares and how a comparison reads: a decoder variant per held-out position
 (``parity.compression_gates``), an encoder variant per held-out sentence
-(``parity.encoder_compression_gates``); both report each compared vector's PSNR
-(``parity.compression_metrics``).
+(``parity.encoder_compression_gates``); both report each compared vector's PSNR (`psnr_db`).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,17 +29,15 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from parity.compression_metrics import PsnrSummary, summarize_psnr
 from parity.fixtures import Fixture
-from parity.gate import GateResult, all_passed, gate
+from parity.gate import Gated, GateResult, gate
 from parity.memory import release_memory
 from parity.report import gate_line
-from parity.result import clean_json
+from parity.result import Outputs, clean_json  # held-out text, window or sentence -> output
 
 # The levels a variant is scored at, in order: torch with the decoded weights, then the
 # emitted program in anec's MIL evaluator.
 LEVELS = ("torch-fp16", "mil-fp16")
-Outputs = dict[str, torch.Tensor]  # held-out text, window or sentence -> its output, fp32
 Advance = Callable[[], None]
 Wrap = Callable[[torch.nn.Module], Any]  # a module -> a context manager changing how it runs
 
@@ -70,6 +69,62 @@ class HeldOutSlice:
     def about(self) -> tuple[dict[str, Any], str]:
         """The slice for parity.json, and in words (parity.txt's first line)."""
         raise NotImplementedError
+
+
+# ---- PSNR: the figure Apple's Core AI export gates 4-bit weights on (PSNR >= 35 dB) ---------
+# ``psnr_db = 20 log10(max|z_ref| / RMS(z - z_ref))`` over one position's full logit vector (a
+# decoder) or one sentence's task output (an encoder): the error's RMS against the reference's
+# peak. Identical outputs give +inf; a non-finite candidate gives -inf.
+
+
+def psnr_db(candidate: torch.Tensor, reference: torch.Tensor) -> list[float]:
+    """PSNR in dB of each row (the last axis is one output vector) of ``candidate``."""
+    cand, ref = candidate.double(), reference.double()
+    if cand.dim() == 1:
+        cand, ref = cand[None], ref[None]
+    cand, ref = cand.reshape(-1, cand.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    peak = ref.abs().amax(-1)
+    rms = (cand - ref).pow(2).mean(-1).sqrt()
+    out = []
+    finite = torch.isfinite(cand).all(-1).tolist()
+    for p, r, ok in zip(peak.tolist(), rms.tolist(), finite, strict=True):
+        if not ok:
+            out.append(-math.inf)
+        elif r == 0.0:
+            out.append(math.inf)
+        else:
+            out.append(20.0 * math.log10(p / r) if p > 0 else -math.inf)
+    return out
+
+
+@dataclass(frozen=True)
+class PsnrSummary:
+    """PSNR over a set of positions or sentences: the worst, the median and the mean (dB)."""
+
+    count: int
+    min_db: float
+    median_db: float
+    mean_db: float
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready data (infinities as strings)."""
+        return {k: clean_json(v) for k, v in vars(self).items()} | {
+            "definition": "20 log10(max|z_ref| / RMS(z - z_ref)) per output vector, dB"
+        }
+
+
+def summarize_psnr(values: list[float]) -> PsnrSummary:
+    """The summary of ``values`` (NaN figures when there are none)."""
+    if not values:
+        return PsnrSummary(0, math.nan, math.nan, math.nan)
+    ordered = sorted(values)
+    # The mean skips identical outputs (+inf); a non-finite output (-inf) makes it -inf.
+    finite = [v for v in ordered if math.isfinite(v)]
+    if ordered[0] == -math.inf:
+        mean = -math.inf
+    else:
+        mean = sum(finite) / len(finite) if finite else math.inf
+    return PsnrSummary(len(ordered), ordered[0], statistics.median(ordered), mean)
 
 
 @dataclass
@@ -113,7 +168,7 @@ class VariantLevel:
 
 
 @dataclass
-class VariantParity:
+class VariantParity(Gated):
     """Every level of one variant, its gates and the verdict."""
 
     levels: list[VariantLevel]
@@ -122,11 +177,6 @@ class VariantParity:
     notes: list[str] = field(default_factory=list)
     # compress.acceptance's report section (measured, not gated), when the recipe asks for it
     acceptance: dict[str, Any] | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when every gate passed."""
-        return all_passed(self.gates)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from tiny_models import save_tiny_llama, write_tiny_recipe
 from converter.checkpoint import load_checkpoint
 from converter.recipe.loader import load_recipe
 from converter.tasks.text_generation import rewrite_decoder
-from parity.kv_reference import continuation, originals
+from parity.reference import continuation, originals
 from parity.torch_settings import parity_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

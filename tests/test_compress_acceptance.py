@@ -18,7 +18,7 @@ from converter.compress.acceptance import (
     session,
 )
 from converter.speculate import Acceptance, speculate
-from parity.kv_reference import greedy_ids
+from parity.reference import greedy_ids
 
 PROMPTS = [[7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46]]
 

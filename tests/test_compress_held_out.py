@@ -13,7 +13,7 @@ from converter.compress import corpus
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
 from converter.recipe.compression import Corpus
-from parity.compression_metrics import psnr_db, summarize_psnr
+from parity.variant import psnr_db, summarize_psnr
 
 DECODER = """\
 name: tiny

@@ -269,7 +269,7 @@ def test_the_all_positions_program_holds_the_same_weights_and_scores_every_posit
     slice removed. Its constants are byte-identical, and position p gives the logits the
     emitted program gives for the window ending at p (left-padded, as the engine runs it)."""
     from graph_passes.masks import MASKED
-    from parity.compression_positions import all_positions
+    from parity.compression_gates import all_positions
     from parity.mil import Evaluator, load_package
 
     _, out = run

@@ -1,4 +1,4 @@
-"""``anec generate --check``'s verdict (parity.kv_reference): every greedy step before the
+"""``anec generate --check``'s verdict (parity.reference): every greedy step before the
 reference's first near tie (top-1 - top-2 logit below 0.05) must match; past it, either token
 is a valid pick, so a difference there is reported, not failed."""
 
@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_hf_model
 
 from parity.fixtures import Fixture
-from parity.kv_reference import (
+from parity.reference import (
     NEAR_TIE,
     SpilledRows,
     check_greedy,
@@ -63,7 +63,7 @@ def test_greedy_steps_gives_the_greedy_tokens_and_their_gaps_by_full_recompute()
 
 
 def test_a_continuation_reads_back_the_full_recompute_logits_bit_for_bit() -> None:
-    # The reference rows live in a temporary file (parity.kv_reference.SpilledRows): what
+    # The reference rows live in a temporary file (parity.reference.SpilledRows): what
     # the cache gates read must be the recompute's own fp32 values.
     model = tiny_hf_model("llama")
     fixture = Fixture("f", (1, 2, 3, 4), "padded")

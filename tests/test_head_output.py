@@ -106,7 +106,7 @@ def test_generate_runs_on_the_argmax_outputs_alone(artifact: Path) -> None:
     from tiny_models import tiny_hf_model
 
     from converter.generate import Runtime, greedy, mil_backend
-    from parity.kv_reference import greedy_ids
+    from parity.reference import greedy_ids
 
     outputs_only = _outputs_only(mil_backend(Runtime.from_artifact(artifact)))
     prompt = [1, 2, 3, 4, 5]
@@ -124,7 +124,7 @@ def test_speculate_drafts_from_the_argmax_outputs_alone(artifact: Path) -> None:
 
     from converter.generate import Runtime, mil_backend
     from converter.speculate import Acceptance, speculate, target_tokens
-    from parity.kv_reference import greedy_ids
+    from parity.reference import greedy_ids
 
     outputs_only = _outputs_only(mil_backend(Runtime.from_artifact(artifact)))
     target = tiny_hf_model("llama")

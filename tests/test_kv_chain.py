@@ -1,4 +1,4 @@
-"""A chunked cached decoder run as one chain (`parity.kv_chain`), in torch (fp32): the same
+"""A chunked cached decoder run as one chain (`parity.kv_session`), in torch (fp32): the same
 logits as the unchunked functions at every position, every cache gate passing through the
 chain, and mutants of the chain (a chunk fed its predecessor's input instead of its output,
 chunks called out of order) failing a named gate at a named position."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 from tiny_models import Tiny, build_tiny, one_torch_thread, random_sequences
 
-import parity.kv_chain as kv_chain
+import parity.kv_session as kv_session
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import function_calls
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.kv_gates import KvParity, check_kv
-from parity.kv_reference import continuation
 from parity.kv_session import CacheSession, session_for, torch_runner
+from parity.reference import continuation
 
 CACHE = 64
 SPLIT = [(0, 1), (1, 2), (2, 3)]
@@ -51,7 +51,7 @@ def chained(tiny: Tiny, style: str, split: list[tuple[int, int]]):  # type: igno
             runners.append(torch_runner(functions, torch.float32))
         metas = [chunk_meta(c["decode"]) for c in chunks]
         session = session_for(
-            chunks[0], kv_chain.chain_runner(metas, runners), None, lambda ids: table[ids]
+            chunks[0], kv_session.chain_runner(metas, runners), None, lambda ids: table[ids]
         )
         if style == "state":  # numpy views of the buffers: poison writes into them
             session.states = {f"c{i}": c["decode"].kv_cache.numpy() for i, c in enumerate(chunks)}
@@ -94,7 +94,7 @@ def test_a_chunk_fed_its_predecessors_input_fails_naming_the_position(
         # chunk 2 reads what chunk 1 read (chunk 0's output): chunk 1's layer is skipped
         return fed.get("hidden_in", returned["hidden_out"])
 
-    monkeypatch.setattr(kv_chain, "handoff", wrong)
+    monkeypatch.setattr(kv_session, "handoff", wrong)
     bad = {g.name: g.where for g in gates(tiny, "state").gates if not g.passed}
     assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
 
@@ -103,13 +103,13 @@ def test_chunks_called_out_of_order_fail_naming_the_position(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     four = build_tiny("llama", "embeddings", batch=1, num_hidden_layers=4)
-    original = kv_chain.chain_runner
+    original = kv_session.chain_runner
 
     def swapped(chunks, runners):  # type: ignore[no-untyped-def]
         # layers 2 then 1: the two middle chunks' packages called in the wrong order
         return original(chunks, [runners[0], runners[2], runners[1], runners[3]])
 
-    monkeypatch.setattr(kv_chain, "chain_runner", swapped)
+    monkeypatch.setattr(kv_session, "chain_runner", swapped)
     result = gates(four, "io", [(0, 1), (1, 2), (2, 3), (3, 4)])
     bad = {g.name: g.where for g in result.gates if not g.passed}
     assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
@@ -120,6 +120,6 @@ def test_a_chain_must_cover_every_layer_in_order(tiny: Tiny) -> None:
     parts = [cached_functions(tiny.module, "io", CACHE, calls, r) for r in [(0, 1), (2, 3)]]
     metas = [chunk_meta(p["decode"]) for p in parts]
     with pytest.raises(ValueError, match=r"\[0, 1\) and \[2, 3\) do not meet"):
-        kv_chain.chain_runner(metas, [torch_runner(p, torch.float32) for p in parts])
+        kv_session.chain_runner(metas, [torch_runner(p, torch.float32) for p in parts])
     with pytest.raises(ValueError, match="layers"):
         CachedDecoder(tiny.module, parts[0]["decode"].io, (2, 2))

@@ -99,7 +99,7 @@ def test_the_manifest_lists_the_chunks_in_call_order(artifact: Path) -> None:
 
 def test_a_fresh_runtime_from_the_manifest_reproduces_the_greedy_ids(artifact: Path) -> None:
     from converter.generate import Runtime, greedy, mil_backend
-    from parity.kv_reference import greedy_ids
+    from parity.reference import greedy_ids
 
     runtime = Runtime.from_artifact(artifact)
     assert len(runtime.chunks) == 3
@@ -121,7 +121,7 @@ def test_speculative_decoding_runs_the_chain(artifact: Path) -> None:
 
     from converter.generate import Runtime, mil_backend
     from converter.speculate import Acceptance, speculate, target_tokens
-    from parity.kv_reference import greedy_ids
+    from parity.reference import greedy_ids
 
     target = tiny_hf_model("llama")
     stats = Acceptance(3)
@@ -142,12 +142,12 @@ def test_plan_inspect_reports_every_chunk(artifact: Path) -> None:
 def test_a_chunk_fed_its_predecessors_input_fails_the_rerun_naming_the_position(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import parity.kv_chain as kv_chain
+    import parity.kv_session as kv_session
 
     def wrong(fed, returned):  # type: ignore[no-untyped-def]
         return fed.get("hidden_in", returned["hidden_out"])  # chunk 1's layer skipped
 
-    monkeypatch.setattr(kv_chain, "handoff", wrong)
+    monkeypatch.setattr(kv_session, "handoff", wrong)
     result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
     assert result.exit_code == 1, result.output
     gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]

@@ -21,9 +21,9 @@ from converter.tasks.kv_parity import cached_fp32_check
 from converter.tasks.text_generation_kv import WEIGHTS, combine_measured, convert_singles
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
-from parity.kv_reference import Continuation, continuation
 from parity.mil import load_package
 from parity.mil.program import loads_sharing_equal_constants, walk_ops
+from parity.reference import Continuation, continuation
 
 THRESHOLD = 1e-5
 

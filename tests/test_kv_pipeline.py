@@ -115,7 +115,7 @@ def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Pa
     from tiny_models import tiny_hf_model
 
     from converter.generate import Runtime, greedy, mil_backend
-    from parity.kv_reference import greedy_ids
+    from parity.reference import greedy_ids
 
     runtime = Runtime.from_artifact(artifact)
     make = mil_backend(runtime)
@@ -134,7 +134,7 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
 
     from converter.generate import Runtime, mil_backend
     from converter.speculate import Acceptance, speculate, target_tokens
-    from parity.kv_reference import greedy_ids
+    from parity.reference import greedy_ids
 
     target = tiny_hf_model("llama")
     make = mil_backend(Runtime.from_artifact(artifact))

@@ -15,8 +15,8 @@ import graph_passes.cache_host as cache_host
 from converter.tasks.kv_contract import function_calls
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.kv_gates import KvParity, check_kv
-from parity.kv_reference import continuation
 from parity.kv_session import CacheSession, session_for, torch_runner
+from parity.reference import continuation
 
 
 @pytest.fixture(autouse=True)

@@ -130,8 +130,8 @@ def test_every_function_of_a_cached_package_runs_and_passes_the_cache_gates(
     programs: Programs, name: str
 ) -> None:
     from parity.kv_gates import check_kv
-    from parity.kv_reference import continuation
     from parity.kv_session import MilFunctions, session_for
+    from parity.reference import continuation
 
     built = programs[name]
     assert built.tiny is not None and built.functions is not None

@@ -31,7 +31,7 @@ def reference_steps(directory: Path, prompt_ids: list[int], steps: int) -> list[
     each step's top-1 minus top-2 logit gap."""
     from converter.checkpoint import load_checkpoint
     from converter.errors import InputError
-    from parity.kv_reference import greedy_steps
+    from parity.reference import greedy_steps
 
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     source, task = artifact_source(directory)
@@ -90,7 +90,7 @@ def generate_command(
     }
     checked = None
     if check:
-        from parity.kv_reference import NEAR_TIE, check_greedy
+        from parity.reference import NEAR_TIE, check_greedy
 
         reference = reference_steps(artifact, prompt_ids, len(result.new_ids))
         checked = check_greedy(result.new_ids, reference)

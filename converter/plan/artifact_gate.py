@@ -18,23 +18,18 @@ from converter.plan.gates import check_plan_gates
 from converter.plan.ops import OpTable, op_table
 from converter.plan.render_text import summary_lines
 from converter.plan.static import static_reports
-from parity.gate import GateResult
+from parity.gate import Gated, GateResult
 
 PLAN_JSON = "plan.json"
 PLAN_TXT = "plan.txt"
 
 
 @dataclass
-class ArtifactPlan:
+class ArtifactPlan(Gated):
     """The plan step's outcome."""
 
     gates: list[GateResult]
     lines: list[str]  # plan.txt
-
-    @property
-    def passed(self) -> bool:
-        """True when every plan gate holds on every chip (or none was asked for)."""
-        return all(g.passed for g in self.gates)
 
     def failures(self) -> list[str]:
         """One line per failed gate."""

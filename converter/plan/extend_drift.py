@@ -28,9 +28,9 @@ from converter.errors import InputError
 from converter.evidence import Evidence
 from converter.generate import Runtime, greedy
 from parity.gate import Worst, first_few, gate
-from parity.kv_gates import LEVEL, MARGIN, extend_vs_decode, extended, sequential
-from parity.kv_reference import Continuation
+from parity.kv_gates import LEVEL, MARGIN, decode_steps, extend_steps, extend_vs_decode
 from parity.kv_session import CacheSession
+from parity.reference import Continuation
 
 DRIFT_FORMAT = "anec-extend-drift/1"
 
@@ -62,8 +62,8 @@ def extend_drift(
     for name, prompt in prompts:
         new = greedy(make_session, prompt, steps).new_ids
         c = Continuation(name, tuple(prompt), tuple(prompt) + tuple(new), np.empty((0, 0)))
-        single = sequential(make_session(), c, "prefill")
-        batched = extended(make_session(), c, "prefill", extend_tokens)
+        single = dict(decode_steps(make_session(), c, "prefill"))
+        batched = dict(extend_steps(make_session(), c, "prefill", extend_tokens))
         finite &= all(bool(np.isfinite(v).all()) for v in [*single.values(), *batched.values()])
         flips += extend_vs_decode(single, batched, name, worst)
         positions += len(batched)

@@ -222,9 +222,9 @@ class Compression(StrictModel):
     # Text for layer sensitivity (mixed search) and activation ranges (w8a8).
     calibration: Texts = []
     # MIL level. "all": the emitted program with its last-position slice removed (the same
-    # weights, `parity.compression_positions`) scores every position of each held-out text in
-    # one evaluation. A number n: each text is run as its prefixes ending at its last n tokens
-    # through the emitted program as it is (one evaluation each).
+    # weights, `parity.compression_gates.all_positions`) scores every position of each held-out
+    # text in one evaluation. A number n: each text is run as its prefixes ending at its last n
+    # tokens through the emitted program as it is (one evaluation each).
     mil_positions: Annotated[int, Field(ge=1, le=64, strict=True)] | Literal["all"] = "all"
     # Decoders: each variant's acceptance as a draft for the fp16 model, in its report.
     acceptance: AcceptanceSpec | None = None

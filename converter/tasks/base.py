@@ -26,10 +26,8 @@ from converter.steps import Advance, Stop
 from converter.targets import TARGETS
 from graph_passes.markers import mark_layer_outputs
 from parity.conversion import ConversionReport
-from parity.conversion_report import conversion_to_text
 from parity.html_report import report_to_html
-from parity.report import report_to_json, report_to_text
-from parity.report_files import parity_document
+from parity.report import conversion_to_text, parity_document, report_to_json, report_to_text
 from parity.result import ParityReport, rows_to_json
 
 T = TypeVar("T")
@@ -160,7 +158,7 @@ def write_parity_reports(
     extra: dict[str, Any],
     levels: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A decoder's parity report files (`parity.report_files.parity_document`, whose levels
+    """A decoder's parity report files (`parity.report.parity_document`, whose levels
     table says what ran); returns the JSON document."""
     doc = parity_document(report, conversion, extra, levels)
     text = report_to_text(report)

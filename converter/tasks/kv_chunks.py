@@ -28,7 +28,7 @@ from converter.errors import InputError
 from converter.manifest import Manifest
 from converter.tasks.kv_contract import DEFAULT_FUNCTION, function_contract, kv_manifest_section
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
-from parity.kv_chain import ChunkMeta
+from parity.kv_session import ChunkMeta
 
 FIELD = "cache.package_budget_mb"
 DTYPE_BYTES = {"float16": 2, "float32": 4}

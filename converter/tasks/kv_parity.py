@@ -16,12 +16,12 @@ from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
 from parity.gate import GateResult, gate
-from parity.kv_chain import MilChain
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
-from parity.kv_reference import Continuation
-from parity.kv_session import CacheSession, MilFunctions, session_for
+from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
 from parity.mil.program import load_package
+from parity.reference import Continuation
+from parity.report import level_row
 
 
 def function_gates(
@@ -144,18 +144,10 @@ def cached_fp32_check(
 
 # The levels the cached functions are gated at (parity.html's levels table).
 KV_LEVELS = [
-    {
-        "level": "mil-fp32",
-        "implementation": "mil-fp32",
-        "against": "the cached module with the program's constants in fp64, per call and layer",
-        "status": "run",
-        "gated": True,
-    },
-    {
-        "level": "kv-cache",
-        "implementation": "mil-fp16",
-        "against": "reference (the original model's full recompute, fp32)",
-        "status": "run",
-        "gated": True,
-    },
+    level_row(
+        "mil-fp32",
+        "mil-fp32",
+        "the cached module with the program's constants in fp64, per call and layer",
+    ),
+    level_row("kv-cache", "mil-fp16", "reference (the original model's full recompute, fp32)"),
 ]

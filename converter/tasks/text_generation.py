@@ -42,7 +42,6 @@ from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.memory import release_memory
 from parity.reference import ReferenceRun, run_reference
-from parity.report_files import merge
 from parity.result import Thresholds
 from parity.torch_settings import with_parity_torch
 
@@ -232,7 +231,8 @@ def mil_parity(run: DecoderRun, advance: Advance) -> Stop | None:
         run.profiles,
         advance,
     )
-    merge(report, run.conversion)
+    report.gates += run.conversion.gates  # the conversion level joins the torch report
+    report.implementations.update(run.conversion.implementations)
     write_parity_reports(run.job.directory, report, run.conversion, {"recipe": run.recipe.name})
     return None if report.passed else Stop("MIL-level")
 

@@ -50,9 +50,9 @@ from converter.tasks.kv_parity import KV_LEVELS, PROFILE, function_gates
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
 from parity.kv_gates import KvParity
-from parity.kv_reference import Continuation, continuation, originals
 from parity.kv_session import rope_rows
 from parity.memory import release_memory
+from parity.reference import Continuation, continuation, originals
 from parity.torch_settings import with_parity_torch
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
