@@ -177,3 +177,37 @@ def test_marking_refuses_a_trace_with_the_wrong_number_of_layers() -> None:
     traced = trace(tiny.module, tensor_contract(tiny.module, "float16")[0])
     with pytest.raises(MarkerError, match="expected layers"):
         mark_layer_outputs(traced, 4)
+
+
+def test_the_core_ml_level_compares_as_the_mil_fp16_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Core ML level (macOS only) goes through the same comparison as the evaluator's
+    profiles. Here Core ML is stood in by the evaluator's fp16 profile: the level must then
+    report exactly the mil-fp16 level's logit error and position rows."""
+    import coremltools as ct
+
+    import parity.conversion
+    from parity.mil import Evaluator
+
+    tiny = build_tiny("llama")
+    package = convert_with(tiny.module, None, tmp_path)
+    program = load_package(package)  # before the stand-in: loading reads the spec via MLModel
+
+    class EvaluatorAsCoreML:
+        def __init__(self, path: str, compute_units: Any = None) -> None:
+            assert path == str(package) and compute_units == ct.ComputeUnit.CPU_AND_NE
+            self.evaluator = Evaluator(program, "fp16")
+
+        def predict(self, feed: dict[str, Any]) -> dict[str, Any]:
+            return self.evaluator.run(feed).outputs
+
+    monkeypatch.setattr(parity.conversion, "availability", lambda: (True, "a stand-in"))
+    monkeypatch.setattr(ct.models, "MLModel", EvaluatorAsCoreML)
+    monkeypatch.setattr(parity.conversion, "load_package", lambda path: program)
+    report = tiny.check_program(package, ("fp16",))
+    fp16 = next(r for r in report.runs if r.implementation == "mil-fp16")
+    assert report.runtime is not None and report.runtime.positions
+    assert report.runtime.logits_rel_error == fp16.logits_rel_error > 0
+    assert report.runtime.positions == fp16.positions
+    assert report.runtime.finite and report.runtime.layer_rel_error == []
