@@ -79,20 +79,26 @@ def table_elements(tables: list[WeightTable]) -> int:
 def disk_needs(recipe: Recipe, out_dir: Path, artifact: int) -> tuple[dict[Path, int], str]:
     """Free space the conversion needs, by folder, and what needs it.
 
-    A cached decoder converts each function of a package into its own single-function package
-    beside the staged artifact, combines them (coremltools writes the combined package into
-    the temporary folder first, then copies it) and removes them: per package its weights
-    three more times, and once in the temporary folder. A package holds at most the recipe's
-    package budget. The 1B shape's state cache failed twice inside coremltools' writers with
-    14 GB free while other runs wrote to the disk, and converted with 45 GB free.
+    Each compressed variant is an artifact of its own beside the fp16 one, counted here at
+    the fp16 artifact's size (compression only makes it smaller). A cached decoder converts
+    each function of a package into its own single-function package beside the staged
+    artifact, combines them (coremltools writes the combined package into the temporary
+    folder first, then copies it) and removes them: per package its weights three more
+    times, and once in the temporary folder, a package holding at most the recipe's package
+    budget. The 1B shape's state cache failed twice inside coremltools' writers with 14 GB
+    free while other runs wrote to the disk, and converted with 45 GB free.
     """
+    variants = len(recipe.compression.variants) if recipe.compression is not None else 0
+    needs = {out_dir: artifact * (1 + variants)}
+    purpose = "the artifact" + (f" and its {variants} compressed variants" if variants else "")
     cache = getattr(recipe, "cache", None)
     if cache is None or cache.style == "none":
-        return {out_dir: artifact}, "the artifact"
+        return needs, purpose
     budget = package_budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
     package = min(artifact, budget)
-    needs = {out_dir: artifact + _CACHE_FUNCTIONS * package, Path(tempfile.gettempdir()): package}
-    return needs, "the artifact with its single-function packages, while they are combined,"
+    needs[out_dir] += _CACHE_FUNCTIONS * package
+    needs[Path(tempfile.gettempdir())] = package
+    return needs, purpose + " with the single-function packages, while they are combined,"
 
 
 def artifact_bytes(tables: list[WeightTable], n_parameters: int) -> int:

@@ -566,7 +566,8 @@ def test_a_cached_decoder_needs_room_for_its_single_function_packages(
     """A state-cache recipe's conversion writes each package's functions as single-function
     packages and coremltools copies the combined one through the temporary folder: the disk
     check asks for that room (the 1B shape failed inside coremltools' writer without it), a
-    package never counted above the recipe's package budget."""
+    package never counted above the recipe's package budget; and for each compressed variant,
+    an artifact of its own."""
     checkpoint = save_tiny_llama(tmp_path / "c")
     cache = "target: macOS15\ncache:\n  style: state\n  length: 64\n  prefill: 8\n"
     window = load_recipe(write_tiny_recipe(tmp_path / "w.yaml", checkpoint))
@@ -578,6 +579,12 @@ def test_a_cached_decoder_needs_room_for_its_single_function_packages(
     needs, purpose = disk_needs(cached, out, 1000)
     assert needs == {out: 4000, tmp: 1000} and "single-function packages" in purpose
     assert disk_needs(small, out, 1000)[0] == {out: 1000 + 3 * 400, tmp: 400}
+    # Each compressed variant is one more artifact, at most the fp16 one's size.
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    shipped = load_recipe(recipes / "smollm2-135m-draft-compressed.yaml")
+    assert shipped.compression is not None and len(shipped.compression.variants) == 4
+    with_variants = ({out: 5000}, "the artifact and its 4 compressed variants")
+    assert disk_needs(shipped, out, 1000) == with_variants
 
     import converter.resources
 
