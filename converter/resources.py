@@ -209,19 +209,16 @@ def _existing_parent(path: Path) -> Path:
 def check_disk(needs: Mapping[Path, int], what: str, purpose: str = "the artifact") -> None:
     """Raise InputError when a filesystem has less free space than the folders on it need
     together (``needs``: folder -> bytes; ``purpose`` says what needs them)."""
-    by_device: dict[int, tuple[Path, int]] = {}
+    by_device: dict[int, tuple[Path, int, int]] = {}  # device -> (first folder, need, free)
     for folder, needed in needs.items():
         try:
-            device = os.stat(_existing_parent(folder)).st_dev
+            existing = _existing_parent(folder)
+            device, free = os.stat(existing).st_dev, shutil.disk_usage(existing).free
         except OSError:
             continue  # the write itself will report the problem, naming the path
-        first, total = by_device.get(device, (folder, 0))
-        by_device[device] = (first, total + needed)
-    for folder, needed in by_device.values():
-        try:
-            free = shutil.disk_usage(_existing_parent(folder)).free
-        except OSError:
-            continue
+        first, total, _ = by_device.get(device, (folder, 0, free))
+        by_device[device] = (first, total + needed, free)
+    for folder, needed, free in by_device.values():
         if free < needed:
             raise InputError(
                 f"{what}: not enough disk space in {folder}: {purpose} needs about "
