@@ -51,7 +51,7 @@ def logit_errors(rw: Rewrite, ref: Continuation, dtype: torch.dtype) -> np.ndarr
     h = module.window.embed_bc1l(x)
     layers = module.layers()
     for i, layer in enumerate(layers):
-        h, _, _ = module.run_layer(i, layer, h, named, cache[i], cache[len(layers) + i])
+        h, _ = module.run_layer(i, layer, h, named, cache[i], cache[len(layers) + i])
     errors = []
     for start in range(len(ref.prompt) - 1, n, HEAD_POSITIONS):
         stop = min(start + HEAD_POSITIONS, n)

@@ -11,7 +11,10 @@ Conventions (the manifest states them; `graph_passes.cached_decoder` is the prog
 * after a call ``position`` advances by n. Rejecting drafted tokens is moving ``position``
   back: the rejected slots become stale, are hidden by ``cache_valid`` and the mask, and the
   next call overwrites them;
-* the cache holds S positions: a call needs ``position + n <= S``.
+* the cache holds S positions: a call needs ``position + n <= S``;
+* the masks' key axis holds the S slots, then the T new tokens - except for a function that
+  writes its tokens into their slots before attending (style ``state``, T <=
+  `ELEMENTWISE_WRITE`): its keys are the S slots alone, the new tokens in theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ import numpy as np
 
 from graph_passes.masks import MASKED
 
+# Up to this many tokens per call a state-style function writes its tokens into their slots
+# elementwise, before attending (`graph_passes.cached_decoder.CachedKeys`); a longer call (a
+# prefill) writes with one matmul, after the layers.
+ELEMENTWISE_WRITE = 8
+
 
 @dataclass(frozen=True)
 class CallShape:
@@ -31,6 +39,18 @@ class CallShape:
     tokens: int  # T
     windows: tuple[int, ...]  # the causal sliding windows of local layers
     style: str  # "state" or "io"
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the function writes its tokens into their slots before attending."""
+        return writes_in_place(self.style, self.tokens)
+
+
+def writes_in_place(style: str, tokens: int) -> bool:
+    """Whether a function of ``tokens`` per call writes them into their slots before
+    attending (style ``state``, up to `ELEMENTWISE_WRITE`): its masks' keys are the S slots
+    alone."""
+    return style == "state" and tokens <= ELEMENTWISE_WRITE
 
 
 def token_positions(position: int, n: int, tokens: int) -> np.ndarray:
@@ -63,9 +83,9 @@ def call_inputs(
     for g, (cos, sin) in enumerate(rope):
         out[f"rope_cos_{g}"] = cos[:, rows][None, None].astype(np.float32)
         out[f"rope_sin_{g}"] = sin[:, rows][None, None].astype(np.float32)
-    out["mask"] = attention_mask(pos, position, s, None)
+    out["mask"] = attention_mask(pos, position, s, None, shape.in_place)
     for w in shape.windows:
-        out[f"mask_window_{w}"] = attention_mask(pos, position, s, w)
+        out[f"mask_window_{w}"] = attention_mask(pos, position, s, w, shape.in_place)
     out["cache_valid"] = (np.arange(s) < position).astype(np.float32).reshape(1, 1, s, 1)
     if shape.style == "state":
         slots = np.zeros((s, t), dtype=np.float32)
@@ -75,18 +95,23 @@ def call_inputs(
     return out
 
 
-def attention_mask(pos: np.ndarray, position: int, cache: int, window: int | None) -> np.ndarray:
+def attention_mask(
+    pos: np.ndarray, position: int, cache: int, window: int | None, in_place: bool = False
+) -> np.ndarray:
     """(1, S + T, 1, T) additive mask: cache slot j (j < position) and new slot u are visible
-    from a real query at position q when their position k has ``q - window < k <= q``."""
+    from a real query at position q when their position k has ``q - window < k <= q``;
+    ``in_place``: (1, S, 1, T), slot j holding position j (the new tokens in their slots)."""
     t = len(pos)
-    keys = np.concatenate([np.where(np.arange(cache) < position, np.arange(cache), -1), pos])
+    slots = np.arange(cache)
+    old = np.where(slots < position, slots, -1)
+    keys = slots if in_place else np.concatenate([old, pos])
     q = pos[None, :]
     k = keys[:, None]
     allowed = (k >= 0) & (q >= 0) & (k <= q)
     if window is not None:
         allowed &= k > q - window
     mask = np.where(allowed, 0.0, MASKED).astype(np.float32)
-    return mask.reshape(1, cache + t, 1, t)
+    return mask.reshape(1, len(keys), 1, t)
 
 
 def write_rows(cache: np.ndarray, rows: np.ndarray, position: int, n: int) -> None:

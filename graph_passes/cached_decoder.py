@@ -20,6 +20,7 @@ Position-dependent values are host inputs, so the program has no integer arithme
   for each distinct RoPE of the layers (Gemma 3's local and global layers differ);
 * ``mask`` (1, S + T, 1, T) (and ``mask_window_<w>`` for local layers): additive, keys on axis
   1 - the S cache slots, then the T new tokens - queries on axis 3, 0 visible, ``MASKED`` not;
+  (1, S, 1, T), the S slots alone, for a function that writes in place (below);
 * ``cache_valid`` (1, 1, S, 1): 1 for a slot that holds a token before this call, 0 otherwise.
   The cache is multiplied by it before use, so a stale slot (a rejected draft's K/V) or any
   finite value written beyond the position contributes exactly 0 to a score and to an output,
@@ -32,16 +33,25 @@ Cache styles (`CacheStyle`):
 
 * ``state``: the cache is a Core ML state (``ct.StateType``, macOS 15 / iOS 18). The update is
   ``cache * (1 - sum_t write_slots) + sum_t write_slots[t] * rows[t]``: fp16 elementwise
-  ops (a matmul for a T above `ELEMENTWISE_WRITE`: the prefill), no ``slice_update`` with
-  run-time indices (which ANE compilers reject or send to the CPU: coreai-torch #6, Anemll
-  #27, anemll-profile's "Cannot support standalone slice_update") and no int32 tensor. Its
-  cost is a pass over the cache per token written.
+  ops, no ``slice_update`` with run-time indices (which ANE compilers reject or send to the
+  CPU: coreai-torch #6, Anemll #27, anemll-profile's "Cannot support standalone
+  slice_update") and no int32 tensor. Its cost is a pass over the cache per token written.
 * ``io``: the cache is an input and only the new rows come out, ``new_kv`` (2N, KV, T, d); the
   host writes them at their slots (macOS 14 / iOS 17).
 
-The scores of the cache and of the new tokens are computed separately and concatenated on the
-key axis (T x (S + T) values per head, not a copy of the cache), so both styles compute the
-same function and the state update does not sit between a layer's keys and its scores.
+Where the new tokens' keys meet the cache:
+
+* written in place (style ``state``, T up to `graph_passes.cache_host.ELEMENTWISE_WRITE`:
+  decode and extend): each layer blends its rows into its cache slots first (`SlotWrite`),
+  and attends to the S slots alone - per head one score, one softmax and one weighted sum, as
+  in the window program. The blend is the state update itself, done a layer at a time, so it
+  costs no pass more than writing after the layers would;
+* scored apart (style ``io``, and the prefill, whose T-token write is one matmul after the
+  layers): the new keys' scores are concatenated on the key axis after the cache's (T x (S +
+  T) values per head, not a copy of the cache).
+
+Either way the values are read as the cache holds them, rows (S, d): one matmul of the
+weights' transpose with the rows per head, never a transpose of the cache.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import torch
 from torch import nn
 
 from graph_passes.attention import Attention
+from graph_passes.cache_host import writes_in_place
 from graph_passes.decoder import BC1LDecoder, InputKind
 from graph_passes.model import Block
 from graph_passes.rope import Positions, inverse_frequencies, rope_tables
@@ -66,8 +77,6 @@ CACHE_NAME = "kv_cache"
 # HIDDEN_OUT unless it is the last; the next chunk reads it as HIDDEN_IN.
 HIDDEN_OUT = "hidden_out"
 HIDDEN_IN = "hidden_in"
-# Up to this many tokens per call the state write is elementwise (see `CachedDecoder.updated`).
-ELEMENTWISE_WRITE = 8
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,18 @@ class CachedDecoder(nn.Module):
         """The window module's transformer layers this module runs (shared objects)."""
         return self.window.decoder_layers()[self.start : self.stop]
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether the new tokens' keys and values are blended into their cache slots before
+        the layer attends (cache style ``state``, up to `ELEMENTWISE_WRITE` tokens): their
+        scores are then part of the cache's and the mask covers the S slots only."""
+        return writes_in_place(self.io.style, self.io.tokens)
+
+    def mask_keys(self) -> int:
+        """Keys on the masks' axis 1: the S slots, then (unless written in place) the T new
+        tokens."""
+        return self.io.cache_length + (0 if self.writes_in_place else self.io.tokens)
+
     def forward(self, x: torch.Tensor, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         named = dict(zip(self.input_names(), host, strict=True))
         t = self.io.tokens
@@ -212,12 +233,14 @@ class CachedDecoder(nn.Module):
         cache = raw * named["cache_valid"]
         # The first chunk embeds the tokens; a later one reads the stream (1, D, 1, T).
         h = self.window.embed_bc1l(x) if self.first else x
-        keys, values = [], []
+        keys, values, held = [], [], []
         n = self.num_layers
         for i, layer in enumerate(self.layers()):
-            h, k, v = self.run_layer(self.start + i, layer, h, named, cache[i], cache[n + i])
+            h, kv = self.run_layer(self.start + i, layer, h, named, cache[i], cache[n + i])
+            k, v = kv.written()
             keys.append(k)
             values.append(v)
+            held.append(kv.held)
         rows = torch.stack(keys + values)  # (2N, KV, T, d)
         if self.last:
             if self.io.logits == "last":
@@ -228,8 +251,13 @@ class CachedDecoder(nn.Module):
         if self.io.style == "io":
             return (*outputs, rows)
         # One state write of the whole cache (the assignment coremltools reads as a state
-        # update; converter.mil_passes folds its whole-tensor slice_update away).
-        self.kv_cache[:, :, :, :] = self.updated(raw, named["write_slots"], rows)
+        # update; converter.mil_passes folds its whole-tensor slice_update away): the layers'
+        # blended caches, or the cache blended with every layer's rows here.
+        if self.writes_in_place:
+            new = torch.stack([k for k, _ in held] + [v for _, v in held])  # type: ignore[misc]
+        else:
+            new = self.updated(raw, named["write_slots"], rows)
+        self.kv_cache[:, :, :, :] = new
         return outputs
 
     def run_layer(
@@ -240,49 +268,58 @@ class CachedDecoder(nn.Module):
         named: Mapping[str, torch.Tensor],
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, CachedKeys]:
         """Layer ``index`` of the model - ``layer``, its block or a copy of it - on the stream
         ``h`` (1, D, 1, T), with the call's host inputs ``named`` and the layer's valid cache
         rows (KV, S, d): the window's own block, reading and writing the cache through
-        `CachedKeys`. Returns the new stream and the key and value rows (KV, T, d) it writes
-        (`parity.kv_mil` runs float64 copies of the layers through it)."""
+        `CachedKeys`. Returns the new stream and the layer's `CachedKeys`, which hold the key
+        and value rows (KV, T, d) the call writes (`parity.kv_mil` runs float64 copies of the
+        layers through it)."""
         g = self.group_of[index]
         positions = Positions(named[f"rope_cos_{g}"], named[f"rope_sin_{g}"], self.io.tokens)
-        kv = CachedKeys(cache_k, cache_v, positions, self.io.cache_length)
+        # Per layer in the trace; coremltools merges the copies into one.
+        write = SlotWrite.of(named["write_slots"]) if self.writes_in_place else None
+        kv = CachedKeys(cache_k, cache_v, positions, self.io.cache_length, write)
         mask = named["mask" if layer.window is None else f"mask_window_{layer.window}"]
-        h = layer(h, mask, kv)
-        return (h, *kv.written())
+        return layer(h, mask, kv), kv
 
     def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The cache with each token's rows written at its slot: ``slots`` (1, 1, S, T)
-        one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values exactly.
-
-        Up to `ELEMENTWISE_WRITE` tokens the write is a sum of broadcast products (one mul and
-        one add per token, all elementwise on the NE); beyond it one matmul, whose 2N x KV
-        batch anec's plan rules place on the CPU (R-BATCH): a prefill's write, once a prompt.
-        """
+        """The cache with each token's rows written at its slot, after the layers (a call of
+        more than `graph_passes.cache_host.ELEMENTWISE_WRITE` tokens: the prefill): ``slots``
+        (1, 1, S, T) one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values
+        exactly. One matmul, whose 2N x KV batch anec's plan rules place on the CPU
+        (R-BATCH): a prefill's write, once a prompt."""
         keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
-        t = self.io.tokens
-        if t > ELEMENTWISE_WRITE:
-            return cache * keep + torch.matmul(slots, rows)
-        out = cache * keep
-        for u in range(t):
-            out = out + slots[:, :, :, u : u + 1] * rows[:, :, u : u + 1, :]
-        return out
+        return cache * keep + torch.matmul(slots, rows)
 
 
 class CachedKeys:
     """One layer's keys and values in a cached call (`graph_passes.attention.KeyValues`): the
-    T new tokens at host `Positions` attend to the S cache slots, read, and to themselves;
-    their key and value rows (KV, T, d) are what the call writes (`written`)."""
+    T new tokens at host `Positions` attend to the S cache slots and to themselves; their key
+    and value rows (KV, T, d) are what the call writes (`written`).
+
+    With a `SlotWrite` (`CachedDecoder.writes_in_place`) the rows are
+    first blended into the layer's cache at their slots (`held`), and the tokens attend to the
+    S slots alone: one score and one weighted sum per head, as in the window program, instead
+    of the new keys' scores computed apart and concatenated. Without it (a prefill, style
+    ``io``) the T new keys are scored apart and concatenated on the key axis after the S
+    cached ones, so the cache is not copied (see the module docstring).
+    """
 
     def __init__(
-        self, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: Positions, slots: int
+        self,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        positions: Positions,
+        slots: int,
+        write: SlotWrite | None = None,
     ) -> None:
         self.cache_k, self.cache_v = cache_k, cache_v  # (KV, S, d), valid slots only
         self.positions = positions
         self.slots = slots  # S, a Python int (a traced shape read is an int cast)
+        self.write = write
         self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # in place: (KV, S, d) each
 
     def written(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The new key and value rows (KV, T, d), in the cache's layout."""
@@ -298,8 +335,8 @@ class CachedKeys:
         v: torch.Tensor,
         mask: torch.Tensor,
     ) -> list[torch.Tensor]:
-        """Per query head: scores against the S cached and the T new keys, computed apart and
-        concatenated on the key axis (see the module docstring), and the weighted values."""
+        """Per query head: scores against the cached (and, unless written in place, the new)
+        keys, the softmax on the key axis, and the weighted values."""
         s, t, length = attn.spec, self.positions.length, self.slots
         d, kv = s.head_dim, s.num_kv_heads
         if k is None:  # queries and keys in one tensor
@@ -308,27 +345,60 @@ class CachedKeys:
         k_rows = k.reshape(kv, d, t).transpose(1, 2)
         v_rows = v.reshape(kv, d, t).transpose(1, 2)
         self.rows = (k_rows, v_rows)
+        cache_k, cache_v = self.cache_k, self.cache_v
+        if self.write is not None:
+            cache_k = self.write.blend(cache_k, k_rows)
+            cache_v = self.write.blend(cache_v, v_rows)
+            self.held = (cache_k, cache_v)
         queries = q.split(d, dim=1)
         values = v.split(d, dim=1)
+        keys = cache_k.reshape(kv, length, 1, d)  # each kv head's (1, S, 1, d) for the scores
         outputs = []
         for h, query in enumerate(queries):
             g = h // s.group_size
-            old_k = self.cache_k[g].reshape(1, length, 1, d)
-            old_v = self.cache_v[g].reshape(1, length, 1, d)
+            score = torch.einsum("bkhc,bchq->bkhq", keys[g : g + 1], query)
+            if self.held is not None:  # the new tokens are in their slots
+                outputs.append(_weighted_rows(cache_v[g], attn.weights(score, mask), t))
+                continue
             new_k = k_rows[g].reshape(1, t, 1, d)
-            score = torch.cat(
-                [
-                    torch.einsum("bkhc,bchq->bkhq", old_k, query),
-                    torch.einsum("bkhc,bchq->bkhq", new_k, query),
-                ],
-                dim=1,
-            )
-            weight = attn.weights(score, mask)
-            w_old, w_new = weight.split([length, t], dim=1)
-            out = torch.einsum("bkhc,bkhq->bchq", old_v, w_old)
-            out = out + torch.einsum("bchk,bkhq->bchq", values[g], w_new)
-            outputs.append(out)
+            score = torch.cat([score, torch.einsum("bkhc,bchq->bkhq", new_k, query)], dim=1)
+            w_old, w_new = attn.weights(score, mask).split([length, t], dim=1)
+            out = _weighted_rows(cache_v[g], w_old, t)
+            outputs.append(out + torch.einsum("bchk,bkhq->bchq", values[g], w_new))
         return outputs
+
+
+@dataclass(frozen=True)
+class SlotWrite:
+    """Where a call's tokens are written: ``one_hot`` (1, S, T), column t 1 at token t's slot
+    (all 0 for a padding token), and ``keep`` (1, S, 1), 0 at a written slot, 1 elsewhere."""
+
+    one_hot: torch.Tensor
+    keep: torch.Tensor
+
+    @classmethod
+    def of(cls, write_slots: torch.Tensor) -> SlotWrite:
+        """From the host input ``write_slots`` (1, 1, S, T)."""
+        one_hot = write_slots[0]
+        return cls(one_hot, 1.0 - one_hot.sum(dim=2, keepdim=True))
+
+    def blend(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One layer's cache (KV, S, d) with each token's row (KV, T, d) at its slot:
+        elementwise, one mul and one add per token, so the write stays on the NE."""
+        out = cache * self.keep
+        for u in range(rows.shape[1]):
+            out = out + self.one_hot[:, :, u : u + 1] * rows[:, u : u + 1, :]
+        return out
+
+
+def _weighted_rows(rows: torch.Tensor, weight: torch.Tensor, t: int) -> torch.Tensor:
+    """``sum_k weight[0, k, 0, q] * rows[k]`` as (1, d, 1, T), from cache rows (S, d): one
+    matmul of the weights' transpose with the rows as the cache holds them, so the cache
+    itself is never transposed (only the T x S weights are)."""
+    length, d = rows.shape
+    out = torch.matmul(weight.reshape(length, t).transpose(0, 1), rows)  # (T, d)
+    # One token: (1, d) is already the (d, 1) column in memory, so no transpose.
+    return (out if t == 1 else out.transpose(0, 1)).reshape(1, d, 1, t)
 
 
 def cached_functions(

@@ -188,9 +188,10 @@ def compare(recorder: Recorder, precision: str, worst: Worst, weights: Weights =
                 cache = caches.setdefault(call.session, torch.zeros(shape, dtype=torch.float64))
                 valid = named[b]["cache_valid"][0]
                 module = modules[call.function]
-                hs[b], k, v = module.run_layer(
+                hs[b], kv = module.run_layer(
                     index, piece, hs[b], named[b], cache[0] * valid, cache[1] * valid
                 )
+                k, v = kv.written()
                 real, mine = call.real, torch.from_numpy(call.real)
                 at = f"{call.where}, layer {index}"
                 worst.see(rel_error_np(call.layers[i][:, real], hs[b][0, :, 0, mine]), at)

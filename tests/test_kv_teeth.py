@@ -12,6 +12,7 @@ import torch
 from tiny_models import Tiny, build_tiny, one_torch_thread
 
 import graph_passes.cache_host as cache_host
+import graph_passes.cached_decoder as cached_decoder
 from converter.tasks.kv_contract import function_calls
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.kv_gates import KvParity, check_kv
@@ -29,8 +30,9 @@ def tiny() -> Tiny:
     return build_tiny("llama", "embeddings", batch=1)
 
 
-def run_gates(tiny: Tiny, style: str = "state") -> KvParity:
-    functions = cached_functions(tiny.module, style, 64, function_calls(8, 4))  # type: ignore[arg-type]
+def run_gates(tiny: Tiny, style: str = "state", prefill: int = 8) -> KvParity:
+    calls = function_calls(prefill, 4)
+    functions = cached_functions(tiny.module, style, 64, calls)  # type: ignore[arg-type]
     table = tiny.embed_table.numpy()
     conts = [continuation(tiny.model, f, 24) for f in tiny.fixtures[:2]]
 
@@ -72,16 +74,27 @@ def test_an_off_by_one_write_position_fails(tiny: Tiny, monkeypatch: pytest.Monk
     assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
 
 
+@pytest.mark.parametrize("write", ["in place", "after the layers"])
 def test_a_cache_update_on_the_wrong_axis_fails(
-    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch, write: str
 ) -> None:
+    # The rows land on the kv-head axis's mirror: head g's rows go to head KV-1-g, in the
+    # decode and extend functions' in-place write, or in the prefill's write after the layers.
     def wrong_axis(self, cache, slots, rows):  # type: ignore[no-untyped-def]
-        # The rows land on the kv-head axis's mirror: head g's rows go to head KV-1-g.
         keep = 1.0 - slots.sum(dim=3, keepdim=True)
         return cache * keep + torch.matmul(slots, rows).flip(1)
 
-    monkeypatch.setattr(CachedDecoder, "updated", wrong_axis)
-    bad = failed(run_gates(tiny))
+    blend = cached_decoder.SlotWrite.blend
+
+    def wrong_blend(self, cache, rows):  # type: ignore[no-untyped-def]
+        return blend(self, cache, rows.flip(0))
+
+    if write == "in place":
+        monkeypatch.setattr(cached_decoder.SlotWrite, "blend", wrong_blend)
+        bad = failed(run_gates(tiny))
+    else:
+        monkeypatch.setattr(CachedDecoder, "updated", wrong_axis)
+        bad = failed(run_gates(tiny, prefill=16))
     assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
 
 
@@ -90,12 +103,12 @@ def test_a_mask_that_lets_a_future_slot_through_fails(
 ) -> None:
     original = cache_host.attention_mask
 
-    def leaky(pos, position, cache, window):  # type: ignore[no-untyped-def]
-        mask = original(pos, position, cache, window)
+    def leaky(pos, position, cache, window, in_place=False):  # type: ignore[no-untyped-def]
+        mask = original(pos, position, cache, window, in_place)
         t = len(pos)
         for u in range(t - 1):  # query u also sees the new token u + 1
             if pos[u] >= 0:
-                mask[0, cache + u + 1, 0, u] = 0.0
+                mask[0, pos[u] + 1 if in_place else cache + u + 1, 0, u] = 0.0
         return mask
 
     monkeypatch.setattr(cache_host, "attention_mask", leaky)

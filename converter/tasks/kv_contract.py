@@ -47,15 +47,20 @@ def function_contract(module: CachedDecoder, dtype: DType) -> tuple[list[TensorI
                     "position (a padding slot: any row)",
                 )
             )  # fmt: skip
+    keys = (
+        f"the {s} cache slots, the {t} new tokens written into theirs"
+        if module.writes_in_place
+        else f"the {s} cache slots then the {t} new slots"
+    )
     if module.uses_global_mask:
         inputs.append(
-            TensorIO("mask", (1, s + t, 1, t), dtype,
-                     f"additive mask [0, key, 0, query]: keys are the {s} cache slots then the "
-                     f"{t} new slots; 0 visible, {MASKED:g} hidden (causal, global layers)")
+            TensorIO("mask", (1, module.mask_keys(), 1, t), dtype,
+                     f"additive mask [0, key, 0, query]: keys are {keys}; 0 visible, "
+                     f"{MASKED:g} hidden (causal, global layers)")
         )  # fmt: skip
     for w in module.chunk_windows:
         inputs.append(
-            TensorIO(f"mask_window_{w}", (1, s + t, 1, t), dtype,
+            TensorIO(f"mask_window_{w}", (1, module.mask_keys(), 1, t), dtype,
                      f"as mask, for the local layers: also hidden where key <= query - {w}")
         )  # fmt: skip
     inputs.append(
@@ -147,8 +152,10 @@ def kv_manifest_section(
             "position": "slot s holds position s; position = the number of context slots "
             "before a call; a call of n tokens advances it by n",
             "mask": f"host-built; {MASKED:g} hides a key (finite, so a fully hidden padding "
-            "query stays finite); cache slots at or beyond the position are always hidden and "
-            "zeroed by cache_valid",
+            "query stays finite); cache slots at or beyond the position are zeroed by "
+            "cache_valid and hidden, except, in a function whose mask has cache_length keys "
+            "(its tokens written into their slots before attending), the slots of the call's "
+            "own tokens, visible causally",
             "eviction": "when position + n would exceed cache_length, the host keeps the last "
             "tokens that fit (at most cache_length - T), resets the position to 0 and prefills "
             "them again (RoPE is relative, so restarting positions at 0 is exact for the kept "
