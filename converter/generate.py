@@ -9,7 +9,11 @@ one token per call. Backends:
 * ``mil``: anec's MIL evaluator (numpy; Linux and macOS), fp16 profile by default;
 * ``coreml``: Core ML on macOS (``MLModel(function_name=...)`` per function, one
   ``make_state()`` shared by them). NEVER RUN HERE: written against coremltools' documented
-  API (stateful-models, multifunction-models) and untested until someone runs it on a Mac.
+  API (stateful-models, multifunction-models) and untested until someone runs it on a Mac;
+* ``torch``: not the program but the module it was converted from - the BC1L module rebuilt
+  from the manifest's recipe and checkpoint, cast to fp16 as the torch-fp16 level runs it
+  (`torch_backend`). The gates hold it and the program to the same reference; it runs an
+  acceptance sweep many times faster than the MIL evaluator (`anec speculate`).
 """
 
 from __future__ import annotations
@@ -71,10 +75,11 @@ class Runtime:
                 f"{path}: no kv_cache section; anec generate runs a cached decoder "
                 "(a recipe with cache.style state or io)"
             )
+        s, windows = kv["cache_length"], tuple(kv["windows"])
         functions = {
             name: FunctionShape(
                 name,
-                CallShape(kv["cache_length"], f["tokens"], tuple(kv["windows"]), kv["style"]),
+                CallShape(s, f["tokens"], windows, kv["style"], _masks_slots_only(f, s)),
                 f["logits"],
             )
             for name, f in kv["functions"].items()
@@ -122,11 +127,89 @@ class Runtime:
         )
 
 
+def _masks_slots_only(function: dict[str, Any], cache_length: int) -> bool:
+    """Whether a function's masks have the S cache slots alone on their key axis (it writes its
+    tokens into their slots before attending), read from its inputs' shapes: an artifact
+    from before that layout has S + T keys in every function."""
+    shapes = [t["shape"] for t in function["inputs"] if t["name"].startswith("mask")]
+    return bool(shapes) and shapes[0][1] == cache_length
+
+
 def chunk_of(entry: dict[str, Any], layers: int) -> ChunkMeta:
     """One ``kv_cache.chunks`` entry as the chained host loop reads it."""
     names = {t["name"] for f in entry["functions"].values() for t in f["inputs"]}
     start, stop = entry["layers"]
     return ChunkMeta(start, stop, layers, frozenset(names), tuple(entry["cache"]["shape"]))
+
+
+def artifact_source(directory: Path) -> tuple[Any, str]:
+    """Where the checkpoint an artifact was converted from is (from its manifest), and its task."""
+    from converter.recipe import recipe_from_dict
+    from converter.recipe.sources import ResolvedSource
+
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    recipe = recipe_from_dict(manifest["recipe"])
+    resolved = manifest["recipe"].get("resolved_source")
+    source = (
+        ResolvedSource(resolved["kind"], Path(resolved["directory"]), resolved["gguf_file"])
+        if resolved
+        else recipe.resolve_source()
+    )
+    return source, recipe.task
+
+
+def artifact_checkpoint(directory: Path) -> Any:
+    """The checkpoint the artifact's manifest names, loaded; InputError when the file found
+    there is not the one it was converted from (its sha256 differs)."""
+    from converter.checkpoint import load_checkpoint
+
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    source, task = artifact_source(directory)
+    ckpt = load_checkpoint(source, task)
+    if ckpt.sha256 != manifest["checkpoint"]["sha256"]:
+        raise InputError(f"{source.directory}: not the checkpoint the artifact was made from")
+    return ckpt
+
+
+def torch_backend(runtime: Runtime, dtype: Any = None) -> Callable[[], CacheSession]:
+    """Sessions run by the fp16 torch module the artifact's program was converted from: the
+    manifest's recipe rewritten again from its checkpoint (hash checked), every layer in one
+    host loop whatever the chunking. A compressed variant's weights are not the module's:
+    refused (InputError naming the artifact)."""
+    import torch
+
+    from converter.recipe import recipe_from_dict
+    from converter.tasks.text_generation import rewrite_decoder
+    from graph_passes.cached_decoder import cached_functions
+    from parity.kv_session import session_for, torch_runner
+    from parity.model_copies import cast_copy
+
+    if runtime.manifest.get("compression"):
+        raise InputError(
+            f"{runtime.directory}: a compressed variant; its weights are the program's, not "
+            "the torch module's: run it with the mil (or coreml) backend"
+        )
+    ckpt = artifact_checkpoint(runtime.directory)
+    window = rewrite_decoder(recipe_from_dict(runtime.manifest["recipe"]), ckpt).module  # type: ignore[arg-type]
+    del ckpt
+    calls = {name: (f.shape.tokens, f.logits) for name, f in runtime.functions.items()}
+    kv = runtime.kv
+    dtype = dtype or torch.float16
+    half = cast_copy(window, dtype)
+    modules = cached_functions(half, kv["style"], kv["cache_length"], calls)
+    if kv["style"] == "state":  # one state in the module's dtype, shared by the functions
+        state = modules["decode"].kv_cache.to(dtype)
+        for module in modules.values():
+            module.kv_cache = state
+    table = runtime.embeddings
+
+    def make() -> CacheSession:
+        for module in modules.values():
+            module.reset_cache()
+        embed = None if table is None else (lambda ids: np.asarray(table[ids], np.float32))
+        return session_for(modules, torch_runner(modules, dtype), None, embed)
+
+    return make
 
 
 def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from converter.errors import InputError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Every change of the I/O contract a runtime sees, newest last; recorded in each manifest.
 IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
@@ -37,6 +37,19 @@ IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
         "before": "schema 3: one package held every layer",
         "why": "cache.package_budget_mb: about 1 GB per package on iOS, 2 GB on macOS",
         # A schema 3 manifest means what it meant (one package): still read.
+        "older_readable": True,
+    },
+    {
+        "schema_version": 5,
+        "tasks": ["text-generation"],
+        "what": "a state-style cached function of up to 8 tokens (decode, extend) writes its "
+        "tokens' keys and values into their slots before attending: its mask and "
+        "mask_window_<w> inputs are (1, S, 1, T), the S slots alone, the call's own tokens "
+        "visible in theirs; a prefill and every io-style function keep (1, S + T, 1, T)",
+        "before": "schema 4: every function's masks were (1, S + T, 1, T)",
+        "why": "the decode step attends as the window program does (one score, softmax and "
+        "weighted sum per head): SmolLM2's decode function 5,512 -> 3,230 ops",
+        # The masks' shapes in kv_cache.functions say which layout a function has.
         "older_readable": True,
     },
 ]

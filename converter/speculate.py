@@ -56,6 +56,15 @@ class Acceptance:
         """Mean accepted drafts per cycle."""
         return sum(self.accepted) / self.cycles if self.cycles else 0.0
 
+    def add(self, other: Acceptance) -> None:
+        """Add another run's counts at the same K (a sweep's texts, one at a time)."""
+        for i in range(self.k):
+            self.reached[i] += other.reached[i]
+            self.accepted[i] += other.accepted[i]
+        self.cycles += other.cycles
+        self.target_calls += other.target_calls
+        self.tokens += other.tokens
+
     @property
     def tokens_per_call(self) -> float:
         """Tokens produced per target call."""

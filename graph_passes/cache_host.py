@@ -39,11 +39,9 @@ class CallShape:
     tokens: int  # T
     windows: tuple[int, ...]  # the causal sliding windows of local layers
     style: str  # "state" or "io"
-
-    @property
-    def in_place(self) -> bool:
-        """Whether the function writes its tokens into their slots before attending."""
-        return writes_in_place(self.style, self.tokens)
+    # The function writes its tokens into their slots before attending (`writes_in_place`):
+    # its masks' keys are the S slots alone. An artifact says so by its masks' shape.
+    in_place: bool = False
 
 
 def writes_in_place(style: str, tokens: int) -> bool:

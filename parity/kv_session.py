@@ -246,7 +246,9 @@ def session_for(
     shapes = {
         name: FunctionShape(
             name,
-            CallShape(m.io.cache_length, m.io.tokens, tuple(m.windows), m.io.style),
+            CallShape(
+                m.io.cache_length, m.io.tokens, tuple(m.windows), m.io.style, m.writes_in_place
+            ),
             m.io.logits,
         )
         for name, m in functions.items()

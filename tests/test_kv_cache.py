@@ -43,8 +43,9 @@ def session_and_modules(tiny, style: str, dtype=torch.float32):
     first = modules["decode"]
     windows = tuple(first.windows)
     functions = {
-        name: FunctionShape(name, CallShape(CACHE, t, windows, style), logits)
+        name: FunctionShape(name, CallShape(CACHE, t, windows, style, m.writes_in_place), logits)
         for name, (t, logits) in calls.items()
+        for m in [modules[name]]
     }
     table = tiny.embed_table.numpy()
     return CacheSession(

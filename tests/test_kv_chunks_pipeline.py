@@ -74,7 +74,7 @@ def test_each_chunk_is_a_multifunction_package_within_the_budget(artifact: Path)
 def test_the_manifest_lists_the_chunks_in_call_order(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     kv = manifest["kv_cache"]
-    assert manifest["schema_version"] == 4
+    assert manifest["schema_version"] == 5
     assert kv["chunking"]["chunks"] == 3 and kv["chunking"]["package_budget_bytes"] == BUDGET
     assert kv["chunking"]["call_order"] == [f"tch.chunk{i}.mlpackage" for i in range(3)]
     chunks = kv["chunks"]

@@ -125,6 +125,40 @@ def test_every_function_returns_logits_with_the_vocabulary_last(
         Runtime.from_artifact(tmp_path)
 
 
+def test_the_host_builds_each_functions_masks_as_its_manifest_shapes_them(
+    artifact: Path, tmp_path: Path
+) -> None:
+    """Schema 5 masks of the 96 slots alone for the functions that write in place; a schema 4
+    artifact's masks (96 + T keys in every function) still get masks of that shape."""
+    import shutil
+
+    from converter.generate import Runtime
+    from graph_passes.cache_host import call_inputs
+
+    def mask_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+        runtime = Runtime.from_artifact(directory)
+        return {
+            name: call_inputs(f.shape, 0, 1, runtime.rope)["mask"].shape
+            for name, f in runtime.functions.items()
+        }
+
+    assert mask_shapes(artifact) == {
+        "prefill": (1, 96, 1, 8), "decode": (1, 96, 1, 1), "extend": (1, 96, 1, 4),
+    }  # fmt: skip
+    old = tmp_path / "old"
+    shutil.copytree(artifact, old)
+    doc = json.loads((old / "manifest.json").read_text())
+    doc["schema_version"] = 4
+    for function in doc["kv_cache"]["functions"].values():
+        for tensor in function["inputs"]:
+            if tensor["name"].startswith("mask"):
+                tensor["shape"][1] = 96 + tensor["shape"][3]
+    (old / "manifest.json").write_text(json.dumps(doc))
+    assert mask_shapes(old) == {
+        "prefill": (1, 104, 1, 8), "decode": (1, 97, 1, 1), "extend": (1, 100, 1, 4),
+    }  # fmt: skip
+
+
 def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Path) -> None:
     from tiny_models import tiny_hf_model
 
@@ -160,6 +194,48 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
     assert stats.tokens == 20 and stats.target_calls == stats.cycles
     # The draft is the target in fp16: self-acceptance is high but measured, not assumed.
     assert stats.rate(0) > 0.8 and stats.tokens_per_call >= 1.0
+
+
+def test_the_torch_backend_drafts_as_the_program_does(artifact: Path) -> None:
+    """``anec speculate``'s default draft: the fp16 torch module rebuilt from the manifest
+    reproduces the target and its acceptance is the MIL evaluator's on the same texts
+    (`mil_check` reports both)."""
+    from tiny_models import tiny_hf_model
+
+    from converter.cli.speculate import mil_check
+    from converter.generate import Runtime, mil_backend, torch_backend
+    from converter.speculate import Acceptance, speculate, target_tokens
+    from parity.reference import greedy_ids
+
+    runtime = Runtime.from_artifact(artifact)
+    target = tiny_hf_model("llama", seed=3)  # another model: acceptance is not all or none
+    verify = partial(target_tokens, target)
+    prompts = [[7, 8, 9, 10], [20, 21, 22]]
+    stats = Acceptance(3)
+    for prompt in prompts:
+        one = Acceptance(3)
+        new = speculate(torch_backend(runtime), verify, prompt, 3, 16, one)
+        assert new == greedy_ids(target, tuple(prompt), 16)
+        stats.add(one)
+    assert stats.tokens == 32 and 0 < stats.mean_accepted < 3
+    check = mil_check(mil_backend(runtime), verify, prompts, 3, 16, stats)
+    assert check["texts"] == 2 and check["backend_mean_accepted"] == round(stats.mean_accepted, 4)
+    assert check["relative_difference"] <= 0.01, check
+
+
+def test_the_torch_backend_refuses_a_compressed_variant(artifact: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from converter.errors import InputError
+    from converter.generate import Runtime, torch_backend
+
+    variant = tmp_path / "variant"
+    shutil.copytree(artifact, variant)
+    doc = json.loads((variant / "manifest.json").read_text())
+    doc["compression"] = {"variant": "lut4"}
+    (variant / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="compressed variant.*mil"):
+        torch_backend(Runtime.from_artifact(variant))
 
 
 def test_bench_device_extend_drift_runs_the_k_vs_1_comparison(

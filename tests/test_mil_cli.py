@@ -144,8 +144,8 @@ def test_the_window_returns_logits_with_the_vocabulary_last(artifact: Path) -> N
     from parity.mil.program import load_package
 
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert manifest["schema_version"] == 4  # 4: chunked cached decoders (one package here)
-    assert [c["schema_version"] for c in manifest["io_contract_changes"]] == [3, 4]
+    assert manifest["schema_version"] == 5  # 5: masks of the S slots for decode / extend
+    assert [c["schema_version"] for c in manifest["io_contract_changes"]] == [3, 4, 5]
     assert [o["shape"] for o in manifest["outputs"]] == [[1, 1, 1, 128], [1, 1, 1, 128],
                                                          [1, 1, 1, 44]]  # fmt: skip
     assert "[batch, position, 0, token]" in manifest["conventions"]["logits"]

@@ -5,40 +5,18 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
-from typing import Any
 
 import click
-
-
-def artifact_source(directory: Path) -> tuple[Any, str]:
-    """Where the checkpoint an artifact was converted from is (from its manifest), and its task."""
-    from converter.recipe import recipe_from_dict
-    from converter.recipe.sources import ResolvedSource
-
-    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    recipe = recipe_from_dict(manifest["recipe"])
-    resolved = manifest["recipe"].get("resolved_source")
-    source = (
-        ResolvedSource(resolved["kind"], Path(resolved["directory"]), resolved["gguf_file"])
-        if resolved
-        else recipe.resolve_source()
-    )
-    return source, recipe.task
 
 
 def reference_steps(directory: Path, prompt_ids: list[int], steps: int) -> list[tuple[int, float]]:
     """transformers' greedy continuation (fp32) of the checkpoint the manifest names, with
     each step's top-1 minus top-2 logit gap."""
-    from converter.checkpoint import load_checkpoint
-    from converter.errors import InputError
+    from converter.generate import artifact_checkpoint
     from parity.reference import greedy_steps
 
-    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    source, task = artifact_source(directory)
-    ckpt = load_checkpoint(source, task)
-    if ckpt.sha256 != manifest["checkpoint"]["sha256"]:
-        raise InputError(f"{source.directory}: not the checkpoint the artifact was made from")
-    return greedy_steps(ckpt.model.float().eval(), tuple(prompt_ids), steps)
+    model = artifact_checkpoint(directory).model
+    return greedy_steps(model.float().eval(), tuple(prompt_ids), steps)
 
 
 @click.command("generate")

@@ -34,14 +34,14 @@ def vocab_hash(vocab: dict[str, int], ids: int) -> str:
 def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
     """The target model (fp32), whether it is the draft's own checkpoint, and its name."""
     from converter.checkpoint import load_checkpoint
-    from converter.cli.generate import artifact_source
+    from converter.generate import artifact_checkpoint, artifact_source
     from converter.recipe.sources import ResolvedSource
 
     manifest = draft.manifest
     if target is None:
-        source, task = artifact_source(draft.directory)
-        ckpt = load_checkpoint(source, task)
-        return ckpt.model.float().eval(), True, f"{source.directory} (the draft's own)"
+        source, _ = artifact_source(draft.directory)
+        model = artifact_checkpoint(draft.directory).model
+        return model.float().eval(), True, f"{source.directory} (the draft's own)"
     ckpt = load_checkpoint(ResolvedSource("hf-dir", target, None), "text-generation")
     if ckpt.sha256 == manifest["checkpoint"]["sha256"]:
         return ckpt.model.float().eval(), True, f"{target} (the draft's own)"
@@ -57,6 +57,26 @@ def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
     return ckpt.model.float().eval(), False, str(target)
 
 
+def mil_check(
+    make: Any, verify: Any, prompts: list[list[int]], k: int, max_new_tokens: int,
+    backend: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The same texts with the draft in the MIL evaluator: both backends' mean accepted per
+    cycle and the relative difference (``backend``: the other backend's figures on them)."""
+    from converter.speculate import Acceptance, speculate
+
+    mil = Acceptance(k)
+    for prompt in prompts:
+        speculate(make, verify, prompt, k, max_new_tokens, mil)
+    base = mil.mean_accepted
+    return {
+        "texts": len(prompts),
+        "backend_mean_accepted": round(backend.mean_accepted, 4),
+        "mil_mean_accepted": round(base, 4),
+        "relative_difference": abs(backend.mean_accepted - base) / base if base else 0.0,
+    }
+
+
 @click.command("speculate")
 @click.option("--draft", "draft_dir", required=True,
               type=click.Path(path_type=Path, exists=True, file_okay=False))  # fmt: skip
@@ -70,6 +90,23 @@ def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
 @click.option("--draft-ms", type=float, default=None, help="Draft time per token (ms).")
 @click.option("--verify-ms", type=float, default=None, help="Target time to verify K tokens.")
 @click.option("--target-ms", type=float, default=None, help="Target time per token alone.")
+@click.option(
+    "--draft-backend",
+    type=click.Choice(["torch", "mil", "coreml"]),
+    default="torch",
+    show_default=True,
+    help="torch: the fp16 torch module the draft's program was converted from (the gates hold "
+    "both to one reference; many times faster); mil: the emitted program in anec's MIL "
+    "evaluator (fp16 profile); coreml: Core ML on macOS (never run here).",
+)
+@click.option(
+    "--check-mil",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Also run the first N texts with the draft in the MIL evaluator and report, per K, "
+    "both mean accepted per cycle and their relative difference on those texts.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def speculate_command(
     draft_dir: Path,
@@ -80,27 +117,37 @@ def speculate_command(
     draft_ms: float | None,
     verify_ms: float | None,
     target_ms: float | None,
+    draft_backend: str,
+    check_mil: int,
     as_json: bool,
 ) -> None:
     """Greedy speculative decoding on held-out human-written text: the draft (a cached
-    decoder artifact) run by the MIL evaluator, the target by transformers in fp32. Prints
+    decoder artifact, run by --draft-backend), the target by transformers in fp32. Prints
     acceptance per draft position, mean accepted drafts per cycle and tokens per target call
     for each K; with --draft-ms, --verify-ms and --target-ms, a predicted speed-up (never for
     the draft's own checkpoint, whose figure is self-acceptance)."""
-    from converter.generate import Runtime, mil_backend
+    from converter.generate import Runtime, coreml_backend, mil_backend, torch_backend
     from converter.speculate import TEXTS, Acceptance, speculate, speedup, target_tokens
 
     draft = Runtime.from_artifact(draft_dir)
     if draft.tokenizer is None:
         raise InputError(f"{draft_dir}: the draft ships no tokenizer.json")
     model, own, target_name = load_target(draft, target_dir)
-    make = mil_backend(draft)
+    backends = {"torch": torch_backend, "mil": mil_backend, "coreml": coreml_backend}
+    make = backends[draft_backend](draft)
+    check = mil_backend(draft) if check_mil and draft_backend != "mil" else None
     prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[:texts]]
+    verify = partial(target_tokens, model)
     rows = []
     for k in parse_depths(depths):
         stats = Acceptance(k)
-        for prompt in prompts:
-            speculate(make, partial(target_tokens, model), prompt, k, max_new_tokens, stats)
+        subset = Acceptance(k)  # the first --check-mil texts alone, with the same draft
+        for i, prompt in enumerate(prompts):
+            one = Acceptance(k)
+            speculate(make, verify, prompt, k, max_new_tokens, one)
+            stats.add(one)
+            if i < check_mil:
+                subset.add(one)
         row: dict[str, Any] = {
             "k": k,
             "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
@@ -108,6 +155,9 @@ def speculate_command(
             "tokens_per_target_call": round(stats.tokens_per_call, 4),
             "cycles": stats.cycles,
         }
+        if check is not None:
+            row["mil_check"] = mil_check(check, verify, prompts[:check_mil], k,
+                                         max_new_tokens, subset)  # fmt: skip
         if not own and None not in (draft_ms, verify_ms, target_ms):
             assert draft_ms is not None and verify_ms is not None and target_ms is not None
             row["predicted_speedup"] = speedup(
@@ -122,9 +172,17 @@ def speculate_command(
                 f"{row['tokens_per_target_call']:.2f}"
                 + (f"  predicted {row['predicted_speedup']}" if "predicted_speedup" in row else "")
             )
+            if "mil_check" in row:
+                c = row["mil_check"]
+                click.echo(
+                    f"  MIL check on {c['texts']} text(s): mean accepted {draft_backend} "
+                    f"{c['backend_mean_accepted']:.4f}, mil {c['mil_mean_accepted']:.4f} "
+                    f"(relative difference {c['relative_difference']:.2%})"
+                )
     label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
-    doc = {"draft": str(draft_dir), "target": target_name, "label": label, "rows": rows,
-           "texts": len(prompts), "max_new_tokens": max_new_tokens}  # fmt: skip
+    doc = {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
+           "label": label, "rows": rows, "texts": len(prompts),
+           "max_new_tokens": max_new_tokens}  # fmt: skip
     if as_json:
         click.echo(json.dumps(doc))
     else:
