@@ -42,10 +42,10 @@ IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
     {
         "schema_version": 5,
         "tasks": ["text-generation"],
-        "what": "a state-style cached function of up to 8 tokens (decode, extend) writes its "
-        "tokens' keys and values into their slots before attending: its mask and "
-        "mask_window_<w> inputs are (1, S, 1, T), the S slots alone, the call's own tokens "
-        "visible in theirs; a prefill and every io-style function keep (1, S + T, 1, T)",
+        "what": "every function of a state-style cached decoder writes its tokens' keys and "
+        "values into their slots before attending: its mask and mask_window_<w> inputs are "
+        "(1, S, 1, T), the S slots alone, the call's own tokens visible in theirs; io-style "
+        "functions keep (1, S + T, 1, T)",
         "before": "schema 4: every function's masks were (1, S + T, 1, T)",
         "why": "the decode step attends as the window program does (one score, softmax and "
         "weighted sum per head): SmolLM2's decode function 5,512 -> 3,230 ops",

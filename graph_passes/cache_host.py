@@ -12,9 +12,9 @@ Conventions (the manifest states them; `graph_passes.cached_decoder` is the prog
   back: the rejected slots become stale, are hidden by ``cache_valid`` and the mask, and the
   next call overwrites them;
 * the cache holds S positions: a call needs ``position + n <= S``;
-* the masks' key axis holds the S slots, then the T new tokens - except for a function that
-  writes its tokens into their slots before attending (style ``state``, T <=
-  `ELEMENTWISE_WRITE`): its keys are the S slots alone, the new tokens in theirs.
+* the masks' key axis holds the S slots alone for a function that writes its tokens into
+  their slots before attending (style ``state``): the call's own tokens are visible, causally,
+  in their slots; for style ``io`` it holds the S slots, then the T new tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +25,6 @@ import numpy as np
 
 from graph_passes.masks import MASKED
 
-# Up to this many tokens per call a state-style function writes its tokens into their slots
-# elementwise, before attending (`graph_passes.cached_decoder.CachedKeys`); a longer call (a
-# prefill) writes with one matmul, after the layers.
-ELEMENTWISE_WRITE = 8
-
 
 @dataclass(frozen=True)
 class CallShape:
@@ -39,16 +34,10 @@ class CallShape:
     tokens: int  # T
     windows: tuple[int, ...]  # the causal sliding windows of local layers
     style: str  # "state" or "io"
-    # The function writes its tokens into their slots before attending (`writes_in_place`):
-    # its masks' keys are the S slots alone. An artifact says so by its masks' shape.
+    # The function writes its tokens into their slots before attending (style state, from
+    # manifest schema 5): its masks' keys are the S slots alone. An artifact says so by its
+    # masks' shape.
     in_place: bool = False
-
-
-def writes_in_place(style: str, tokens: int) -> bool:
-    """Whether a function of ``tokens`` per call writes them into their slots before
-    attending (style ``state``, up to `ELEMENTWISE_WRITE`): its masks' keys are the S slots
-    alone."""
-    return style == "state" and tokens <= ELEMENTWISE_WRITE
 
 
 def token_positions(position: int, n: int, tokens: int) -> np.ndarray:

@@ -32,23 +32,23 @@ Position-dependent values are host inputs, so the program has no integer arithme
 Cache styles (`CacheStyle`):
 
 * ``state``: the cache is a Core ML state (``ct.StateType``, macOS 15 / iOS 18). The update is
-  ``cache * (1 - sum_t write_slots) + sum_t write_slots[t] * rows[t]``: fp16 elementwise
-  ops, no ``slice_update`` with run-time indices (which ANE compilers reject or send to the
-  CPU: coreai-torch #6, Anemll #27, anemll-profile's "Cannot support standalone
-  slice_update") and no int32 tensor. Its cost is a pass over the cache per token written.
+  ``cache * (1 - sum_t write_slots) + sum_t write_slots[t] * rows[t]``, a layer at a time:
+  fp16 elementwise ops (a 2-D matmul per kv head for a prefill's T tokens), no
+  ``slice_update`` with run-time indices (which ANE compilers reject or send to the CPU:
+  coreai-torch #6, Anemll #27, anemll-profile's "Cannot support standalone slice_update")
+  and no int32 tensor. Its cost is a pass over the cache per token written.
 * ``io``: the cache is an input and only the new rows come out, ``new_kv`` (2N, KV, T, d); the
   host writes them at their slots (macOS 14 / iOS 17).
 
 Where the new tokens' keys meet the cache:
 
-* written in place (style ``state``, T up to `graph_passes.cache_host.ELEMENTWISE_WRITE`:
-  decode and extend): each layer blends its rows into its cache slots first (`SlotWrite`),
-  and attends to the S slots alone - per head one score, one softmax and one weighted sum, as
-  in the window program. The blend is the state update itself, done a layer at a time, so it
-  costs no pass more than writing after the layers would;
-* scored apart (style ``io``, and the prefill, whose T-token write is one matmul after the
-  layers): the new keys' scores are concatenated on the key axis after the cache's (T x (S +
-  T) values per head, not a copy of the cache).
+* written in place (style ``state``): each layer blends its rows into its cache slots first
+  (`SlotWrite`) and attends to the S slots alone - per head one score, one softmax and one
+  weighted sum, as in the window program. The blend is the state update itself, done a layer
+  at a time, so it costs no pass more than writing after the layers would;
+* scored apart (style ``io``): the cache is the host's, so the new keys' scores are
+  concatenated on the key axis after the cache's (T x (S + T) values per head, not a copy of
+  the cache).
 
 Either way the values are read as the cache holds them, rows (S, d): one matmul of the
 weights' transpose with the rows per head, never a transpose of the cache.
@@ -64,7 +64,6 @@ import torch
 from torch import nn
 
 from graph_passes.attention import Attention
-from graph_passes.cache_host import writes_in_place
 from graph_passes.decoder import BC1LDecoder, InputKind
 from graph_passes.model import Block
 from graph_passes.rope import Positions, inverse_frequencies, rope_tables
@@ -73,6 +72,8 @@ from graph_passes.spec import AttentionSpec
 CacheStyle = Literal["state", "io"]
 LogitPositions = Literal["last", "all"]
 CACHE_NAME = "kv_cache"
+# Up to this many tokens per call a layer's cache write is elementwise (`SlotWrite.blend`).
+ELEMENTWISE_WRITE = 8
 # A chunk of a chunked decoder (layers [start, stop) of N) returns the stream (1, D, 1, T) as
 # HIDDEN_OUT unless it is the last; the next chunk reads it as HIDDEN_IN.
 HIDDEN_OUT = "hidden_out"
@@ -217,9 +218,9 @@ class CachedDecoder(nn.Module):
     @property
     def writes_in_place(self) -> bool:
         """Whether the new tokens' keys and values are blended into their cache slots before
-        the layer attends (cache style ``state``, up to `ELEMENTWISE_WRITE` tokens): their
-        scores are then part of the cache's and the mask covers the S slots only."""
-        return writes_in_place(self.io.style, self.io.tokens)
+        the layer attends (cache style ``state``): their scores are then part of the cache's
+        and the mask covers the S slots only."""
+        return self.io.style == "state"
 
     def mask_keys(self) -> int:
         """Keys on the masks' axis 1: the S slots, then (unless written in place) the T new
@@ -241,7 +242,6 @@ class CachedDecoder(nn.Module):
             keys.append(k)
             values.append(v)
             held.append(kv.held)
-        rows = torch.stack(keys + values)  # (2N, KV, T, d)
         if self.last:
             if self.io.logits == "last":
                 h = h[:, :, :, t - 1 :]
@@ -249,15 +249,13 @@ class CachedDecoder(nn.Module):
         else:
             outputs = (h,)  # every position: the next chunk's layers need all T
         if self.io.style == "io":
-            return (*outputs, rows)
-        # One state write of the whole cache (the assignment coremltools reads as a state
-        # update; converter.mil_passes folds its whole-tensor slice_update away): the layers'
-        # blended caches, or the cache blended with every layer's rows here.
-        if self.writes_in_place:
-            new = torch.stack([k for k, _ in held] + [v for _, v in held])  # type: ignore[misc]
-        else:
-            new = self.updated(raw, named["write_slots"], rows)
-        self.kv_cache[:, :, :, :] = new
+            return (*outputs, torch.stack(keys + values))  # the new rows (2N, KV, T, d)
+        # One state write of the whole cache, the layers' blended caches (the assignment
+        # coremltools reads as a state update; converter.mil_passes folds its whole-tensor
+        # slice_update away).
+        self.kv_cache[:, :, :, :] = torch.stack(
+            [k for k, _ in held] + [v for _, v in held]  # type: ignore[misc]
+        )
         return outputs
 
     def run_layer(
@@ -282,15 +280,6 @@ class CachedDecoder(nn.Module):
         kv = CachedKeys(cache_k, cache_v, positions, self.io.cache_length, write)
         mask = named["mask" if layer.window is None else f"mask_window_{layer.window}"]
         return layer(h, mask, kv), kv
-
-    def updated(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The cache with each token's rows written at its slot, after the layers (a call of
-        more than `graph_passes.cache_host.ELEMENTWISE_WRITE` tokens: the prefill): ``slots``
-        (1, 1, S, T) one-hot, ``rows`` (2N, KV, T, d); the other slots keep their values
-        exactly. One matmul, whose 2N x KV batch anec's plan rules place on the CPU
-        (R-BATCH): a prefill's write, once a prompt."""
-        keep = 1.0 - slots.sum(dim=3, keepdim=True)  # (1, 1, S, 1)
-        return cache * keep + torch.matmul(slots, rows)
 
 
 class CachedKeys:
@@ -383,10 +372,16 @@ class SlotWrite:
         return cls(one_hot, 1.0 - one_hot.sum(dim=2, keepdim=True))
 
     def blend(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One layer's cache (KV, S, d) with each token's row (KV, T, d) at its slot:
-        elementwise, one mul and one add per token, so the write stays on the NE."""
+        """One layer's cache (KV, S, d) with each token's row (KV, T, d) at its slot, every
+        other slot exactly as it was. Up to `ELEMENTWISE_WRITE` tokens one mul and one add per
+        token; beyond (a prefill) one (S, T) x (T, d) matmul per kv head: a batched matmul of
+        run-time operands would leave the NE (plan rule R-BATCH). All on the NE either way."""
         out = cache * self.keep
-        for u in range(rows.shape[1]):
+        tokens = rows.shape[1]
+        if tokens > ELEMENTWISE_WRITE:
+            slots = self.one_hot[0]  # (S, T)
+            return out + torch.stack([torch.matmul(slots, r) for r in rows.unbind(0)])
+        for u in range(tokens):
             out = out + self.one_hot[:, :, u : u + 1] * rows[:, u : u + 1, :]
         return out
 

@@ -74,11 +74,11 @@ def test_one_package_holds_every_function_and_stores_weights_once(artifact: Path
     assert not (artifact / "functions.tmp").exists()
 
 
-def test_decode_and_extend_attend_to_the_cache_as_it_is_held(artifact: Path) -> None:
+def test_every_function_attends_to_the_cache_as_it_is_held(artifact: Path) -> None:
     # Their tokens are written into their slots before attending: every softmax runs over the
     # 96 slots alone (no new keys concatenated after them) and no op transposes the cache.
     program = load_package(artifact / "tiny-kv.mlpackage")
-    for name in ("decode", "extend"):
+    for name in ("prefill", "decode", "extend"):
         ops = program.functions[name].operations
         softmax = [op.inputs["x"].shape for op in ops if op.op_type == "softmax"]
         assert softmax and all(shape[1] == 96 for shape in softmax), (name, softmax)
@@ -95,8 +95,8 @@ def test_the_manifest_describes_every_function_and_the_cache(artifact: Path) -> 
     tokens = {name: f["tokens"] for name, f in kv["functions"].items()}
     assert tokens == {"prefill": 8, "decode": 1, "extend": 4}
     decode = {t["name"]: t for t in kv["functions"]["decode"]["inputs"]}
-    # Decode (and extend, and this tiny prefill of 8) write their tokens into their slots
-    # before attending: the masks' keys are the 96 slots alone.
+    # Every function writes its tokens into their slots before attending: the masks' keys
+    # are the 96 slots alone.
     assert decode["mask"]["shape"] == [1, 96, 1, 1]
     assert decode["write_slots"]["shape"] == [1, 1, 96, 1]
     for key in ("position", "mask", "eviction", "rollback"):

@@ -14,7 +14,7 @@ from tiny_models import Tiny, build_tiny, one_torch_thread
 import graph_passes.cache_host as cache_host
 import graph_passes.cached_decoder as cached_decoder
 from converter.tasks.kv_contract import function_calls
-from graph_passes.cached_decoder import CachedDecoder, cached_functions
+from graph_passes.cached_decoder import cached_functions
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_session import CacheSession, session_for, torch_runner
 from parity.reference import continuation
@@ -74,27 +74,18 @@ def test_an_off_by_one_write_position_fails(tiny: Tiny, monkeypatch: pytest.Monk
     assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
 
 
-@pytest.mark.parametrize("write", ["in place", "after the layers"])
+@pytest.mark.parametrize("prefill", [8, 16])  # written elementwise, or by matmul
 def test_a_cache_update_on_the_wrong_axis_fails(
-    tiny: Tiny, monkeypatch: pytest.MonkeyPatch, write: str
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch, prefill: int
 ) -> None:
-    # The rows land on the kv-head axis's mirror: head g's rows go to head KV-1-g, in the
-    # decode and extend functions' in-place write, or in the prefill's write after the layers.
-    def wrong_axis(self, cache, slots, rows):  # type: ignore[no-untyped-def]
-        keep = 1.0 - slots.sum(dim=3, keepdim=True)
-        return cache * keep + torch.matmul(slots, rows).flip(1)
-
+    # Every layer's rows land on the kv-head axis's mirror: head g's rows go to head KV-1-g.
     blend = cached_decoder.SlotWrite.blend
 
     def wrong_blend(self, cache, rows):  # type: ignore[no-untyped-def]
         return blend(self, cache, rows.flip(0))
 
-    if write == "in place":
-        monkeypatch.setattr(cached_decoder.SlotWrite, "blend", wrong_blend)
-        bad = failed(run_gates(tiny))
-    else:
-        monkeypatch.setattr(CachedDecoder, "updated", wrong_axis)
-        bad = failed(run_gates(tiny, prefill=16))
+    monkeypatch.setattr(cached_decoder.SlotWrite, "blend", wrong_blend)
+    bad = failed(run_gates(tiny, prefill=prefill))
     assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
 
 

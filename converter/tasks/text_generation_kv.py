@@ -120,14 +120,18 @@ def convert_singles(
     advance: Advance = lambda: None,
 ) -> tuple[dict[str, Path], Program]:
     """Trace and convert each function (a state for the ``state`` style) and save each as
-    its own single-function package in ``scratch``; also the default function's program."""
+    its own single-function package in ``scratch``; also the default function's program,
+    whose plan table holds every function under its own name."""
     from converter.coreml import to_mlprogram, trace
-    from converter.plan.ops import op_table
+    from converter.plan.ops import OpTable, function_table
     from graph_passes.markers import mark_layer_outputs
 
     scratch.mkdir(parents=True, exist_ok=True)
     singles: dict[str, Path] = {}
     decode: Program | None = None
+    # The plan's op tables now, not the programs: held to the plan step, each chunk's
+    # programs kept their fp16 weights through the cache parity.
+    tables = OpTable([])
     for name, module in functions.items():
         inputs, outputs = function_contract(module, dtype)
         traced = trace(module, inputs)
@@ -135,11 +139,9 @@ def convert_singles(
         mark_layer_outputs(traced, module.num_layers, first=module.start)
         mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
         singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
+        tables.functions.append(function_table(name, mlmodel._mil_program.functions["main"]))
         if name == DEFAULT_FUNCTION:
-            # The plan's op table now, not the program: held to the plan step, each chunk's
-            # decode program kept its fp16 weights through the cache parity.
-            table = op_table(mlmodel._mil_program)
-            decode = Program(name, inputs, outputs, scratch, None, live_ops(mlmodel), table)
+            decode = Program(name, inputs, outputs, scratch, None, live_ops(mlmodel), tables)
         del mlmodel
         release_memory()
         advance()
