@@ -14,7 +14,7 @@ It is a model: a floor from published figures, never a measurement.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from converter.evidence import MEANING, Evidence
@@ -69,14 +69,15 @@ class Floor:
         return data
 
 
-def decode_work(decoded: list[DecodedWeight]) -> dict[str, float]:
-    """The `Work` fields of compressed weights the NE reads: bytes added by their relative
-    cost, bytes added by padded indices, and decoded weights scaled by their relative cost."""
-    return {
-        "ne_relative_bytes": sum(d.stored_bytes * (d.relative_cost - 1.0) for d in decoded),
-        "ne_padding_bytes": sum(padding_extra(d) for d in decoded),
-        "ne_decoded_weights": sum(d.weights * d.relative_cost for d in decoded),
-    }
+def with_decoded(work: Work, decoded: list[DecodedWeight]) -> Work:
+    """``work`` with the compressed weights the NE reads: the bytes their relative cost adds,
+    the bytes padded indices add, and the decoded weights scaled by their relative cost."""
+    return replace(
+        work,
+        ne_relative_bytes=sum(d.stored_bytes * (d.relative_cost - 1.0) for d in decoded),
+        ne_padding_bytes=sum(padding_extra(d) for d in decoded),
+        ne_decoded_weights=sum(d.weights * d.relative_cost for d in decoded),
+    )
 
 
 def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
@@ -84,7 +85,7 @@ def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
     ne = [r for r in function.rows if r.device == "NE"]
     off = [r for r in function.rows if r.device not in ("NE", "none")]
     s = function.summary
-    return Work(
+    work = Work(
         ne_flops=sum(r.flops or 0 for r in ne),
         ne_weight_bytes=sum(r.weight_bytes for r in ne),
         cpu_flops=sum(r.flops or 0 for r in off),
@@ -93,8 +94,8 @@ def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
         output_bytes=s.output_bytes,
         ne_segments=s.ne_segments,
         w8a8=w8a8,
-        **decode_work([d for r in ne for d in r.decoded]),
     )
+    return with_decoded(work, [d for r in ne for d in r.decoded])
 
 
 def _terms(work: Work, chip: Chip, end: str) -> dict[str, float]:
