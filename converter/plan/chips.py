@@ -4,12 +4,18 @@ placement rules read.
 Every figure carries a central value, a range (low, high) and its source; most are public
 estimates, not Apple specifications (docs/placement-rules.md sections 2.3 and 4).
 Apple does not publish NE bandwidth; the weight-stream figures are community measurements.
+A weight-decode rate (the NE's cap on compressed weights per second) is carried only where it
+was measured; elsewhere it is None and the cost model has no third bound. `VARIANTS` are
+chips with their base chip's NE (the same placement) and their own memory figures: the cost
+model prices them, the placement rules and gates use the base chip.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
+
+from converter.plan.decode import PADDING_SOURCE
 
 Platform = Literal["macOS", "iOS"]
 
@@ -53,6 +59,16 @@ class Chip:
     native_trig: bool  # sin/cos on the NE (O-TRIG)
     texture_engine: bool  # resize / crop_resize on the NE (O-RESIZE)
     int8_fast_path: bool  # faster int8 x int8 compute (O-W8A8)
+    # G weights/s the NE decodes compressed weights at; None: not measured, no cap
+    decode_gweights: Figure | None = None
+    index_padding: bool = True  # 3/6-bit indices time like 4/8 bits (plan.decode)
+    index_padding_source: str = ""
+    variant_of: str | None = None  # a variant's base chip: its placement is the base's
+
+    @property
+    def placement_chip(self) -> str:
+        """The chip whose placement rules this one follows (itself, or a variant's base)."""
+        return self.variant_of or self.name
 
     def to_json(self) -> dict[str, Any]:
         """JSON form: every figure with its source, and the limits."""
@@ -69,6 +85,14 @@ class Chip:
             "native_trig": self.native_trig,
             "texture_engine": self.texture_engine,
             "int8_fast_path": self.int8_fast_path,
+            "decode_gweights": (
+                self.decode_gweights.to_json()
+                if self.decode_gweights is not None
+                else "not measured: no weight-decode bound"
+            ),
+            "index_padding": self.index_padding,
+            "index_padding_source": self.index_padding_source,
+            "variant_of": self.variant_of,
         }
 
 
@@ -101,6 +125,8 @@ _CPU_GBPS = Figure(
     "ane-guide ch.18 segmenter anchor (CPU 10 GB/s); high end: unified memory on base chips",
 )
 _NO_INT8_FAST_PATH = "no int8 fast path: fp16 figure"
+_PADDING_UNMEASURED = (True, f"not measured on this chip, applied from: {PADDING_SOURCE}")
+_LUT6_HEAD = "llama_lm_head_lut6: the 128256 x 4096 head (525 M weights, 396 MB)"
 
 # Placement limits, one row per chip: platform; largest non-channel axis (R-DIM); model size
 # in GB above which the whole model leaves the NE (R-SIZE); sin/cos on the NE (O-TRIG);
@@ -129,6 +155,8 @@ class _NeFigures:
     weight_stream_gbps: _Row  # GB/s
     int8_tops: _Row | None = None  # TOPS; None: the fp16 figure (no int8 fast path)
     dispatch_ms: _Row | None = None  # ms; None: not measured, `_DISPATCH_UNMEASURED`
+    decode_gweights: _Row | None = None  # G weights/s; None: not measured, no cap
+    index_padding: tuple[bool, str] | None = None  # None: `_PADDING_UNMEASURED`
 
 
 _FIGURES: dict[str, _NeFigures] = {
@@ -185,6 +213,12 @@ _FIGURES: dict[str, _NeFigures] = {
         int8_tops=(35.1, 35.1, 38.0, "maderix/ANE W8A8 35.1 measured; Apple 38 TOPS"),
         weight_stream_gbps=(64.2, 55.0, 70.0, f"anemll-bench M4 64.2; range: {_BASE_BW_SOURCE}"),
         dispatch_ms=(0.095, 0.07, 0.095, "maderix Part 2 (M4, direct path); ANEForge ~0.07"),
+        # No decode rate: the measured LUT6 head is bytes-bound here (anchors_runtime.md 6).
+        index_padding=(
+            False,
+            f"anemll-bench issue 5 (base M4): {_LUT6_HEAD} in 6.45 ms at 61.4 GB/s vs fp16 "
+            "64.2 GB/s, 2.5x faster: its 6-bit indices stream unpadded",
+        ),
     ),
     "A17 Pro": _NeFigures(
         fp16_tflops=(
@@ -225,18 +259,79 @@ _FIGURES: dict[str, _NeFigures] = {
 }
 
 
+# Variants: the base chip's NE (placement limits, rules) with their own memory figures. Only
+# chips with a measured weight-decode rate are listed (anchors_runtime.md section 6).
+_VARIANTS: dict[str, tuple[str, _NeFigures]] = {
+    "M4 Max": (
+        "M4",
+        _NeFigures(
+            fp16_tflops=(
+                18.6,
+                10.9,
+                19.0,
+                "the M4's NE (ANEForge PR #271: same 16-core NE generation as the base M4); "
+                "maderix/ANE M4 direct path 18.6; community 10.9 measured on M4 Max",
+            ),
+            int8_tops=(35.1, 35.1, 38.0, "the M4's NE: maderix/ANE W8A8 35.1 (M4); Apple 38 TOPS"),
+            weight_stream_gbps=(
+                118.9,
+                118.9,
+                120.2,
+                "anemll-bench Results.MD M4 Max 118.9; issue 1: fp16 lm_head 120.2 GB/s",
+            ),
+            decode_gweights=(
+                130.0,
+                130.0,
+                130.0,
+                f"anemll-bench issue 1 (M4 Max): {_LUT6_HEAD} in 4.03 ms, about 130 G weights/s "
+                "at 98 GB/s, below the fp16 stream: capped by weight rate, not bytes "
+                "(anchors_runtime.md section 6); one measurement",
+            ),
+            index_padding=(
+                False,
+                "anemll-bench issue 1 (M4 Max): the LUT6 head's 130 G weights/s would need 130 "
+                "GB/s as 8-bit indices, above the 120 GB/s fp16 stream: not padded",
+            ),
+        ),
+    ),
+    "M5 Max": (
+        "M5",
+        _NeFigures(
+            fp16_tflops=(19.27, 19.27, 19.27, "maderix/ANE PR #50 (M5 Max): 19.27 TFLOPS fp16"),
+            int8_tops=(35.61, 35.61, 35.61, "maderix/ANE PR #50 (M5 Max): 35.61 TOPS W8A8"),
+            weight_stream_gbps=(
+                159.0,
+                145.0,
+                159.0,
+                "anemll-forge RESULTS_M5_MAX_INT8.md: fp16 dense 159 GB/s (4096x4096 conv "
+                "chains), 145 GB/s (32 parallel 2048x2048 weights)",
+            ),
+            decode_gweights=(
+                150.0,
+                125.0,
+                155.0,
+                "anemll-forge RESULTS_M5_MAX_INT8.md: every LUT from 4 to 0.5 bits/weight at "
+                "0.150-0.155 T weights/s (chains), 0.125-0.130 (parallel), the int8 dense "
+                "time (1.0x int8, 1.95x fp16; anchors_runtime.md section 6)",
+            ),
+        ),
+    ),
+}
+
+
 def _figure(row: _Row, unit: str) -> Figure:
     value, low, high, source = row
     return Figure(value, low, high, unit, source)
 
 
-def _chip(name: str) -> Chip:
-    """Chip ``name`` from its row of `_LIMITS` and its entry of `_FIGURES`."""
+def _chip(name: str, ne: _NeFigures) -> Chip:
+    """Chip ``name`` from its row of `_LIMITS` and its figures ``ne``."""
     platform, max_spatial, budget_gb, native_trig, texture_engine, int8_fast_path = _LIMITS[name]
-    ne = _FIGURES[name]
     fp16_value, fp16_low, fp16_high, _ = ne.fp16_tflops
     int8 = ne.int8_tops or (fp16_value, fp16_low, fp16_high, _NO_INT8_FAST_PATH)
     dispatch = _DISPATCH_UNMEASURED if ne.dispatch_ms is None else _figure(ne.dispatch_ms, "ms")
+    decode = None if ne.decode_gweights is None else _figure(ne.decode_gweights, "G weights/s")
+    padding, padding_source = ne.index_padding or _PADDING_UNMEASURED
     return Chip(
         name=name,
         platform=platform,
@@ -252,10 +347,18 @@ def _chip(name: str) -> Chip:
         native_trig=native_trig,
         texture_engine=texture_engine,
         int8_fast_path=int8_fast_path,
+        decode_gweights=decode,
+        index_padding=padding,
+        index_padding_source=padding_source,
     )
 
 
-CHIPS: dict[str, Chip] = {name: _chip(name) for name in _LIMITS}
+CHIPS: dict[str, Chip] = {name: _chip(name, _FIGURES[name]) for name in _LIMITS}
+# Priced by the cost model only: placement and gates use the base chip (`Chip.variant_of`).
+VARIANTS: dict[str, Chip] = {
+    name: replace(_chip(base, ne), name=name, variant_of=base)
+    for name, (base, ne) in _VARIANTS.items()
+}
 
 # The chip whose limits are strictest: the default for a static report.
 STRICTEST = "M1"
@@ -270,6 +373,14 @@ def chip(name: str) -> Chip:
         if c.name.replace(" ", "").lower() == key:
             return c
     raise InputError(f"unknown chip {name!r}; known: {', '.join(CHIPS)}")
+
+
+def cost_chips() -> list[Chip]:
+    """Every chip the cost model prices: the placement chips, each followed by its variants."""
+    out = []
+    for c in CHIPS.values():
+        out += [c, *[v for v in VARIANTS.values() if v.variant_of == c.name]]
+    return out
 
 
 def chips_for(platform: str | None) -> list[Chip]:

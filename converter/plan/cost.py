@@ -1,20 +1,25 @@
 """The cost model (evidence ``predicted``): a latency floor per chip from a placement report.
 
 For each function: the NE part is ``max(NE FLOPs / peak, NE weight bytes / weight-stream
-bandwidth)`` (SPEC section 6); ops placed on the CPU add ``max(FLOPs / CPU rate, weight bytes /
-CPU bandwidth)``; the bytes crossing devices, the inputs read by the NE and the outputs are
-copies at the NE bandwidth; every NE segment pays one dispatch. The central figure uses each
-chip's central values; the range uses the optimistic and pessimistic ends of every figure.
+bandwidth, NE compressed weights / weight-decode rate)`` (SPEC section 6); the third term only
+on chips where a decode rate was measured (``plan.chips``). A compressed weight's bytes and
+decoded weights are scaled by its relative cost (LUT granularity), and its index bytes padded
+where the chip pads 3/6-bit indices (``plan.decode``, both predictions from sources). Ops
+placed on the CPU add ``max(FLOPs / CPU rate, weight bytes / CPU bandwidth)``; the bytes
+crossing devices, the inputs read by the NE and the outputs are copies at the NE bandwidth;
+every NE segment pays one dispatch. The central figure uses each chip's central values; the
+range uses the optimistic and pessimistic ends of every figure.
 It is a model: a floor from published figures, never a measurement.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from converter.evidence import MEANING, Evidence
 from converter.plan.chips import Chip
+from converter.plan.decode import DecodedWeight, padding_extra, relative_costs_json
 from converter.plan.report import FunctionReport, PlacementReport
 
 MODEL_NOTE = (
@@ -35,6 +40,11 @@ class Work:
     output_bytes: int
     ne_segments: int
     w8a8: bool  # int8 activations: the int8 throughput applies
+    # Compressed weights on the NE (plan.decode): the bytes their relative cost adds, the bytes
+    # padded indices add where the chip pads, and the weights decoded (relative cost applied).
+    ne_relative_bytes: float = 0.0
+    ne_padding_bytes: float = 0.0
+    ne_decoded_weights: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,8 @@ class Floor:
     ms: float
     low_ms: float
     high_ms: float
-    bound: str  # the largest term: "compute", "weights", "cpu", "copies" or "dispatch"
+    # the largest term: "compute", "weights", "weight-decode", "cpu", "copies" or "dispatch"
+    bound: str
     components_ms: dict[str, float]
     evidence: Evidence = Evidence.PREDICTED
 
@@ -58,12 +69,23 @@ class Floor:
         return data
 
 
+def with_decoded(work: Work, decoded: list[DecodedWeight]) -> Work:
+    """``work`` with the compressed weights the NE reads: the bytes their relative cost adds,
+    the bytes padded indices add, and the decoded weights scaled by their relative cost."""
+    return replace(
+        work,
+        ne_relative_bytes=sum(d.stored_bytes * (d.relative_cost - 1.0) for d in decoded),
+        ne_padding_bytes=sum(padding_extra(d) for d in decoded),
+        ne_decoded_weights=sum(d.weights * d.relative_cost for d in decoded),
+    )
+
+
 def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
     """The work of one function, split by device (constants excluded)."""
     ne = [r for r in function.rows if r.device == "NE"]
     off = [r for r in function.rows if r.device not in ("NE", "none")]
     s = function.summary
-    return Work(
+    work = Work(
         ne_flops=sum(r.flops or 0 for r in ne),
         ne_weight_bytes=sum(r.weight_bytes for r in ne),
         cpu_flops=sum(r.flops or 0 for r in off),
@@ -73,6 +95,7 @@ def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
         ne_segments=s.ne_segments,
         w8a8=w8a8,
     )
+    return with_decoded(work, [d for r in ne for d in r.decoded])
 
 
 def _terms(work: Work, chip: Chip, end: str) -> dict[str, float]:
@@ -88,9 +111,15 @@ def _terms(work: Work, chip: Chip, end: str) -> dict[str, float]:
     peak = chip.int8_tops if work.w8a8 else chip.fp16_tflops
     tflops = pick(peak)
     gbps = pick(chip.weight_stream_gbps)
+    ne_bytes = work.ne_weight_bytes + work.ne_relative_bytes
+    ne_bytes += work.ne_padding_bytes if chip.index_padding else 0.0
+    # No measured decode rate: no third bound (SPEC section 6), not a guessed one.
+    rate = chip.decode_gweights
+    decode = 0.0 if rate is None else work.ne_decoded_weights / (pick(rate) * 1e9) * 1e3
     return {
         "ne_compute": work.ne_flops / (tflops * 1e12) * 1e3,
-        "ne_weights": work.ne_weight_bytes / (gbps * 1e9) * 1e3,
+        "ne_weights": ne_bytes / (gbps * 1e9) * 1e3,
+        "ne_decode": decode,
         "cpu": max(
             work.cpu_flops / (pick(chip.cpu_gflops) * 1e9),
             work.cpu_weight_bytes / (pick(chip.cpu_gbps) * 1e9),
@@ -103,15 +132,17 @@ def _terms(work: Work, chip: Chip, end: str) -> dict[str, float]:
 
 
 def _total(t: dict[str, float]) -> float:
-    ne = max(t["ne_compute"], t["ne_weights"])
+    ne = max(t["ne_compute"], t["ne_weights"], t["ne_decode"])
     return ne + t["cpu"] + t["copies"] + t["outputs"] + t["dispatch"]
 
 
 def _bound(t: dict[str, float]) -> str:
-    """The largest term: NE "compute" or "weights", "cpu", "copies" or "dispatch"."""
+    """The largest term: NE "compute", "weights" or "weight-decode", "cpu", "copies" or
+    "dispatch" (a tie goes to the first)."""
     terms = {
         "compute": t["ne_compute"],
         "weights": t["ne_weights"],
+        "weight-decode": t["ne_decode"],
         "cpu": t["cpu"],
         "copies": t["copies"] + t["outputs"],
         "dispatch": t["dispatch"],
@@ -121,10 +152,14 @@ def _bound(t: dict[str, float]) -> str:
 
 def floor(function: FunctionReport, chip: Chip, w8a8: bool = False) -> Floor:
     """The predicted floor of ``function`` on ``chip`` (central value and range)."""
-    work = work_of(function, w8a8)
+    return floor_of_work(function.name, work_of(function, w8a8), chip)
+
+
+def floor_of_work(name: str, work: Work, chip: Chip) -> Floor:
+    """The predicted floor of the work ``work`` (of function ``name``) on ``chip``."""
     central = _terms(work, chip, "value")
     return Floor(
-        function=function.name,
+        function=name,
         chip=chip.name,
         ms=_total(central),
         low_ms=_total(_terms(work, chip, "high")),
@@ -145,8 +180,11 @@ def cost_section(
         "meaning": MEANING[Evidence.PREDICTED],
         "note": MODEL_NOTE,
         "placement_from": sorted({report.evidence.value for _, report in placements}),
-        "formula": "max(NE FLOPs / peak, NE weight bytes / bandwidth) + CPU ops + copies "
-        "(crossing + NE inputs) + outputs at NE bandwidth + dispatch per NE segment",
+        "formula": "max(NE FLOPs / peak, NE weight bytes / bandwidth, NE compressed weights / "
+        "weight-decode rate, on chips with a sourced rate only) + CPU ops + copies (crossing "
+        "+ NE inputs) + outputs at NE bandwidth + dispatch per NE segment; compressed weights "
+        "scaled by their relative cost (LUT granularity, index width)",
         "floors": floors,
         "chips": {c.name: c.to_json() for c, _ in placements},
+        "relative_costs": relative_costs_json(),
     }

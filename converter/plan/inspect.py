@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from converter.errors import InputError
-from converter.plan.chips import CHIPS, STRICTEST, Chip
+from converter.plan.chips import STRICTEST, Chip
+from converter.plan.chips import cost_chips as every_cost_chip
 from converter.plan.cost import cost_section
 from converter.plan.device_bench import Observed, read_bench
 from converter.plan.dump import RecordedPlan, read_dump
@@ -97,19 +98,18 @@ def inspect_package(
     sha = mlpackage_content_hash(package)
     table = table if table is not None else load_table(package)
     static = static_report(table, str(package), sha, chip, compute_units)
-    chips = cost_chips if cost_chips is not None else list(CHIPS.values())
+    chips = cost_chips if cost_chips is not None else every_cost_chip()
+    # A variant (M4 Max) is placed as its base chip: one static report per placement chip.
+    placed = {
+        name: static_report(table, str(package), sha, name, compute_units, ())
+        for name in dict.fromkeys(c.placement_chip for c in chips)
+    }
     out = Inspected(
         package=package,
         content_sha256=sha,
         table=table,
         static=static,
-        predicted=cost_section(
-            [
-                (c, static_report(table, str(package), sha, c.name, compute_units, ()))
-                for c in chips
-            ],
-            uses_w8a8(table),
-        )
+        predicted=cost_section([(c, placed[c.placement_chip]) for c in chips], uses_w8a8(table))
         | {"streamed": streamed_section(table)},
     )
     if recorded is None and plan_file is not None:

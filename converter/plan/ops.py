@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from converter.plan.decode import DecodedWeight, decoded_of
 from converter.plan.streamed import rule_for
 
 # The NE pads the last axis of every tensor to 64 bytes (docs/placement-rules.md R-ALIGN).
@@ -123,6 +124,7 @@ class Op:
     layer: int | None = None  # the transformer layer the op belongs to (see assign_layers)
     # plan.streamed rule ids of the compressed weights it reads (e.g. "S-BLOCK")
     weight_formats: tuple[str, ...] = ()
+    decoded: tuple[DecodedWeight, ...] = ()  # compressed weights the NE decodes (plan.decode)
 
     @property
     def dispatchable(self) -> bool:
@@ -375,6 +377,7 @@ class _Reads:
     weight_bytes: int = 0
     producers: list[int] = field(default_factory=list)
     formats: list[str] = field(default_factory=list)
+    decoded: list[DecodedWeight] = field(default_factory=list)
     reads_input: bool = False
 
 
@@ -387,6 +390,7 @@ class _TableBuilder:
     const_vars: dict[str, Tensor] = field(default_factory=dict)
     const_charge: dict[str, int] = field(default_factory=dict)  # bytes a reader streams
     const_format: dict[str, str] = field(default_factory=dict)  # constexpr output: rule id
+    const_decoded: dict[str, DecodedWeight] = field(default_factory=dict)
     producer_of: dict[str, int] = field(default_factory=dict)
     streamed: dict[str, dict[str, int]] = field(default_factory=dict)
     stored: int = 0
@@ -413,6 +417,8 @@ class _TableBuilder:
                 r.weight_bytes += self.const_charge.get(var.name, 0)  # a constexpr's output
                 if var.name in self.const_format:
                     r.formats.append(self.const_format[var.name])
+                if var.name in self.const_decoded:
+                    r.decoded.append(self.const_decoded[var.name])
             elif var.name in self.input_names:
                 r.reads_input = True
         return r
@@ -427,9 +433,12 @@ class _TableBuilder:
         held = sum(_const_bytes(t) for t in consts.values())
         dense = sum(_const_bytes(t) for t in outputs)
         charge = held if rule.stays_compressed else dense
+        decoded = decoded_of(rule.id, consts, outputs, charge) if rule.stays_compressed else None
         for out in outputs:
             self.const_charge[out.name] = charge
             self.const_format[out.name] = rule.id
+            if decoded is not None:
+                self.const_decoded[out.name] = decoded
         tally = self.streamed.setdefault(rule.id, {"weights": 0, "stored": 0, "streamed": 0})
         tally["weights"] += 1
         tally["stored"] += held
@@ -462,6 +471,7 @@ def function_table(name: str, function: Any) -> Function:
             producers=sorted(set(r.producers)),
             reads_function_input=r.reads_input,
             weight_formats=tuple(r.formats),
+            decoded=tuple(r.decoded),
         )
         if not row.dispatchable:
             table.charge_constexpr(mil_op, r.consts, outputs)

@@ -189,17 +189,24 @@ def _op_rows(report: PlacementReport) -> str:
     )
 
 
-def _predicted(section: dict[str, Any]) -> str:
-    rows = "".join(
+def _floor_row(f: dict[str, Any], decode_rated: bool) -> str:
+    """One floor; the weight-decode term only where the chip has a measured rate."""
+    decode = f"{f['components_ms']['ne_decode']:.2f}" if decode_rated else "- (no rate)"
+    return (
         f"<tr><td>{escape(f['function'])}</td><td>{escape(f['chip'])}</td><td>{f['ms']:.2f}</td>"
-        f"<td>{f['low_ms']:.2f} – {f['high_ms']:.2f}</td><td>{escape(f['bound'])}</td></tr>"
-        for f in section["floors"]
+        f"<td>{f['low_ms']:.2f} – {f['high_ms']:.2f}</td><td>{escape(f['bound'])}</td>"
+        f"<td>{decode}</td></tr>"
     )
+
+
+def _predicted(section: dict[str, Any]) -> str:
+    rated = {n for n, c in section["chips"].items() if isinstance(c["decode_gweights"], dict)}
+    rows = "".join(_floor_row(f, f["chip"] in rated) for f in section["floors"])
     return (
         f"<h2>Predicted floor per call</h2><p>{_badge(Evidence.PREDICTED)}</p>"
         f"<p><b>{escape(section['note'])}</b></p><table><tr><th>function</th><th>chip</th>"
-        f"<th>floor ms</th><th>range ms</th><th>bound</th></tr>{rows}</table>"
-        f"<p class=meaning>{escape(section['formula'])}</p>"
+        f"<th>floor ms</th><th>range ms</th><th>bound</th><th>NE weight-decode ms</th></tr>"
+        f"{rows}</table><p class=meaning>{escape(section['formula'])}</p>"
     )
 
 

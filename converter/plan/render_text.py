@@ -180,8 +180,11 @@ def print_predicted(section: dict[str, Any], console: Console) -> None:
     """The cost model's floors per chip, labelled as a model."""
     console.print(Text(label(Evidence.PREDICTED), style="bold"))
     table = Table(title="predicted floor per call (a model, not a measurement)")
-    for c in ("function", "chip", "floor ms", "range ms", "bound", "NE compute", "NE weights"):
+    columns = ("function", "chip", "floor ms", "range ms", "bound", "NE compute", "NE weights")
+    for c in (*columns, "NE decode"):
         table.add_column(c)
+    chips = section["chips"]
+    decode_rated = {n for n, c in chips.items() if isinstance(c["decode_gweights"], dict)}
     for f in section["floors"]:
         comp = f["components_ms"]
         table.add_row(
@@ -192,9 +195,19 @@ def print_predicted(section: dict[str, Any], console: Console) -> None:
             f["bound"],
             f"{comp['ne_compute']:.2f}",
             f"{comp['ne_weights']:.2f}",
+            # "-": no decode rate was measured on the chip, so it sets no bound there
+            f"{comp['ne_decode']:.2f}" if f["chip"] in decode_rated else "-",
         )
     console.print(table)
     console.print(Text(f"formula: {section['formula']}", style="dim"))
+    rates = ", ".join(f"{n} {chips[n]['decode_gweights']['value']:g}" for n in sorted(decode_rated))
+    console.print(
+        Text(
+            f"weight-decode rates, G weights/s (sources in the JSON): {rates or 'none'}; "
+            "no weight-decode bound on the other chips",
+            style="dim",
+        )
+    )
     if "streamed" in section:
         from converter.plan.streamed import streamed_lines
 

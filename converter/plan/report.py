@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from converter.evidence import Evidence
+from converter.plan.decode import DecodedWeight
 from converter.plan.ops import Function, Op, Tensor
 
 
@@ -39,6 +40,7 @@ class Row:
     supported: list[str] | None = None  # compute-plan only
     cost_weight: float | None = None  # compute-plan only: MLComputePlanCost.weight
     other_chips: dict[str, str] = field(default_factory=dict)  # static: chip -> device if different
+    decoded: list[DecodedWeight] = field(default_factory=list)  # compressed weights it reads
 
 
 @dataclass
@@ -230,6 +232,7 @@ def row_of(op: Op) -> dict[str, Any]:
         "flops": op.flops,
         "weight_bytes": op.weight_bytes,
         "layer": op.layer,
+        "decoded": list(op.decoded),
     }
 
 
