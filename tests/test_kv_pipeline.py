@@ -86,6 +86,21 @@ def test_every_function_attends_to_the_cache_as_it_is_held(artifact: Path) -> No
         assert not copies, (name, copies)
 
 
+def test_the_plan_reports_every_function_its_state_traffic_and_ops_per_layer(
+    artifact: Path,
+) -> None:
+    plan = json.loads((artifact / "plan.json").read_text())
+    functions = {f["name"]: f["summary"] for f in plan["functions"]}
+    assert list(functions) == ["prefill", "decode", "extend"]
+    cache = 6 * 2 * 96 * 16 * 2  # (2N, KV, S, d) fp16: read and written back by every call
+    for name, summary in functions.items():
+        assert summary["state_read_bytes"] == summary["state_write_bytes"] == cache, name
+        assert summary["ne_segments"] == 1 and summary["layers"] == 3, name
+        assert summary["ops_per_layer"] == summary["layer_ops"] / 3
+    text = (artifact / "plan.txt").read_text()
+    assert "function decode:" in text and "36 KiB written" in text
+
+
 def test_the_manifest_describes_every_function_and_the_cache(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     kv = manifest["kv_cache"]

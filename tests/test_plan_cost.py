@@ -6,7 +6,7 @@ import plan_programs as pp
 import pytest
 
 from converter.plan.chips import CHIPS, VARIANTS, Chip, chip
-from converter.plan.cost import cost_section, floor
+from converter.plan.cost import cost_section, floor, work_of
 from converter.plan.decode import DecodedWeight, granularity_cost
 from converter.plan.ops import op_table
 from converter.plan.report import FunctionReport, Row, Summary
@@ -221,3 +221,18 @@ def test_the_section_carries_the_relative_costs_with_their_sources() -> None:
     assert "weight-decode rate" in section["formula"]
     rate = section["chips"]["M4 Max"]["decode_gweights"]
     assert rate["unit"] == "G weights/s" and "anemll-bench issue 1" in rate["source"]
+
+
+def test_a_state_read_and_written_every_call_is_priced_as_copies() -> None:
+    # A KV cache state: read as a function input (already in input_bytes) and written back.
+    from dataclasses import replace
+
+    plain = _function(2 * W, 2 * W)
+    state = 12_000_000
+    summary = replace(plain.summary, input_bytes=state, state_read_bytes=state,
+                      state_write_bytes=state)  # fmt: skip
+    stateful = FunctionReport("decode", plain.rows, summary)
+    assert work_of(stateful).copy_bytes == work_of(plain).copy_bytes + 2 * state
+    m1 = chip("M1")
+    extra = floor(stateful, m1).ms - floor(plain, m1).ms
+    assert extra == pytest.approx(_ms(2 * state, m1.weight_stream_gbps.value * 1e9))

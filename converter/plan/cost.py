@@ -6,7 +6,8 @@ on chips where a decode rate was measured (``plan.chips``). A compressed weight'
 decoded weights are scaled by its relative cost (LUT granularity), and its index bytes padded
 where the chip pads 3/6-bit indices (``plan.decode``, both predictions from sources). Ops
 placed on the CPU add ``max(FLOPs / CPU rate, weight bytes / CPU bandwidth)``; the bytes
-crossing devices, the inputs read by the NE and the outputs are copies at the NE bandwidth;
+crossing devices, the inputs read by the NE (a state's reads among them), a state's writes
+and the outputs are copies at the NE bandwidth;
 every NE segment pays one dispatch. The central figure uses each chip's central values; the
 range uses the optimistic and pessimistic ends of every figure.
 It is a model: a floor from published figures, never a measurement.
@@ -90,7 +91,8 @@ def work_of(function: FunctionReport, w8a8: bool = False) -> Work:
         ne_weight_bytes=sum(r.weight_bytes for r in ne),
         cpu_flops=sum(r.flops or 0 for r in off),
         cpu_weight_bytes=sum(r.weight_bytes for r in off),
-        copy_bytes=s.boundary_bytes + s.input_bytes,
+        # A state (KV cache) is read as a function input and written back every call.
+        copy_bytes=s.boundary_bytes + s.input_bytes + s.state_write_bytes,
         output_bytes=s.output_bytes,
         ne_segments=s.ne_segments,
         w8a8=w8a8,
@@ -182,8 +184,8 @@ def cost_section(
         "placement_from": sorted({report.evidence.value for _, report in placements}),
         "formula": "max(NE FLOPs / peak, NE weight bytes / bandwidth, NE compressed weights / "
         "weight-decode rate, on chips with a sourced rate only) + CPU ops + copies (crossing "
-        "+ NE inputs) + outputs at NE bandwidth + dispatch per NE segment; compressed weights "
-        "scaled by their relative cost (LUT granularity, index width)",
+        "+ NE inputs + state writes) + outputs at NE bandwidth + dispatch per NE segment; "
+        "compressed weights scaled by their relative cost (LUT granularity, index width)",
         "floors": floors,
         "chips": {c.name: c.to_json() for c, _ in placements},
         "relative_costs": relative_costs_json(),

@@ -99,11 +99,18 @@ def summary_lines(s: Summary) -> list[str]:
         f"({fmt_share(s.share('weight_bytes'))})",
         f"NE segments:            {s.ne_segments}; device transitions: {s.transitions} "
         "(along program order)",
-        f"layers all on the NE:   {s.layers_all_ne} / {s.layers}",
+        f"layers all on the NE:   {s.layers_all_ne} / {s.layers}"
+        + (f"; ops per layer: {s.ops_per_layer:.1f}" if s.ops_per_layer is not None else ""),
         f"bytes crossing devices: {fmt_bytes(s.boundary_bytes)}; inputs read by the NE: "
         f"{fmt_bytes(s.input_bytes)}; outputs: {fmt_bytes(s.output_bytes)} (64-byte rows on "
         "the NE)",
-    ]
+        *(
+            [f"state per call:         {fmt_bytes(s.state_read_bytes)} read (in the inputs), "
+             f"{fmt_bytes(s.state_write_bytes)} written"]
+            if s.state_read_bytes or s.state_write_bytes
+            else []
+        ),
+    ]  # fmt: skip
 
 
 def print_provenance(recorded: dict[str, Any], console: Console) -> None:

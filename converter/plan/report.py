@@ -74,6 +74,16 @@ class Summary:
     layers: int
     layers_all_ne: int
     breakers: list[Row]
+    # A stateful function's state (a KV cache) per call: bytes read_state reads (also counted
+    # in input_bytes: the state is a function input) and bytes written back.
+    state_read_bytes: int = 0
+    state_write_bytes: int = 0
+    layer_ops: int = 0  # placed ops inside a transformer layer (the rest: embedding, head)
+
+    @property
+    def ops_per_layer(self) -> float | None:
+        """Placed ops per transformer layer (None without layers)."""
+        return self.layer_ops / self.layers if self.layers else None
 
     def share(self, part: str) -> float | None:
         """NE share of "ops", "flops" or "weight_bytes" (None when the total is 0)."""
@@ -84,6 +94,7 @@ class Summary:
         """JSON form with the three shares spelled out."""
         data = asdict(self)
         data["ne_share"] = {k: self.share(k) for k in ("ops", "flops", "weight_bytes")}
+        data["ops_per_layer"] = self.ops_per_layer
         return data
 
 
@@ -216,7 +227,25 @@ def summarize(function: Function, rows: list[Row]) -> Summary:
         layers=len(layers),
         layers_all_ne=sum(layers.values()),
         breakers=[r for _, r in live if r.device != "NE"],
+        state_read_bytes=sum(_state_bytes(op, "read") for op, _ in placed),
+        state_write_bytes=sum(_state_bytes(op, "write") for op, _ in placed),
+        layer_ops=sum(op.layer is not None for op, _ in placed),
     )
+
+
+_STATE_WRITES = ("coreml_update_state", "write_state")
+
+
+def _state_bytes(op: Op, way: str) -> int:
+    """Bytes of a state one op reads (``read_state``'s output) or writes (the value of
+    ``coreml_update_state`` / ``write_state``), unpadded; 0 for any other op."""
+    if way == "read" and op.op_type == "read_state":
+        tensors = op.outputs
+    elif way == "write" and op.op_type in _STATE_WRITES:
+        tensors = op.inputs[-1:]  # the value written (the state itself comes first)
+    else:
+        return 0
+    return sum(_tensor_bytes(t, False) for t in tensors)
 
 
 def row_of(op: Op) -> dict[str, Any]:
