@@ -43,7 +43,7 @@ from parity.gate import Gated, GateResult, Worst, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.measure import worst_gate
 from parity.metrics import compare_positions
-from parity.mil import Evaluation, Evaluator, get_profile, load_package
+from parity.mil import Evaluation, Evaluator, Profile, get_profile, load_package
 from parity.mil.program import dtype_name
 from parity.model_copies import program_constants
 from parity.profile_run import ProfileRun, device_margin_run
@@ -173,10 +173,12 @@ def check_conversion(
     embed_table: torch.Tensor,
     thresholds: Thresholds,
     precision: str,
-    profiles: Sequence[str] = DEFAULT_PROFILES,
+    profiles: Sequence[str | Profile] = DEFAULT_PROFILES,
     progress: Callable[[], None] = lambda: None,
 ) -> ConversionReport:
-    """Run the emitted program in each profile and gate it; ``progress`` is called per batch."""
+    """Run the emitted program in each profile (by name, or a `Profile` such as the
+    device-margin profile with some of its deviations) and gate it; ``progress`` is called per
+    batch."""
     program = load_package(package)
     specs = {name: dtype_name(var) for name, var in program.functions["main"].inputs.items()}
     n_layers = len(module.layers)
@@ -196,12 +198,12 @@ def check_conversion(
     runs: list[ProfileRun] = []
     first: Evaluator | None = None  # the fp32 profile's constants serve the others (same bits)
     for name in profiles:
-        profile = get_profile(name)
+        profile = get_profile(name) if isinstance(name, str) else name
         evaluator = Evaluator(program, profile, like=first)
         first = first or evaluator
         # mil-fp32 against the module in fp64, every other profile against the reference
         baseline = None
-        if name == "fp32":
+        if profile.name == "fp32":
             baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
         if profile.deviations:  # once per seed, the worst seed per position kept
             fp16 = [r for r in runs if r.implementation == f"mil-{GATED_PROFILE}"]
@@ -211,7 +213,9 @@ def check_conversion(
             run = level.measure(evaluator, baseline)
         runs.append(run)
         # In convert.log, not the reports: a time would make them differ run to run.
-        log.info("MIL evaluator, profile %s: %.1f s, %d batches", name, run.seconds, len(batches))
+        log.info(
+            "MIL evaluator, profile %s: %.1f s, %d batches", profile.name, run.seconds, len(batches)
+        )
         del evaluator
     gates += _gates(runs, thresholds, bool(markers))
     status, runtime_run = _runtime_level(package, module, batches, references, feeds)

@@ -1,0 +1,127 @@
+"""Which fixture positions' argmax flips under the per-op deviations others report for the NE.
+
+    python bench/device_margin.py RECIPE [--artifact DIR] [--out DIR]
+
+Issue 23, item 3. Converts RECIPE with ``anec convert`` into ``--out`` (default a temporary
+folder), or takes an already converted ``--artifact`` (the recipe's own folder), rebuilds the
+module, fixtures and reference runs as the conversion does, and runs the emitted program under
+the ``device-margin`` profile (`parity.mil.deviations`) once with each deviation alone and
+once with all of them, every time once per seed (worst seed per position), beside the fp16
+profile. Prints the ops of each deviated type in the program and how many were perturbed,
+then per deviation set the positions flipped and the largest |dp| growth over fp16, and a
+table of every position whose argmax flips under some set.
+
+Every deviation is a figure *reported by* its source (the table names it), not a measurement
+of a chip; the flips say what the program's margins survive if the NE is as far off as reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from converter.checkpoint import load_checkpoint
+from converter.recheck import read_manifest
+from converter.recipe import DecoderRecipe
+from converter.recipe.loader import load_recipe
+from converter.tasks.text_generation import reference_runs, rewrite_decoder, thresholds
+from parity.conversion import check_conversion
+from parity.device_margin import IMPLEMENTATION, DeviceMargin, MarginRow
+from parity.mil.deviations import DEVIATIONS, SEEDS
+from parity.mil.profiles import DEVICE_MARGIN, Profile
+from parity.torch_settings import parity_torch
+
+
+def convert(recipe: Path, out: Path) -> Path:
+    """``anec convert RECIPE --out OUT`` in this process; the artifact's folder."""
+    from converter.cli import main
+
+    try:
+        main.main(["convert", str(recipe), "--out", str(out)], standalone_mode=False)
+    except SystemExit as e:  # the CLI's exit code: a failed gate still leaves its reports
+        if e.code:
+            raise
+    return out / load_recipe(recipe).name
+
+
+def deviation_sets() -> list[tuple[str, Profile]]:
+    """Each deviation alone, then all of them: (label, profile)."""
+    sets = [(d.name, replace(DEVICE_MARGIN, deviations=(d,))) for d in DEVIATIONS]
+    return [*sets, ("all together", DEVICE_MARGIN)]
+
+
+def run_sets(recipe: DecoderRecipe, package: Path) -> dict[str, DeviceMargin]:
+    """The device-margin findings of every deviation set on ``package``."""
+    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
+    rw = rewrite_decoder(recipe, ckpt)
+    references = reference_runs(ckpt, rw)
+    found: dict[str, DeviceMargin] = {}
+    for label, profile in deviation_sets():
+        start = time.perf_counter()
+        report = check_conversion(
+            package, rw.module, rw.batches, references, rw.embed_table, thresholds(recipe),
+            recipe.precision, ("fp16", profile),
+        )  # fmt: skip
+        run = next(r for r in report.runs if r.implementation == IMPLEMENTATION)
+        assert run.device_margin is not None
+        found[label] = run.device_margin
+        print(f"  ({label}: {time.perf_counter() - start:.0f} s for fp16 and {len(SEEDS)} seeds)")
+    return found
+
+
+def print_tables(found: dict[str, DeviceMargin]) -> None:
+    """The op counts, one summary line per deviation set, and the flipped positions."""
+    every = found["all together"]
+    counts = ", ".join(f"{n} {t} ops" for t, n in every.op_counts.items())
+    print(f"program: {counts}; perturbed under all deviations: {len(every.perturbed_ops)}")
+    for d in DEVIATIONS:
+        print(f"  {d.name}: +-{d.bound:g} absolute, {d.evidence} ({d.reading})")
+    print(f"seeds {', '.join(map(str, SEEDS))}; worst seed per position")
+    print(f"{'deviations':<16} {'ops':>4} {'flipped':>9}  max |dp| growth over fp16")
+    for label, f in found.items():
+        top = f.max_growth
+        growth = f"{top.dprob_growth:.3g} at {top.fixture}@{top.position}" if top else "n/a"
+        flipped = f"{len(f.flipped)}/{len(f.rows)}"
+        print(f"{label:<16} {len(f.perturbed_ops):>4} {flipped:>9}  {growth}")
+    keys = sorted({(r.fixture, r.position) for f in found.values() for r in f.flipped})
+    if not keys:
+        print("no position's argmax flips under any deviation set")
+        return
+    labels = list(found)
+    print("position".ljust(40) + "margin  fp16|dp|  " + "  ".join(f"{lb:>16}" for lb in labels))
+    for key in keys:
+        rows = [_row(found[lb], key) for lb in labels]
+        cells = [f"flips (seed {r.worst_seed})" if not r.argmax_kept else "kept" for r in rows]
+        name = f"{key[0]}@{key[1]}"[:39]
+        print(f"{name:<40}{rows[0].margin:>6.3f}  {rows[0].fp16_abs_dprob:>8.3g}  "
+              + "  ".join(f"{c:>16}" for c in cells))  # fmt: skip
+
+
+def _row(found: DeviceMargin, key: tuple[str, int]) -> MarginRow:
+    """The row of ``found`` at (fixture, position) ``key``."""
+    return next(r for r in found.rows if (r.fixture, r.position) == key)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("--artifact", type=Path, help="a converted artifact of RECIPE")
+    parser.add_argument("--out", type=Path, help="where to convert (default: a temp folder)")
+    args = parser.parse_args()
+    recipe = load_recipe(args.recipe)
+    if not isinstance(recipe, DecoderRecipe):
+        raise SystemExit(f"{args.recipe}: a text-generation recipe is needed")
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = args.artifact or convert(args.recipe, args.out or Path(scratch))
+        package = artifact / read_manifest(artifact).package.file
+        with parity_torch():
+            found = run_sets(recipe, package)
+    print(f"{recipe.name}: {package.name}")
+    print_tables(found)
+
+
+if __name__ == "__main__":
+    main()
