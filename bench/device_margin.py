@@ -7,9 +7,10 @@ folder), or takes an already converted ``--artifact`` (the recipe's own folder),
 module, fixtures and reference runs as the conversion does, and runs the emitted program under
 the ``device-margin`` profile (`parity.mil.deviations`) once with each deviation alone and
 once with all of them, every time once per seed (worst seed per position), beside the fp16
-profile. Prints the ops of each deviated type in the program and how many were perturbed,
-then per deviation set the positions flipped and the largest |dp| growth over fp16, and a
-table of every position whose argmax flips under some set.
+and fp16-acc profiles. Prints the ops of each deviated type in the program and how many were
+perturbed, then per deviation set the positions flipped and the largest |dp| growth over fp16
+and over fp16-acc (the same assumptions without the deviations: the deviations' own share),
+and a table of every position whose argmax flips under some set.
 
 Every deviation is a figure *reported by* its source (the table names it), not a measurement
 of a chip; the flips say what the program's margins survive if the NE is as far off as reported.
@@ -63,12 +64,13 @@ def run_sets(recipe: DecoderRecipe, package: Path) -> dict[str, DeviceMargin]:
         start = time.perf_counter()
         report = check_conversion(
             package, rw.module, rw.batches, references, rw.embed_table, thresholds(recipe),
-            recipe.precision, ("fp16", profile),
+            recipe.precision, ("fp16", "fp16-acc", profile),
         )  # fmt: skip
         run = next(r for r in report.runs if r.implementation == IMPLEMENTATION)
         assert run.device_margin is not None
         found[label] = run.device_margin
-        print(f"  ({label}: {time.perf_counter() - start:.0f} s for fp16 and {len(SEEDS)} seeds)")
+        seconds = time.perf_counter() - start
+        print(f"  ({label}: {seconds:.0f} s for fp16, fp16-acc and {len(SEEDS)} seeds)")
     return found
 
 
@@ -80,12 +82,21 @@ def print_tables(found: dict[str, DeviceMargin]) -> None:
     for d in DEVIATIONS:
         print(f"  {d.name}: +-{d.bound:g} absolute, {d.evidence} ({d.reading})")
     print(f"seeds {', '.join(map(str, SEEDS))}; worst seed per position")
-    print(f"{'deviations':<16} {'ops':>4} {'flipped':>9}  max |dp| growth over fp16")
+    acc = every.rows
+    worst_acc = max(acc, key=lambda r: r.acc_abs_dprob - r.fp16_abs_dprob)
+    print(
+        f"fp16-acc alone (no deviations): max |dp| growth over fp16 "
+        f"{worst_acc.acc_abs_dprob - worst_acc.fp16_abs_dprob:.3g} at "
+        f"{worst_acc.fixture}@{worst_acc.position}"
+    )
+    print(f"{'deviations':<16} {'ops':>4} {'flipped':>9}  {'max |dp| growth over fp16':<36}"
+          "over fp16-acc (the deviations' own)")  # fmt: skip
     for label, f in found.items():
-        top = f.max_growth
+        top, own = f.max_growth, f.max_deviation_growth
         growth = f"{top.dprob_growth:.3g} at {top.fixture}@{top.position}" if top else "n/a"
+        mine = f"{own.deviation_growth:.3g} at {own.fixture}@{own.position}" if own else "n/a"
         flipped = f"{len(f.flipped)}/{len(f.rows)}"
-        print(f"{label:<16} {len(f.perturbed_ops):>4} {flipped:>9}  {growth}")
+        print(f"{label:<16} {len(f.perturbed_ops):>4} {flipped:>9}  {growth:<36}{mine}")
     keys = sorted({(r.fixture, r.position) for f in found.values() for r in f.flipped})
     if not keys:
         print("no position's argmax flips under any deviation set")

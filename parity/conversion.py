@@ -206,9 +206,10 @@ def check_conversion(
         if profile.name == "fp32":
             baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
         if profile.deviations:  # once per seed, the worst seed per position kept
-            fp16 = [r for r in runs if r.implementation == f"mil-{GATED_PROFILE}"]
+            ran = {r.implementation: r.positions for r in runs}
             measure = partial(level.measure, evaluator, None)
-            run = device_margin_run(evaluator, measure, fp16[0].positions if fp16 else [])
+            fp16, acc = ran.get(f"mil-{GATED_PROFILE}", []), ran.get("mil-fp16-acc", [])
+            run = device_margin_run(evaluator, measure, fp16, acc)
         else:
             run = level.measure(evaluator, baseline)
         runs.append(run)

@@ -35,11 +35,19 @@ class MarginRow:
     worst_seed: int
     abs_dprob: float  # the worst seed's |dp|
     fp16_abs_dprob: float  # the fp16 profile's |dp| here (NaN when fp16 did not run)
+    # The fp16-acc profile's |dp| here: the same assumptions without the deviations (NaN when
+    # fp16-acc did not run first).
+    acc_abs_dprob: float = math.nan
 
     @property
     def dprob_growth(self) -> float:
         """How much the worst seed's |dp| exceeds the fp16 profile's (NaN without fp16)."""
         return self.abs_dprob - self.fp16_abs_dprob
+
+    @property
+    def deviation_growth(self) -> float:
+        """The deviations' own share: the worst seed's |dp| over fp16-acc's (NaN without)."""
+        return self.abs_dprob - self.acc_abs_dprob
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready, NaN and inf spelt as strings."""
@@ -52,6 +60,8 @@ class MarginRow:
             "abs_dprob": json_number(self.abs_dprob),
             "fp16_abs_dprob": json_number(self.fp16_abs_dprob),
             "dprob_growth": json_number(self.dprob_growth),
+            "fp16_acc_abs_dprob": json_number(self.acc_abs_dprob),
+            "deviation_growth": json_number(self.deviation_growth),
         }
 
 
@@ -76,19 +86,22 @@ def worst_over_seeds(
 
 
 def margin_rows(
-    per_seed: dict[int, list[PositionRow]], fp16: Iterable[PositionRow] = ()
+    per_seed: dict[int, list[PositionRow]],
+    fp16: Iterable[PositionRow] = (),
+    acc: Iterable[PositionRow] = (),
 ) -> list[MarginRow]:
-    """`MarginRow` per position, in the first seed's order; ``fp16``: the fp16 profile's rows
-    (the |dp| growth is NaN at a position it lacks)."""
+    """`MarginRow` per position, in the first seed's order; ``fp16`` and ``acc``: the fp16
+    and fp16-acc profiles' rows (a growth is NaN at a position they lack)."""
     worst = worst_over_seeds(per_seed)
     base = {(r.fixture, r.position): r.abs_dprob for r in fp16}
+    base_acc = {(r.fixture, r.position): r.abs_dprob for r in acc}
     order = next(iter(per_seed.values()), [])
     rows = []
     for key in [(r.fixture, r.position) for r in order]:
         seed, row = worst[key]
         rows.append(
             MarginRow(row.fixture, row.position, row.margin, row.argmax_kept, seed,
-                      row.abs_dprob, base.get(key, math.nan))
+                      row.abs_dprob, base.get(key, math.nan), base_acc.get(key, math.nan))
         )  # fmt: skip
     return rows
 
@@ -119,10 +132,21 @@ class DeviceMargin:
         growing = [r for r in self.rows if not math.isnan(r.dprob_growth)]
         return max(growing, key=lambda r: r.dprob_growth, default=None)
 
+    @property
+    def max_deviation_growth(self) -> MarginRow | None:
+        """The position whose |dp| grew most over fp16-acc's (None without fp16-acc rows)."""
+        growing = [r for r in self.rows if not math.isnan(r.deviation_growth)]
+        return max(growing, key=lambda r: r.deviation_growth, default=None)
+
     def summary(self) -> str:
-        """One line: positions flipped, the largest |dp| growth, ops perturbed."""
-        top = self.max_growth
+        """One line: positions flipped, the largest |dp| growths, ops perturbed."""
+        top, own = self.max_growth, self.max_deviation_growth
         growth = f"{top.dprob_growth:.3g} at {top.fixture}@{top.position}" if top else "n/a"
+        if own is not None:
+            growth += (
+                f" (over fp16-acc, the deviations' own share: {own.deviation_growth:.3g} at "
+                f"{own.fixture}@{own.position})"
+            )
         counts = ", ".join(f"{n} {t}" for t, n in self.op_counts.items()) or "none"
         return (
             f"{len(self.flipped)}/{len(self.rows)} positions flipped (worst of seeds "
@@ -132,7 +156,7 @@ class DeviceMargin:
 
     def to_json(self) -> dict[str, Any]:
         """The ``device_margin`` section of a run in parity.json."""
-        top = self.max_growth
+        top, own = self.max_growth, self.max_deviation_growth
         return {
             "seeds": list(self.seeds),
             "perturbation": "each listed op's output element whose input is in the row's "
@@ -144,6 +168,7 @@ class DeviceMargin:
             "positions_flipped": len(self.flipped),
             "argmax_agreement": json_number(self.agreement),
             "max_dprob_growth": json_number(top.dprob_growth) if top else None,
+            "max_deviation_growth": json_number(own.deviation_growth) if own else None,
             "summary": self.summary(),
             "positions": [r.to_json() for r in self.rows],
         }

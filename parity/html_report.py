@@ -233,11 +233,12 @@ def _device_margin_sections(runs: list[dict[str, Any]]) -> list[str]:
         kept = sorted((p for p in positions if p["argmax_kept"]), key=_growth, reverse=True)
         shown += kept[:_MARGIN_ROWS]
         header = ["position", "argmax kept", "worst seed", "margin", "|dp|", "fp16 |dp|",
-                  "|dp| growth"]  # fmt: skip
+                  "|dp| growth", "fp16-acc |dp|", "over fp16-acc"]  # fmt: skip
         parts.append(_table(header, [
             [_fmt(f"{p['fixture']}@{p['position']}"), _fmt(p["argmax_kept"]),
              _fmt(p["worst_seed"]), _fmt(p["margin"]), _fmt(p["abs_dprob"]),
-             _fmt(p["fp16_abs_dprob"]), _fmt(p["dprob_growth"])]
+             _fmt(p["fp16_abs_dprob"]), _fmt(p["dprob_growth"]),
+             _fmt(p["fp16_acc_abs_dprob"]), _fmt(p["deviation_growth"])]
             for p in shown
         ]))  # fmt: skip
     return parts

@@ -47,12 +47,13 @@ def device_margin_run(
     evaluator: Evaluator,
     measure: Callable[[int], ProfileRun],
     fp16: list[PositionRow],
+    acc: list[PositionRow],
     seeds: tuple[int, ...] = SEEDS,
 ) -> ProfileRun:
     """The device-margin profile: ``measure`` (a run of ``evaluator`` over every batch) once
     per seed, combined into one run - every position's row from its worst seed, each layer's
     worst error, finite only if every seed was - with the `DeviceMargin` findings against the
-    fp16 profile's rows ``fp16`` (empty when it did not run)."""
+    fp16 and fp16-acc profiles' rows ``fp16`` and ``acc`` (empty when they did not run)."""
     per_seed: dict[int, ProfileRun] = {}
     touched: set[str] = set()
     for seed in seeds:
@@ -80,7 +81,7 @@ def device_margin_run(
         device_margin=DeviceMargin(
             seeds,
             deviations,
-            margin_rows(positions, fp16),
+            margin_rows(positions, fp16, acc),
             sorted(touched),
             program_op_counts(evaluator.function, deviations),
         ),  # fmt: skip

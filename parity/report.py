@@ -226,7 +226,8 @@ def device_margin_lines(found: DeviceMargin) -> list[str]:
     for row in found.flipped:
         lines.append(
             f"      flipped {row.fixture}@{row.position}: seed {row.worst_seed}, margin "
-            f"{row.margin:.3g}, |dp| {row.abs_dprob:.3g} (fp16 {row.fp16_abs_dprob:.3g})"
+            f"{row.margin:.3g}, |dp| {row.abs_dprob:.3g} (fp16 {row.fp16_abs_dprob:.3g}, "
+            f"fp16-acc {row.acc_abs_dprob:.3g})"
         )
     return lines
 

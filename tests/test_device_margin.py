@@ -36,10 +36,13 @@ def test_the_worst_seed_is_a_flip_first_then_the_larger_dprob() -> None:
     assert worst[("f", 0)][0] == 1  # the flip, though its |dp| is the smallest
     assert worst[("f", 1)][0] == 1  # the largest |dp| of kept argmaxes
     assert worst[("f", 2)][0] == 0  # NaN counts as worst
-    rows = margin_rows(per_seed, [_row(0, True, 0.0005), _row(1, True, 0.01)])
+    fp16, acc = [_row(0, True, 0.0005), _row(1, True, 0.01)], [_row(1, True, 0.045)]
+    rows = margin_rows(per_seed, fp16, acc)
     assert [r.worst_seed for r in rows] == [1, 1, 0]
     assert rows[1].dprob_growth == pytest.approx(0.04)
+    assert rows[1].deviation_growth == pytest.approx(0.005)  # the deviations' own share
     assert math.isnan(rows[2].dprob_growth)  # no fp16 row there: no growth claimed
+    assert math.isnan(rows[0].deviation_growth)
     found = DeviceMargin((0, 1, 2), DEVIATIONS, rows)
     assert [r.position for r in found.flipped] == [0] and found.agreement == pytest.approx(2 / 3)
     assert found.max_growth is rows[1]
@@ -107,8 +110,10 @@ def test_with_the_key_the_profile_runs_and_its_gate_is_recorded(
     assert all(d["evidence"].startswith("reported by") for d in found["deviations"])
     positions = found["positions"]
     assert len(positions) == len(runs["mil-fp16"]["positions"])
+    acc = {(p["fixture"], p["position"]): p["abs_dprob"] for p in runs["mil-fp16-acc"]["positions"]}
     for p in positions:
         assert p["dprob_growth"] == pytest.approx(p["abs_dprob"] - p["fp16_abs_dprob"])
+        assert p["fp16_acc_abs_dprob"] == acc[(p["fixture"], p["position"])]
     text = (folder / "parity.txt").read_text()
     assert "device margin:" in text and "deviation silu |x|<0.5: +-0.0011" in text
     assert "Device margin (reported NE deviations)" in (folder / "parity.html").read_text()
