@@ -30,7 +30,8 @@ from converter.recipe import DecoderRecipe
 from converter.recipe.loader import load_recipe
 from converter.tasks.text_generation import reference_runs, rewrite_decoder, thresholds
 from parity.conversion import check_conversion
-from parity.device_margin import IMPLEMENTATION, DeviceMargin, MarginRow
+from parity.device_margin import IMPLEMENTATION, DeviceMargin, MarginRow, program_op_counts
+from parity.mil import load_package
 from parity.mil.deviations import DEVIATIONS, SEEDS
 from parity.mil.profiles import DEVICE_MARGIN, Profile
 from parity.torch_settings import parity_torch
@@ -48,19 +49,29 @@ def convert(recipe: Path, out: Path) -> Path:
     return out / load_recipe(recipe).name
 
 
-def deviation_sets() -> list[tuple[str, Profile]]:
-    """Each deviation alone, then all of them: (label, profile)."""
-    sets = [(d.name, replace(DEVICE_MARGIN, deviations=(d,))) for d in DEVIATIONS]
-    return [*sets, ("all together", DEVICE_MARGIN)]
+def deviation_sets(present: set[str]) -> list[tuple[str, Profile]]:
+    """Each deviation whose op type is in the program (``present``) alone, then all of them
+    (none when the program has no op of any deviated type: every run would be fp16-acc's)."""
+    held = [d for d in DEVIATIONS if d.op_type in present]
+    sets = [(d.name, replace(DEVICE_MARGIN, deviations=(d,))) for d in held]
+    return [*sets, ("all together", DEVICE_MARGIN)] if held else []
 
 
-def run_sets(recipe: DecoderRecipe, package: Path) -> dict[str, DeviceMargin]:
+def op_counts(package: Path) -> dict[str, int]:
+    """How many ops of each deviated type the package's main function holds."""
+    return program_op_counts(load_package(package).functions["main"], DEVIATIONS)
+
+
+def run_sets(recipe: DecoderRecipe, package: Path, present: set[str]) -> dict[str, DeviceMargin]:
     """The device-margin findings of every deviation set on ``package``."""
+    sets = deviation_sets(present)
+    if not sets:
+        return {}
     ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
     rw = rewrite_decoder(recipe, ckpt)
     references = reference_runs(ckpt, rw)
     found: dict[str, DeviceMargin] = {}
-    for label, profile in deviation_sets():
+    for label, profile in sets:
         start = time.perf_counter()
         report = check_conversion(
             package, rw.module, rw.batches, references, rw.embed_table, thresholds(recipe),
@@ -74,13 +85,16 @@ def run_sets(recipe: DecoderRecipe, package: Path) -> dict[str, DeviceMargin]:
     return found
 
 
-def print_tables(found: dict[str, DeviceMargin]) -> None:
+def print_tables(found: dict[str, DeviceMargin], counts: dict[str, int]) -> None:
     """The op counts, one summary line per deviation set, and the flipped positions."""
-    every = found["all together"]
-    counts = ", ".join(f"{n} {t} ops" for t, n in every.op_counts.items())
-    print(f"program: {counts}; perturbed under all deviations: {len(every.perturbed_ops)}")
     for d in DEVIATIONS:
         print(f"  {d.name}: +-{d.bound:g} absolute, {d.evidence} ({d.reading})")
+    listed = ", ".join(f"{n} {t} ops" for t, n in counts.items())
+    if not found:
+        print(f"program: {listed}: no deviation applies, nothing to run (fp16-acc's figures)")
+        return
+    every = found["all together"]
+    print(f"program: {listed}; perturbed under all deviations: {len(every.perturbed_ops)}")
     print(f"seeds {', '.join(map(str, SEEDS))}; worst seed per position")
     acc = every.rows
     worst_acc = max(acc, key=lambda r: r.acc_abs_dprob - r.fp16_abs_dprob)
@@ -128,10 +142,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         artifact = args.artifact or convert(args.recipe, args.out or Path(scratch))
         package = artifact / read_manifest(artifact).package.file
+        counts = op_counts(package)
         with parity_torch():
-            found = run_sets(recipe, package)
+            found = run_sets(recipe, package, {t for t, n in counts.items() if n})
     print(f"{recipe.name}: {package.name}")
-    print_tables(found)
+    print_tables(found, counts)
 
 
 if __name__ == "__main__":
