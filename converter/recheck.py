@@ -25,8 +25,7 @@ from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
 from converter.steps import run_steps
 from converter.tasks import task_of
 from converter.tasks.base import Job, Program
-from converter.tasks.text_generation import DecoderRun
-from parity.conversion import DEFAULT_PROFILES
+from converter.tasks.text_generation import DecoderRun, mil_profiles
 from parity.gate import GateResult, gate
 from parity.html_report import report_to_html
 from parity.mil.profiles import PROFILES
@@ -151,7 +150,7 @@ def _packages(artifact: Path, manifest: Manifest) -> list[Program]:
 def recheck(
     artifact: Path,
     out: Path | None = None,
-    profiles: tuple[str, ...] = DEFAULT_PROFILES,
+    profiles: tuple[str, ...] | None = None,
     allow_pickle: bool = False,
     steps: Steps | None = None,
 ) -> RecheckResult:
@@ -159,7 +158,8 @@ def recheck(
 
     Reports go to ``out`` (default: ``<artifact>.parity`` beside the artifact, so the
     published files and their hashes stay as they are). ``profiles`` selects the MIL
-    evaluator profiles of a decoder (encoders run fp32 per layer and fp16).
+    evaluator profiles of a decoder (None: the recipe's, `mil_profiles`; encoders run fp32 per
+    layer and fp16).
     """
     progress = steps or Steps(quiet=True)
     artifact = Path(artifact)
@@ -194,7 +194,7 @@ def recheck(
     run = task.start(job)
     run.programs = programs
     if isinstance(run, DecoderRun):
-        run.profiles = profiles
+        run.profiles = mil_profiles(recipe, profiles)
     run_steps(task.recheck_steps, run, progress)
     report = run.report or ParityReport([], [], [], None, {})
     # Decoders run the chosen MIL profiles; encoders always run fp32 and fp16.

@@ -9,6 +9,9 @@ The MIL evaluator runs the saved ``.mlpackage`` on the fixtures, in each numeric
 * ``mil-fp16`` against the original model: gated like torch fp16 (argmax agreement, max |dp|,
   finite), with KL, top-k overlap, the argmax certificate and the slices reported;
 * ``mil-fp16-acc`` against the original model: the same figures, reported, not gated;
+* ``mil-device-margin`` (opt-in, `parity.device_margin`): fp16-acc plus the per-op deviations
+  others report for the NE, once per seed; gated on argmax agreement at the worst seed when
+  the recipe sets ``gates.device_margin_argmax_agreement``;
 
 and, on macOS only, Core ML's own predictions (the runtime level, `_runtime_level`); elsewhere
 that level is marked not run.
@@ -22,6 +25,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +36,17 @@ from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
 from graph_passes.markers import MarkerError, find_markers
 from parity.decoder_gates import module_inputs
+from parity.device_margin import IMPLEMENTATION as DEVICE_MARGIN
+from parity.device_margin import margin_gate
 from parity.fixtures import Batch
 from parity.gate import Gated, GateResult, Worst, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.measure import worst_gate
-from parity.metrics import PositionRow, Summary, compare_positions, summarize
-from parity.mil import Evaluation, Evaluator, get_profile, load_package
+from parity.metrics import compare_positions
+from parity.mil import Evaluation, Evaluator, Profile, get_profile, load_package
 from parity.mil.program import dtype_name
 from parity.model_copies import program_constants
+from parity.profile_run import ProfileRun, device_margin_run
 from parity.reference import ReferenceRun
 from parity.result import Thresholds
 
@@ -52,26 +59,6 @@ MODULE_BASELINE = (
     "stores fp16), run in fp64 on the same inputs"
 )
 GATED_PROFILE = "fp16"
-
-
-@dataclass
-class ProfileRun:
-    """One implementation over every fixture: per-layer errors, logit rows, timing."""
-
-    implementation: str
-    baseline: str
-    description: str
-    layer_rel_error: list[float]  # worst over fixtures, real positions
-    logits_rel_error: float  # worst over fixtures, real positions the program returns
-    finite: bool  # every layer output and logit, padded positions included
-    positions: list[PositionRow] = field(default_factory=list)  # against the reference only
-    non_finite_values: list[str] = field(default_factory=list)  # any op's output, first seen
-    seconds: float = 0.0  # time spent evaluating the program (all batches)
-    choice: ChoiceCheck | None = None  # an argmax / top-k program: choice vs its own logits
-
-    def summary(self) -> Summary:
-        """Aggregates over all compared positions."""
-        return summarize(self.positions)
 
 
 @dataclass
@@ -186,10 +173,12 @@ def check_conversion(
     embed_table: torch.Tensor,
     thresholds: Thresholds,
     precision: str,
-    profiles: Sequence[str] = DEFAULT_PROFILES,
+    profiles: Sequence[str | Profile] = DEFAULT_PROFILES,
     progress: Callable[[], None] = lambda: None,
 ) -> ConversionReport:
-    """Run the emitted program in each profile and gate it; ``progress`` is called per batch."""
+    """Run the emitted program in each profile (by name, or a `Profile` such as the
+    device-margin profile with some of its deviations) and gate it; ``progress`` is called per
+    batch."""
     program = load_package(package)
     specs = {name: dtype_name(var) for name, var in program.functions["main"].inputs.items()}
     n_layers = len(module.layers)
@@ -205,31 +194,29 @@ def check_conversion(
         )
     ]
     feeds = [program_feed(specs, module, batch, embed_table) for batch in batches]
-    wheres = [", ".join(f.name for f in batch.fixtures) for batch in batches]
+    level = _Level(module, batches, feeds, markers, references, progress)
     runs: list[ProfileRun] = []
     first: Evaluator | None = None  # the fp32 profile's constants serve the others (same bits)
-    norms: dict[Any, float] = {}  # the reference's norms, the same for every profile
     for name in profiles:
-        profile = get_profile(name)
+        profile = get_profile(name) if isinstance(name, str) else name
         evaluator = Evaluator(program, profile, like=first)
         first = first or evaluator
         # mil-fp32 against the module in fp64, every other profile against the reference
         baseline = None
-        if name == "fp32":
+        if profile.name == "fp32":
             baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
-        logits_head = module.io.output == "logits"
-        choice = ChoiceCheck(module.chunk_sizes) if baseline is None and not logits_head else None
-        start = time.perf_counter()
-        inputs = [feed for feed, _, _ in feeds]
-        results = run_many_capturing_logits(evaluator, inputs, markers, choice, wheres)
-        seconds = time.perf_counter() - start
-        description = f"anec MIL evaluator on the emitted program, profile {name}: "
-        run = _compare(f"mil-{name}", description + profile.description, module, batches,
-                       results, markers, references, norms, baseline, progress)  # fmt: skip
-        run.seconds, run.choice = seconds, choice
+        if profile.deviations:  # once per seed, the worst seed per position kept
+            ran = {r.implementation: r.positions for r in runs}
+            measure = partial(level.measure, evaluator, None)
+            fp16, acc = ran.get(f"mil-{GATED_PROFILE}", []), ran.get("mil-fp16-acc", [])
+            run = device_margin_run(evaluator, measure, fp16, acc)
+        else:
+            run = level.measure(evaluator, baseline)
         runs.append(run)
         # In convert.log, not the reports: a time would make them differ run to run.
-        log.info("MIL evaluator, profile %s: %.1f s, %d batches", name, run.seconds, len(batches))
+        log.info(
+            "MIL evaluator, profile %s: %.1f s, %d batches", profile.name, run.seconds, len(batches)
+        )
         del evaluator
     gates += _gates(runs, thresholds, bool(markers))
     status, runtime_run = _runtime_level(package, module, batches, references, feeds)
@@ -239,6 +226,43 @@ def check_conversion(
     return ConversionReport(
         gates, runs, markers, status, runtime_run, module.io.length, implementations
     )
+
+
+@dataclass
+class _Level:
+    """What every profile's run reads: the module, fixtures, feeds, markers and references."""
+
+    module: BC1LDecoder
+    batches: list[Batch]
+    feeds: list[tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]]
+    markers: list[str]
+    references: dict[str, ReferenceRun]
+    progress: Callable[[], None]
+    norms: dict[Any, float] = field(default_factory=dict)  # the reference's, for every profile
+
+    def measure(
+        self,
+        evaluator: Evaluator,
+        baseline: list[tuple[list[torch.Tensor], torch.Tensor]] | None,
+        seed: int | None = None,
+    ) -> ProfileRun:
+        """Run ``evaluator`` on every batch and compare (with ``baseline``: against the
+        module in fp64); ``seed`` names a device-margin run's seed."""
+        module, profile = self.module, evaluator.profile
+        no_choice = baseline is not None or module.io.output == "logits"
+        choice = None if no_choice else ChoiceCheck(module.chunk_sizes)
+        wheres = [", ".join(f.name for f in batch.fixtures) for batch in self.batches]
+        start = time.perf_counter()
+        inputs = [feed for feed, _, _ in self.feeds]
+        results = run_many_capturing_logits(evaluator, inputs, self.markers, choice, wheres)
+        seconds = time.perf_counter() - start
+        description = f"anec MIL evaluator on the emitted program, profile {profile.name}: "
+        implementation = f"mil-{profile.name}" + ("" if seed is None else f" seed {seed}")
+        run = _compare(implementation, description + profile.description, module, self.batches,
+                       results, self.markers, self.references, self.norms, baseline,
+                       self.progress)  # fmt: skip
+        run.seconds, run.choice = seconds, choice
+        return run
 
 
 def rel_error_np(
@@ -393,6 +417,11 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
                 detail="values computed by any op of the program, padded positions included",
             ),
         ]
+    # Opt-in: recorded only when the recipe set the threshold (and so ran the profile).
+    margin = by_name.get(DEVICE_MARGIN)
+    threshold = thresholds.device_margin_argmax_agreement
+    if margin is not None and margin.device_margin is not None and threshold is not None:
+        gates.append(margin_gate(margin.device_margin, threshold))
     return gates
 
 

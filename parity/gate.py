@@ -28,6 +28,7 @@ Level = Literal[
     "torch-fp16",
     "mil-fp32",
     "mil-fp16",
+    "mil-device-margin",
     "kv-cache",
     "compression",
     "plan",
@@ -283,6 +284,12 @@ _REGISTRY: tuple[Gate, ...] = (
          "io.output argmax / topk: positions where the ids the host combines from the "
          "in-model argmax / top-k outputs (or their values) differ from the top ids of the "
          "program's own logits, captured before the selection", fixed=0.0),
+    # opt-in: the program under the errors others report for the NE (parity/mil/deviations.py)
+    Gate("device_margin_argmax_agreement", "mil-device-margin", _GE,
+         "decoders, opt-in: share of real positions whose argmax matches the original under "
+         "the device-margin profile (fp16-acc plus the reported per-op deviations with seeded "
+         "signs), the worst seed per position; runs only when the recipe sets it",
+         "gates.device_margin_argmax_agreement"),
     # a decision model, at torch fp16 and in the MIL evaluator alike
     *(
         gate_

@@ -102,6 +102,7 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
         if run.get("positions")
     ]
     parts += _runs_sections(runs)
+    parts += _device_margin_sections(doc.get("conversion", {}).get("runs", []))
     parts += _layer_table_section(series)
     implementations = doc.get("implementations", {})
     if implementations:
@@ -198,6 +199,48 @@ def _runs_sections(runs: list[dict[str, Any]]) -> list[str]:
                 + [_fmt(s["uncertified"])]
             )
     parts.append(_table(header, rows))
+    return parts
+
+
+# Positions the device-margin table shows besides the flipped ones: the largest |dp| growth.
+_MARGIN_ROWS = 10
+
+
+def _growth(position: dict[str, Any]) -> float:
+    """A position's |dp| growth over fp16 from parity.json (NaN, spelt "nan", sorts last)."""
+    value = float(position["dprob_growth"])
+    return value if math.isfinite(value) else -math.inf
+
+
+def _device_margin_sections(runs: list[dict[str, Any]]) -> list[str]:
+    """The device-margin profile: its summary, the reported deviations with their sources,
+    and its flipped positions and largest |dp| growths."""
+    parts: list[str] = []
+    for run in runs:
+        found = run.get("device_margin")
+        if not found:
+            continue
+        parts += [
+            "<h2>Device margin (reported NE deviations)</h2>",
+            f"<p class='note'>{escape(found['summary'])}. {escape(found['perturbation'])}. "
+            "Every deviation is a figure reported by its source, not measured here.</p>",
+        ]
+        rows = [[_fmt(d["range"]), _fmt(d["bound"]), _fmt(d["evidence"]), _fmt(d["source"]),
+                 _fmt(d["reading"])] for d in found["deviations"]]  # fmt: skip
+        parts.append(_table(["op, range", "bound", "evidence", "source", "reading"], rows))
+        positions = found["positions"]
+        shown = [p for p in positions if not p["argmax_kept"]]
+        kept = sorted((p for p in positions if p["argmax_kept"]), key=_growth, reverse=True)
+        shown += kept[:_MARGIN_ROWS]
+        header = ["position", "argmax kept", "worst seed", "margin", "|dp|", "fp16 |dp|",
+                  "|dp| growth", "fp16-acc |dp|", "over fp16-acc"]  # fmt: skip
+        parts.append(_table(header, [
+            [_fmt(f"{p['fixture']}@{p['position']}"), _fmt(p["argmax_kept"]),
+             _fmt(p["worst_seed"]), _fmt(p["margin"]), _fmt(p["abs_dprob"]),
+             _fmt(p["fp16_abs_dprob"]), _fmt(p["dprob_growth"]),
+             _fmt(p["fp16_acc_abs_dprob"]), _fmt(p["deviation_growth"])]
+            for p in shown
+        ]))  # fmt: skip
     return parts
 
 

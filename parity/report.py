@@ -13,6 +13,7 @@ from typing import Any
 
 from graph_passes.stream_scale import FP16_MAX, LIMIT, StreamScaling
 from parity.conversion import MODULE_BASELINE, RUNTIME, ConversionReport, ProfileRun
+from parity.device_margin import DeviceMargin
 from parity.gate import GateResult, first_few, json_number
 from parity.metrics import slices
 from parity.result import ParityReport, clean_json, rows_to_json
@@ -141,6 +142,8 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
             "layer_rel_error": [json_number(v) for v in run.layer_rel_error],
             "logits_rel_error": json_number(run.logits_rel_error),
         }
+        if run.device_margin is not None:
+            doc["device_margin"] = run.device_margin.to_json()
         if run.positions:
             doc["slices"] = {
                 name: clean_json(vars(s))
@@ -200,6 +203,8 @@ def conversion_to_text(report: ConversionReport) -> str:
                 )
         if summary.uncertified:
             lines.append(f"      uncertified: {first_few(summary.uncertified, 10)}")
+        if run.device_margin is not None:
+            lines += device_margin_lines(run.device_margin)
     lines.append(f"Runtime level (Core ML): {report.runtime_status}")
     names = [run.implementation for run in report.runs if run.layer_rel_error]
     if names:
@@ -211,6 +216,20 @@ def conversion_to_text(report: ConversionReport) -> str:
             ]
             lines.append(f"{i:>5}  " + "  ".join(cells))
     return "\n".join(lines)
+
+
+def device_margin_lines(found: DeviceMargin) -> list[str]:
+    """The device-margin profile's summary, its deviations and flipped positions (parity.txt)."""
+    lines = [f"      device margin: {found.summary()}"]
+    for d in found.deviations:
+        lines.append(f"      deviation {d.name}: +-{d.bound:g} absolute, {d.evidence}")
+    for row in found.flipped:
+        lines.append(
+            f"      flipped {row.fixture}@{row.position}: seed {row.worst_seed}, margin "
+            f"{row.margin:.3g}, |dp| {row.abs_dprob:.3g} (fp16 {row.fp16_abs_dprob:.3g}, "
+            f"fp16-acc {row.acc_abs_dprob:.3g})"
+        )
+    return lines
 
 
 def level_row(

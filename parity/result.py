@@ -41,6 +41,8 @@ class Thresholds:
     fp16_argmax_agreement: float = 1.0
     fp16_max_abs_dprob: float = 0.02
     mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program
+    # Opt-in: None runs no device-margin profile and records no gate.
+    device_margin_argmax_agreement: float | None = None
     # encoders
     fp32_min_cosine: float = 0.99999
     fp16_min_cosine: float = 0.9995

@@ -115,6 +115,7 @@ def test_registry_keys_are_unique_level_and_name() -> None:
         "torch-fp16",
         "mil-fp32",
         "mil-fp16",
+        "mil-device-margin",
         "kv-cache",
         "compression",
         "plan",

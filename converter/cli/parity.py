@@ -27,7 +27,8 @@ from parity.mil.profiles import PROFILES
     "profiles",
     type=click.Choice(list(PROFILES)),
     multiple=True,
-    help="MIL numeric profile(s) to run (default: all; fp32 and fp16 are gated).",
+    help="MIL numeric profile(s) to run (default: fp32, fp16, fp16-acc, and device-margin "
+    "when the recipe sets gates.device_margin_argmax_agreement; fp32 and fp16 are gated).",
 )
 @click.option(
     "--allow-pickle",
@@ -55,10 +56,9 @@ def parity_command(
     """
     from converter.progress import Steps
     from converter.recheck import recheck
-    from parity.conversion import DEFAULT_PROFILES
 
     with Steps(quiet=as_json) as steps:
-        result = recheck(artifact, out_dir, profiles or DEFAULT_PROFILES, allow_pickle, steps)
+        result = recheck(artifact, out_dir, profiles or None, allow_pickle, steps)
     if as_json:
         click.echo(json.dumps(result.document, sort_keys=True))
     else:

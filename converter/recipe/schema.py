@@ -194,6 +194,14 @@ class DecoderRecipe(RecipeBase):
             list(self.compression.variants) if self.compression else [],
             self.precision,
         )  # fmt: skip
+        if self.cache.style != "none" and self.gates.device_margin_argmax_agreement is not None:
+            # The cached task gates its functions through the cache, never the window
+            # program the device-margin profile runs on: the key would be ignored.
+            problems.append((("gates", "device_margin_argmax_agreement"), (
+                "applies to a decoder without a cache (cache.style none): the device-margin "
+                "profile runs on the window program, which a cached decoder does not gate; "
+                "remove it"
+            )))  # fmt: skip
         raise_rules("Recipe", problems)
         return self
 

@@ -82,6 +82,10 @@ class Gates(StrictModel):
     # The emitted program run by the MIL evaluator in fp32 against the BC1L module with the
     # program's constants, per layer: the same function, so only rounding differs.
     mil_fp32_layer_rel_error: float = Field(default=1.0e-5, gt=0, lt=1, strict=True)
+    # Opt-in (decoders without a cache): run the emitted program under the device-margin
+    # profile (the per-op errors others report for the NE, parity/mil/deviations.py) and gate
+    # its argmax agreement, worst seed per position. None: the profile does not run.
+    device_margin_argmax_agreement: float | None = Field(default=None, gt=0, le=1, strict=True)
     # Plan gates (SPEC 5): static NE residency of the emitted program on every chip of the
     # target's platform (anec plan-inspect); None = not required. Checked before publishing.
     plan_min_ne_flop_share: float | None = Field(default=None, ge=0, le=1, strict=True)

@@ -73,6 +73,11 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         _LOGIT_TASKS,
         "the largest change of a softmax probability",
     ),
+    TaskKey(
+        ("gates", "device_margin_argmax_agreement"),
+        DECODER_TASKS,
+        "the opt-in device-margin profile's argmax gate",
+    ),
     TaskKey(("encoder",), ENCODER_TASKS, "partition and pooling of an encoder"),
     TaskKey(("encoder", "pooling"), ("sentence-similarity",), "how tokens become a sentence"),
     TaskKey(("encoder", "normalize"), ("sentence-similarity",), "L2 normalisation of a sentence"),

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from converter.checkpoint import Checkpoint
+from converter.errors import InputError
 from converter.gguf_config import ConfigReads, assumed_values
 from converter.manifest import Deviation
 from converter.manifest_fields import write_npy, write_tokenizer
@@ -41,11 +42,28 @@ from parity.conversion import DEFAULT_PROFILES, ConversionReport, check_conversi
 from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.memory import release_memory
+from parity.mil.profiles import DEVICE_MARGIN
+from parity.profile_run import evaluator_passes
 from parity.reference import ReferenceRun, run_reference
 from parity.result import Thresholds
 from parity.torch_settings import with_parity_torch
 
 MIL_PROFILES = DEFAULT_PROFILES  # fp32 per layer, fp16 gated, fp16-acc reported
+
+
+def mil_profiles(recipe: Recipe, chosen: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The MIL profiles a decoder runs: ``chosen`` (``anec parity --profile``) or the default
+    ones, with the opt-in device-margin profile when the recipe sets its gate. Choosing that
+    profile for a recipe without the gate is an InputError: it would run ungated."""
+    opted = recipe.gates.device_margin_argmax_agreement is not None
+    if chosen is None:
+        return MIL_PROFILES + ((DEVICE_MARGIN.name,) if opted else ())
+    if DEVICE_MARGIN.name in chosen and not opted:
+        raise InputError(
+            f"--profile {DEVICE_MARGIN.name}: the recipe does not set "
+            "gates.device_margin_argmax_agreement, so the profile has no gate to check"
+        )
+    return chosen
 
 
 @dataclass
@@ -74,7 +92,12 @@ class DecoderRun(TaskRun):
     references: dict[str, ReferenceRun] = field(default_factory=dict)
     conversion: ConversionReport | None = None
     held_out: Any = None  # compress.HeldOut when the recipe has a compression section
-    profiles: tuple[str, ...] = MIL_PROFILES  # the MIL evaluator profiles to run
+    # The MIL evaluator profiles to run: `mil_profiles` of the recipe (`anec parity
+    # --profile` replaces them).
+    profiles: tuple[str, ...] = field(default=MIL_PROFILES, init=False)
+
+    def __post_init__(self) -> None:
+        self.profiles = mil_profiles(self.recipe)
 
     @property
     def recipe(self) -> DecoderRecipe:
@@ -218,7 +241,8 @@ def convert(run: DecoderRun, advance: Advance) -> None:
 
 def mil_parity(run: DecoderRun, advance: Advance) -> Stop | None:
     """The emitted program in the MIL evaluator: fp32 per layer against the BC1L module, fp16
-    gated and fp16-acc reported against the original model."""
+    gated and fp16-acc reported against the original model (and, opted in, the device-margin
+    profile gated)."""
     rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
     run.conversion = check_conversion(
         run.main.path,
@@ -295,7 +319,7 @@ CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step(
         "parity (MIL evaluator)",
         with_parity_torch(mil_parity),
-        lambda run: len(run.profiles) * _batches(run),
+        lambda run: evaluator_passes(run.profiles) * _batches(run),
     ),
     Step("write manifest", manifest),
     Step("plan (static)", plan),

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 import parity.mil.kernels  # noqa: F401  (registers every kernel)
+from parity.mil.deviations import Perturbation
 from parity.mil.errors import MILError, OpEvaluationError, UnsupportedOpError
 from parity.mil.kernels.state import StateSlot
 from parity.mil.numerics import (
@@ -158,16 +159,20 @@ class Evaluator:
         function: str = "main",
         threads: int | None = 1,
         like: Evaluator | None = None,
+        seed: int = 0,
     ) -> None:
         """Prepare ``function`` of ``program`` under ``profile``.
 
         ``like``: an evaluator of the same function under a profile without fp16 storage,
         whose decoded constants this one derives its own from instead of decoding the
         program's again (the same values; arrays are shared where they are equal).
+        ``seed``: the signs of a profile's deviations (`reseed` changes it between runs).
         """
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         self.threads = threads
         self.arith = Arithmetic(self.profile)
+        self.perturbation: Perturbation | None = None
+        self.reseed(seed)
         if function not in program.functions:
             raise MILError(
                 f"no function {function!r} in the program; it has {sorted(program.functions)}"
@@ -291,6 +296,12 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------
     # running
+
+    def reseed(self, seed: int) -> None:
+        """Draw the deviations' signs from ``seed`` from now on, with fresh counters (no
+        effect under a profile without deviations)."""
+        if self.profile.deviations:
+            self.perturbation = Perturbation(self.profile.deviations, seed)
 
     def constant(self, name: str) -> Any:
         """A constant as an op reads it: decoded (``constexpr_*``) and stored under the
@@ -439,7 +450,12 @@ class Evaluator:
             raise OpEvaluationError(
                 op.op_type, op.name, f"{len(results)} results for {len(step.outputs)} outputs"
             )
+        perturb = self.perturbation
         for (name, dtype, shape), value in zip(step.outputs, results, strict=True):
+            # The one place a profile's deviations reach a result: after the kernel, before
+            # the profile stores it (so a deviation is rounded like any result).
+            if perturb is not None and dtype in FLOAT_TYPES and perturb.applies_to(op.op_type):
+                value = perturb.apply(op, values, np.asarray(value, dtype=np.float32))
             if step.spec.exact and dtype in FLOAT_TYPES:
                 value = np.asarray(value, dtype=np.float32)  # stored values, moved: no rounding
             else:

@@ -16,13 +16,21 @@ with the assumptions that produced it:
   each block of ``acc_block`` terms, which are summed exactly first (an fp16 accumulator fed by
   32-wide dot products) - and fp16 subnormals are flushed to zero. Reported beside ``fp16``,
   never gated: it is a bound on what an unknown accumulator could do, not a measurement.
+* ``device-margin`` - ``fp16-acc``'s assumptions plus the per-op deviations others report
+  for the NE (``parity.mil.deviations``: each an absolute error with its source, added with a
+  seeded sign before the result is stored). Opt-in (a recipe's
+  ``gates.device_margin_argmax_agreement``), run once per seed, the worst seed per position
+  kept: what the program's argmax survives if the NE is as far off as reported.
 
-Activation look-up tables are not modelled: no profile knows the NE's tables.
+Activation look-up tables are not modelled: no profile knows the NE's tables; the
+device-margin profile only adds reported errors to the exact functions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from parity.mil.deviations import DEVIATIONS, Deviation
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class Profile:
     acc_block: int  # terms summed exactly before each fp16 rounding of a running sum
     flush_subnormals: bool  # fp16 subnormal results become (signed) zero
     description: str
+    # Reported per-op errors added to results before storing (`parity.mil.deviations`).
+    deviations: tuple[Deviation, ...] = ()
 
 
 FP32 = Profile(
@@ -65,7 +75,18 @@ FP16_ACC = Profile(
     "(pessimistic assumptions, reported, not gated)",
 )
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (FP32, FP16, FP16_ACC)}
+DEVICE_MARGIN = Profile(
+    name="device-margin",
+    fp16_storage=True,
+    fp16_accumulation=True,
+    acc_block=32,
+    flush_subnormals=True,
+    description="as fp16-acc, plus the per-op deviations others report for the NE, added "
+    "with seeded signs (reported figures, not measured here; opt-in, worst over seeds)",
+    deviations=DEVIATIONS,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (FP32, FP16, FP16_ACC, DEVICE_MARGIN)}
 GATED = FP16.name
 
 
