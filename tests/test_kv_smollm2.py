@@ -73,3 +73,21 @@ def test_generate_matches_transformers_step_for_step(kv_artifact: Path) -> None:
     doc = json.loads(out[out.index('{"backend"') :])  # after the loaders' progress bars
     assert doc["steps_matched"] == doc["steps"] == 64 and doc["passed"]
     assert "first_near_tie" in doc and len(doc["reference_gaps"]) == 64
+
+
+def test_speculate_drafts_with_the_torch_module_and_checks_it_against_the_program(
+    kv_artifact: Path,
+) -> None:
+    result = run_anec(
+        "speculate", "--draft", kv_artifact, "--k", "2", "--texts", "1",
+        "--max-new-tokens", "12", "--check-mil", "1", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.output
+    doc = json.loads(out[out.index('{"draft"') :])
+    assert doc["draft_backend"] == "torch" and doc["label"].startswith("self-acceptance")
+    (row,) = doc["rows"]
+    check = row["mil_check"]
+    assert check["texts"] == 1 and check["backend_mean_accepted"] == row["mean_accepted_per_cycle"]
+    # The draft is the target's own checkpoint: both drafts agree with it almost always.
+    assert check["relative_difference"] <= 0.01, check

@@ -77,6 +77,25 @@ def mil_check(
     }
 
 
+def row_text(row: dict[str, Any], backend: str) -> str:
+    """One K's row of the sweep as text (and its MIL check, when one ran)."""
+    rates = " ".join(f"{r:.2f}" for r in row["acceptance_per_position"])
+    text = (
+        f"K={row['k']}: acceptance per position [{rates}]  mean accepted "
+        f"{row['mean_accepted_per_cycle']:.2f}  tokens/target call "
+        f"{row['tokens_per_target_call']:.2f}"
+        + (f"  predicted {row['predicted_speedup']}" if "predicted_speedup" in row else "")
+    )
+    if "mil_check" in row:
+        c = row["mil_check"]
+        text += (
+            f"\n  MIL check on {c['texts']} text(s): mean accepted {backend} "
+            f"{c['backend_mean_accepted']:.4f}, mil {c['mil_mean_accepted']:.4f} "
+            f"(relative difference {c['relative_difference']:.2%})"
+        )
+    return text
+
+
 @click.command("speculate")
 @click.option("--draft", "draft_dir", required=True,
               type=click.Path(path_type=Path, exists=True, file_okay=False))  # fmt: skip
@@ -165,20 +184,7 @@ def speculate_command(
             )
         rows.append(row)
         if not as_json:
-            rates = " ".join(f"{r:.2f}" for r in row["acceptance_per_position"])
-            click.echo(
-                f"K={k}: acceptance per position [{rates}]  mean accepted "
-                f"{row['mean_accepted_per_cycle']:.2f}  tokens/target call "
-                f"{row['tokens_per_target_call']:.2f}"
-                + (f"  predicted {row['predicted_speedup']}" if "predicted_speedup" in row else "")
-            )
-            if "mil_check" in row:
-                c = row["mil_check"]
-                click.echo(
-                    f"  MIL check on {c['texts']} text(s): mean accepted {draft_backend} "
-                    f"{c['backend_mean_accepted']:.4f}, mil {c['mil_mean_accepted']:.4f} "
-                    f"(relative difference {c['relative_difference']:.2%})"
-                )
+            click.echo(row_text(row, draft_backend))
     label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
     doc = {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
            "label": label, "rows": rows, "texts": len(prompts),
