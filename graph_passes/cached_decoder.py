@@ -290,9 +290,9 @@ class CachedKeys:
     With a `SlotWrite` (`CachedDecoder.writes_in_place`) the rows are
     first blended into the layer's cache at their slots (`held`), and the tokens attend to the
     S slots alone: one score and one weighted sum per head, as in the window program, instead
-    of the new keys' scores computed apart and concatenated. Without it (a prefill, style
-    ``io``) the T new keys are scored apart and concatenated on the key axis after the S
-    cached ones, so the cache is not copied (see the module docstring).
+    of the new keys' scores computed apart and concatenated. Without it (style ``io``, whose
+    cache is the host's) the T new keys are scored apart and concatenated on the key axis
+    after the S cached ones, so the cache is not copied (see the module docstring).
     """
 
     def __init__(
@@ -375,7 +375,8 @@ class SlotWrite:
         """One layer's cache (KV, S, d) with each token's row (KV, T, d) at its slot, every
         other slot exactly as it was. Up to `ELEMENTWISE_WRITE` tokens one mul and one add per
         token; beyond (a prefill) one (S, T) x (T, d) matmul per kv head: a batched matmul of
-        run-time operands would leave the NE (plan rule R-BATCH). All on the NE either way."""
+        run-time operands would leave the NE (plan rule R-BATCH). The plan rules place both on
+        the NE."""
         out = cache * self.keep
         tokens = rows.shape[1]
         if tokens > ELEMENTWISE_WRITE:
