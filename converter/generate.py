@@ -171,7 +171,7 @@ def artifact_checkpoint(directory: Path) -> Any:
     return ckpt
 
 
-def torch_backend(runtime: Runtime, dtype: Any = None) -> Callable[[], CacheSession]:
+def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
     """Sessions run by the fp16 torch module the artifact's program was converted from: the
     manifest's recipe rewritten again from its checkpoint (hash checked), every layer in one
     host loop whatever the chunking. A compressed variant's weights are not the module's:
@@ -194,11 +194,10 @@ def torch_backend(runtime: Runtime, dtype: Any = None) -> Callable[[], CacheSess
     del ckpt
     calls = {name: (f.shape.tokens, f.logits) for name, f in runtime.functions.items()}
     kv = runtime.kv
-    dtype = dtype or torch.float16
-    half = cast_copy(window, dtype)
+    half = cast_copy(window, torch.float16)
     modules = cached_functions(half, kv["style"], kv["cache_length"], calls)
-    if kv["style"] == "state":  # one state in the module's dtype, shared by the functions
-        state = modules["decode"].kv_cache.to(dtype)
+    if kv["style"] == "state":  # one fp16 state, shared by the functions
+        state = modules["decode"].kv_cache.half()
         for module in modules.values():
             module.kv_cache = state
     table = runtime.embeddings
@@ -207,7 +206,7 @@ def torch_backend(runtime: Runtime, dtype: Any = None) -> Callable[[], CacheSess
         for module in modules.values():
             module.reset_cache()
         embed = None if table is None else (lambda ids: np.asarray(table[ids], np.float32))
-        return session_for(modules, torch_runner(modules, dtype), None, embed)
+        return session_for(modules, torch_runner(modules, torch.float16), None, embed)
 
     return make
 
