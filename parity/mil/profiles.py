@@ -28,7 +28,7 @@ device-margin profile only adds reported errors to the exact functions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parity.mil.deviations import DEVIATIONS, Deviation
 
@@ -75,12 +75,10 @@ FP16_ACC = Profile(
     "(pessimistic assumptions, reported, not gated)",
 )
 
-DEVICE_MARGIN = Profile(
+# fp16-acc's assumptions, plus the reported deviations.
+DEVICE_MARGIN = replace(
+    FP16_ACC,
     name="device-margin",
-    fp16_storage=True,
-    fp16_accumulation=True,
-    acc_block=32,
-    flush_subnormals=True,
     description="as fp16-acc, plus the per-op deviations others report for the NE, added "
     "with seeded signs (reported figures, not measured here; opt-in, worst over seeds)",
     deviations=DEVIATIONS,
