@@ -101,6 +101,13 @@ class Runtime:
             runtime.chunks.append(chunk_of(entry, kv["cache"]["shape"][0] // 2))
         return runtime
 
+    def head_ids(self) -> np.ndarray | None:
+        """A trimmed head's token id per row (manifest draft_vocabulary), else None."""
+        section = self.manifest.get("draft_vocabulary")
+        if not section:
+            return None
+        return np.load(self.directory / section["head_ids"]["file"]).astype(np.int64)
+
     def token_input(self) -> str:
         """``input_ids`` or ``inputs_embeds``: the first input of the decode function."""
         return str(self.kv["functions"]["decode"]["inputs"][0]["name"])
@@ -124,6 +131,7 @@ class Runtime:
             embed if table is not None else None,
             states=states,
             chunk_sizes=list(self.manifest["lm_head_chunks"]),
+            head_ids=self.head_ids(),
         )
 
 
@@ -192,6 +200,9 @@ def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
     ckpt = artifact_checkpoint(runtime.directory)
     window = rewrite_decoder(recipe_from_dict(runtime.manifest["recipe"]), ckpt).module  # type: ignore[arg-type]
     del ckpt
+    head_ids = runtime.head_ids()
+    if head_ids is not None:  # the trimmed head the program was converted with
+        window.keep_head_rows(torch.from_numpy(head_ids))
     calls = {name: (f.shape.tokens, f.logits) for name, f in runtime.functions.items()}
     kv = runtime.kv
     half = cast_copy(window, torch.float16)
@@ -206,7 +217,7 @@ def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
         for module in modules.values():
             module.reset_cache()
         embed = None if table is None else (lambda ids: np.asarray(table[ids], np.float32))
-        return session_for(modules, torch_runner(modules, torch.float16), None, embed)
+        return session_for(modules, torch_runner(modules, torch.float16), None, embed, head_ids)
 
     return make
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from converter.errors import InputError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Every change of the I/O contract a runtime sees, newest last; recorded in each manifest.
 IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
@@ -50,6 +50,17 @@ IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
         "why": "the decode step attends as the window program does (one score, softmax and "
         "weighted sum per head): SmolLM2's decode function 5,512 -> 3,230 ops",
         # The masks' shapes in kv_cache.functions say which layout a function has.
+        "older_readable": True,
+    },
+    {
+        "schema_version": 6,
+        "tasks": ["text-generation"],
+        "what": "a draft may have a trimmed LM head (recipe vocabulary:): draft_vocabulary "
+        "names head_ids.npy, and logits index j (every argmax / top-k index too) is token "
+        "head_ids[j]; without the section, index j is token j as before",
+        "before": "schema 5: the head scored every token id",
+        "why": "a draft streams fewer weight bytes per decoded token (issue 25)",
+        # Older manifests have no trimmed head: index j is token j, as they meant.
         "older_readable": True,
     },
 ]
@@ -192,3 +203,6 @@ class Manifest(_Strict):
     # their tensors, the cache, the RoPE tables and the host conventions
     # (converter.tasks.kv_contract).
     kv_cache: dict[str, Any] | None = None
+    # A trimmed LM head (recipe vocabulary:; absent otherwise): head_ids.npy, the index rule,
+    # the ranking and the measured acceptance (converter.tasks.draft_vocabulary).
+    draft_vocabulary: dict[str, Any] | None = None

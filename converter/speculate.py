@@ -71,6 +71,34 @@ class Acceptance:
         return self.tokens / self.target_calls if self.target_calls else 0.0
 
 
+def replay(agree: list[bool], new_tokens: int, k: int, stats: Acceptance) -> None:
+    """Greedy speculative cycles with depth ``k`` over a target continuation, counted into
+    ``stats`` without running them: ``agree[i]`` says whether the draft's greedy token after
+    the prompt plus the first i continuation tokens equals continuation token i.
+
+    Exact for greedy verification: a cycle at continuation index t drafts from a context
+    equal to the target's own (every earlier token was accepted or the target's), so its
+    j-th draft, reached only when drafts t..t+j-1 were accepted, is the draft's greedy token
+    after continuation index t + j: accepted while ``agree`` holds, at most k, then the
+    target's token. ``agree`` covers ``new_tokens + k - 1`` indices (the last cycle drafts
+    past the end, as `speculate` does); a cycle's output is cut at ``new_tokens``."""
+    if len(agree) < new_tokens + k - 1:
+        raise ValueError(f"agree covers {len(agree)} indices, need {new_tokens + k - 1}")
+    t = 0
+    while t < new_tokens:
+        accepted = 0
+        while accepted < k and agree[t + accepted]:
+            accepted += 1
+        stats.cycles += 1
+        stats.target_calls += 1
+        for i in range(min(accepted + 1, k)):
+            stats.reached[i] += 1
+        for i in range(accepted):
+            stats.accepted[i] += 1
+        stats.tokens += min(accepted + 1, new_tokens - t)
+        t += accepted + 1
+
+
 @torch.no_grad()
 def target_tokens(target: nn.Module, ids: list[int], start: int) -> list[int]:
     """The target's greedy token after each position from ``start`` on (full recompute)."""

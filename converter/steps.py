@@ -32,17 +32,22 @@ class Step(Generic[S]):
     """One named unit of a pipeline.
 
     ``run(state, advance)`` does the work, calling ``advance()`` once per unit of ``total(state)``
-    when the step has a progress bar; it returns a `Stop` when a gate failed, else None.
+    when the step has a progress bar; it returns a `Stop` when a gate failed, else None. A
+    step with ``when`` runs only where ``when(state)`` holds (and shows no line otherwise).
     """
 
     name: str
     run: Callable[[S, Advance], Stop | None]
     total: Callable[[S], int] | None = None
+    # Whether the step applies to this state (a recipe section it serves); None: always.
+    when: Callable[[S], bool] | None = None
 
 
 def run_steps(steps: Sequence[Step[S]], state: S, progress: Steps) -> Stop | None:
     """Run ``steps`` in order on ``state``; the first `Stop` ends the run and is returned."""
     for step in steps:
+        if step.when is not None and not step.when(state):
+            continue
         total = step.total(state) if step.total is not None else None
         with progress.step(step.name, total=total) as advance:
             stop = step.run(state, advance)

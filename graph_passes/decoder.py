@@ -134,6 +134,21 @@ class BC1LDecoder(nn.Module):
         for window in self.windows:
             self.register_buffer(f"causal_{window}", causal_window_mask(io.length, window))
 
+    def keep_head_rows(self, ids: torch.Tensor) -> None:
+        """Trim the LM head to the rows ``ids`` (ascending, unique): row j of the trimmed
+        head scores token ``ids[j]``; chunked again by ``io.lm_head_chunk``. The body and
+        the host embedding table stay whole (a draft vocabulary, `converter.vocabulary`)."""
+        head = torch.cat([cast(nn.Conv2d, conv).weight[:, :, 0, 0] for conv in self.lm_head])
+        if ids.ndim != 1 or len(ids) == 0 or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("head rows must be a non-empty, ascending list of unique ids")
+        if int(ids[0]) < 0 or int(ids[-1]) >= len(head):
+            raise ValueError(f"head rows must lie in 0..{len(head) - 1}")
+        self.chunk_sizes = chunk_sizes(len(ids), self.io.lm_head_chunk)
+        kept = head[ids]
+        self.lm_head = nn.ModuleList(
+            conv1x1(part, None) for part in kept.split(self.chunk_sizes, dim=0)
+        )
+
     def host_embedding_table(self) -> torch.Tensor:
         """The exact table (vocab, D) a host gathers ``inputs_embeds`` rows from: the
         checkpoint's embeddings times the embedding scale (Gemma: sqrt(D)) and the residual

@@ -29,6 +29,7 @@ Level = Literal[
     "mil-fp32",
     "mil-fp16",
     "mil-device-margin",
+    "acceptance",
     "kv-cache",
     "compression",
     "plan",
@@ -290,6 +291,11 @@ _REGISTRY: tuple[Gate, ...] = (
          "the device-margin profile (fp16-acc plus the reported per-op deviations with seeded "
          "signs), the worst seed per position; runs only when the recipe sets it",
          "gates.device_margin_argmax_agreement"),
+    # a trimmed draft vocabulary (recipe vocabulary:), judged as a draft of its checkpoint
+    Gate("acceptance_loss", "acceptance", _LE,
+         "decoders with a trimmed head: relative drop of mean accepted drafts per cycle at "
+         "K = 4, the trimmed fp16 draft against the untrimmed one, greedy, the checkpoint in "
+         "fp32 as target, on the judging text's prompts", "vocabulary.acceptance_loss"),
     # a decision model, at torch fp16 and in the MIL evaluator alike
     *(
         gate_

@@ -79,6 +79,8 @@ class CacheSession:
     states: Mapping[str, np.ndarray] | None = field(default=None, repr=False)
     # The LM-head chunk sizes (manifest lm_head_chunks): to combine argmax / top-k outputs.
     chunk_sizes: list[int] = field(default_factory=list)
+    # A trimmed head's token id per row (manifest draft_vocabulary); None: row j is token j.
+    head_ids: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         style = next(iter(self.functions.values())).shape.style
@@ -112,8 +114,10 @@ class CacheSession:
 
     def choose(self, outputs: dict[str, np.ndarray]) -> int:
         """The greedy token at the last position of ``outputs``, whichever the head returns
-        (logits, or an in-model argmax / top-k per chunk): the manifest's head_output rule."""
-        return int(top_ids(outputs, self.chunk_sizes)[0, -1, 0])
+        (logits, or an in-model argmax / top-k per chunk): the manifest's head_output rule,
+        then a trimmed head's row mapped to its token id (draft_vocabulary)."""
+        row = int(top_ids(outputs, self.chunk_sizes)[0, -1, 0])
+        return row if self.head_ids is None else int(self.head_ids[row])
 
     def poison(self, start: int, value: float) -> None:
         """Write ``value`` into every cache slot from ``start`` on (a test of the rule that
@@ -237,7 +241,11 @@ class MilFunctions:
 
 
 def session_for(
-    functions: dict[str, CachedDecoder], runner: FunctionRunner, states: Any, embed: Any
+    functions: dict[str, CachedDecoder],
+    runner: FunctionRunner,
+    states: Any,
+    embed: Any,
+    head_ids: np.ndarray | None = None,
 ) -> CacheSession:
     """A fresh host loop over the cached modules ``functions`` run by ``runner`` (the
     functions share the cache shape, RoPE rows and token input; a chunk's functions give
@@ -256,7 +264,7 @@ def session_for(
     token_input = "input_ids" if first.io.inputs == "token-ids" else "inputs_embeds"
     return CacheSession(
         shapes, rope_rows(first), first.model_cache_shape(), runner, token_input, embed,
-        states=states, chunk_sizes=list(first.window.chunk_sizes),
+        states=states, chunk_sizes=list(first.window.chunk_sizes), head_ids=head_ids,
     )  # fmt: skip
 
 

@@ -50,6 +50,21 @@ def layer_states(layers: Iterable[nn.Module]) -> Iterator[list[torch.Tensor]]:
             handle.remove()
 
 
+def restrict_head(model: nn.Module, ids: torch.Tensor) -> None:
+    """Give a transformers ``*ForCausalLM`` an LM head of the rows ``ids`` only, so its
+    logits are the checkpoint's restricted to those ids (a trimmed draft's reference: each
+    row is its own dot product, so the kept logits are unchanged). The input embeddings stay
+    whole: inputs still range over the whole vocabulary."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    trimmed = nn.Linear(head.in_features, len(ids), bias=head.bias is not None)
+    with torch.no_grad():
+        trimmed.weight.copy_(head.weight[ids])
+        if head.bias is not None:
+            trimmed.bias.copy_(head.bias[ids])
+    model.set_output_embeddings(trimmed)  # type: ignore[operator]
+    model.config.tie_word_embeddings = False  # type: ignore[union-attr]
+
+
 def run_reference(model: nn.Module, token_ids: tuple[int, ...]) -> ReferenceRun:
     """Run the unpadded sequence at positions 0..n-1, as the checkpoint itself would."""
     with layer_states(decoder_layers(model)) as hidden, torch.no_grad():
@@ -130,24 +145,36 @@ NEAR_TIE = 0.05
 
 
 @torch.no_grad()
-def greedy_steps(model: nn.Module, prompt: tuple[int, ...], steps: int) -> list[tuple[int, float]]:
+def greedy_steps(
+    model: nn.Module,
+    prompt: tuple[int, ...],
+    steps: int,
+    head_ids: torch.Tensor | None = None,
+) -> list[tuple[int, float]]:
     """``steps`` greedy tokens after ``prompt`` by the original model with transformers' own
     KV cache, each with its top-1 minus top-2 logit gap (the gates compare against a full
     recompute of the whole sequence afterwards; which tokens are fed only has to be the same
-    for both)."""
+    for both). ``head_ids``: the model's head is trimmed (`restrict_head`), its row j scores
+    token ``head_ids[j]``."""
     out = model(input_ids=torch.tensor([prompt]), use_cache=True)
     chosen: list[tuple[int, float]] = []
     for _ in range(steps):
         top2 = out.logits[0, -1].float().topk(2)
-        token = int(top2.indices[0])
+        row = int(top2.indices[0])
+        token = row if head_ids is None else int(head_ids[row])
         chosen.append((token, float(top2.values[0] - top2.values[1])))
         out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return chosen
 
 
-def greedy_ids(model: nn.Module, prompt: tuple[int, ...], steps: int) -> list[int]:
+def greedy_ids(
+    model: nn.Module,
+    prompt: tuple[int, ...],
+    steps: int,
+    head_ids: torch.Tensor | None = None,
+) -> list[int]:
     """``greedy_steps``' tokens alone."""
-    return [token for token, _ in greedy_steps(model, prompt, steps)]
+    return [token for token, _ in greedy_steps(model, prompt, steps, head_ids)]
 
 
 @dataclass(frozen=True)
@@ -175,10 +202,13 @@ def check_greedy(new_ids: list[int], reference: list[tuple[int, float]]) -> Gree
 
 
 @torch.no_grad()
-def continuation(model: nn.Module, fixture: Fixture, steps: int) -> Continuation:
-    """The fixture's greedy continuation of ``steps`` tokens and the reference logits."""
+def continuation(
+    model: nn.Module, fixture: Fixture, steps: int, head_ids: torch.Tensor | None = None
+) -> Continuation:
+    """The fixture's greedy continuation of ``steps`` tokens and the reference logits
+    (``head_ids``: of a trimmed head, `greedy_steps`)."""
     prompt = tuple(fixture.token_ids)
-    ids = prompt + tuple(greedy_ids(model, prompt, steps))
+    ids = prompt + tuple(greedy_ids(model, prompt, steps, head_ids))
     logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
     kept = SpilledRows.of(logits[len(prompt) - 1 :].float().numpy())
     return Continuation(fixture.name, prompt, ids, kept)

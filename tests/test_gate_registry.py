@@ -116,6 +116,7 @@ def test_registry_keys_are_unique_level_and_name() -> None:
         "mil-fp32",
         "mil-fp16",
         "mil-device-margin",
+        "acceptance",
         "kv-cache",
         "compression",
         "plan",

@@ -12,11 +12,19 @@ import click
 def reference_steps(directory: Path, prompt_ids: list[int], steps: int) -> list[tuple[int, float]]:
     """transformers' greedy continuation (fp32) of the checkpoint the manifest names, with
     each step's top-1 minus top-2 logit gap."""
-    from converter.generate import artifact_checkpoint
-    from parity.reference import greedy_steps
+    import torch
 
-    model = artifact_checkpoint(directory).model
-    return greedy_steps(model.float().eval(), tuple(prompt_ids), steps)
+    from converter.generate import Runtime, artifact_checkpoint
+    from parity.reference import greedy_steps, restrict_head
+
+    model = artifact_checkpoint(directory).model.float().eval()
+    head_ids = Runtime.from_artifact(directory).head_ids()
+    if head_ids is None:
+        return greedy_steps(model, tuple(prompt_ids), steps)
+    # A trimmed draft is checked against the checkpoint restricted to its head's ids.
+    ids = torch.from_numpy(head_ids)
+    restrict_head(model, ids)
+    return greedy_steps(model, tuple(prompt_ids), steps, ids)
 
 
 @click.command("generate")

@@ -42,6 +42,7 @@ from converter.recipe.tasks import (
     misplaced_keys,
     without_misplaced,
 )
+from converter.recipe.vocabulary import DraftVocabulary
 from converter.recipe.yaml_errors import Loc, StrictModel, got, raise_rules, rule
 from converter.targets import TARGETS, Feature, check_feature
 
@@ -186,6 +187,8 @@ class DecoderRecipe(RecipeBase):
     task: DecoderTask
     io: IOSpec = Field(default_factory=IOSpec)
     cache: CacheSpec = Field(default_factory=CacheSpec)
+    # A trimmed LM head (a draft's vocabulary, judged by acceptance); None: the whole head.
+    vocabulary: DraftVocabulary | None = None
 
     @model_validator(mode="after")
     def _cache_checks(self) -> DecoderRecipe:

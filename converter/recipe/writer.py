@@ -16,7 +16,10 @@ from converter.recipe.schema import Recipe
 from converter.recipe.sources import ResolvedSource
 from converter.recipe.tasks import without_misplaced
 
-_ORDER = ("name", "task", "source", "shapes", "io", "cache", "encoder", "decision", "precision")
+_ORDER = (
+    "name", "task", "source", "shapes", "io", "cache", "vocabulary", "encoder", "decision",
+    "precision",
+)  # fmt: skip
 RECIPE_FILE = "recipe.yaml"  # in every artifact: the recipe it was converted from
 
 

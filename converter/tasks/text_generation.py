@@ -28,6 +28,12 @@ from converter.recipe import DecoderRecipe, Recipe
 from converter.steps import Advance, Step, Stop
 from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_parity_reports
 from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
+from converter.tasks.draft_vocabulary import (
+    TrimmedVocabulary,
+    judged_prompts,
+    trim_vocabulary,
+    write_head_ids,
+)
 from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
@@ -92,6 +98,8 @@ class DecoderRun(TaskRun):
     references: dict[str, ReferenceRun] = field(default_factory=dict)
     conversion: ConversionReport | None = None
     held_out: Any = None  # compress.HeldOut when the recipe has a compression section
+    # The trimmed head (recipe vocabulary:): the kept ids, the ranking and the acceptance.
+    vocabulary: TrimmedVocabulary | None = None
     # The MIL evaluator profiles to run: `mil_profiles` of the recipe (`anec parity
     # --profile` replaces them).
     profiles: tuple[str, ...] = field(default=MIL_PROFILES, init=False)
@@ -221,6 +229,8 @@ def torch_parity(run: DecoderRun, advance: Advance) -> Stop | None:
     run.report = check_decoder(
         rw.module, rw.batches, run.references, rw.embed_table, thresholds(run.recipe), advance
     )
+    if run.vocabulary is not None:
+        run.report.gates.insert(0, run.vocabulary.gate)
     run.report.stream = rw.scaling
     write_parity_reports(run.job.directory, run.report, None, {"recipe": run.recipe.name})
     return None if run.report.passed else Stop("parity")
@@ -286,6 +296,9 @@ def manifest(run: DecoderRun, advance: Advance) -> None:
         run.job, ckpt, rw.module, rw.scales, rw.scaling, run.main, embeddings, tokenizer,
         rw.assumed,
     )  # fmt: skip
+    if run.vocabulary is not None:
+        head_ids = write_head_ids(directory, run.vocabulary)
+        run.manifest.draft_vocabulary = run.vocabulary.section(head_ids)
     write_json_atomic(directory / "manifest.json", run.manifest.model_dump(mode="json"))
 
 
@@ -310,9 +323,29 @@ def _batches(run: DecoderRun) -> int:
     return len(need(run.rewrite, "the rewrite").batches)
 
 
+def _trims(run: DecoderRun) -> bool:
+    return run.recipe.vocabulary is not None
+
+
+def _judged(run: DecoderRun) -> int:
+    return judged_prompts(
+        need(run.recipe.vocabulary, "vocabulary"), run.recipe.shapes.sequence_length
+    )
+
+
+# The draft-vocabulary step (recipe vocabulary:), for the window and the cached task alike.
+VOCABULARY_STEP: Step[Any] = Step(
+    "draft vocabulary (rank, judge by acceptance, trim)",
+    with_parity_torch(trim_vocabulary),
+    _judged,
+    _trims,
+)
+
+
 CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step("load checkpoint", load),
     Step("rewrite to BC1L", with_parity_torch(rewrite)),
+    VOCABULARY_STEP,
     Step("reference (original model)", with_parity_torch(references), _fixture_count),
     Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity), lambda r: 2 * _batches(r)),
     Step("convert to ML Program", convert),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from converter.coreml import combine_functions, live_ops, save_package
 from converter.manifest_fields import write_npy
@@ -92,13 +93,15 @@ def cache_reference(run: KvRun, advance: Advance) -> None:
     """Greedy continuations of every fixture by the original model and its fp32 logits."""
     ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
     steps = run.cache.decode_steps
+    trimmed = run.vocabulary
+    head_ids = None if trimmed is None else torch.from_numpy(trimmed.kept.ids)
     for fixture in originals(rw.fixtures):
         if len(fixture.token_ids) + steps > run.cache.length:
             raise ValueError(
                 f"fixtures.{fixture.name}: {len(fixture.token_ids)} tokens + {steps} decode "
                 f"steps exceed cache.length {run.cache.length}"
             )
-        run.continuations.append(continuation(ckpt.model, fixture, steps))
+        run.continuations.append(continuation(ckpt.model, fixture, steps, head_ids))
         advance()
 
 
@@ -394,6 +397,7 @@ def _continuation_count(run: KvRun) -> int:
 CONVERT_STEPS: tuple[Step[KvRun], ...] = (
     Step("load checkpoint", load),
     Step("rewrite to BC1L", with_parity_torch(window_task.rewrite)),
+    window_task.VOCABULARY_STEP,
     Step("reference continuations (original model)", with_parity_torch(cache_reference),
          _continuation_count),
     Step("reference (original model)", with_parity_torch(window_task.references),

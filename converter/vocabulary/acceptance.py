@@ -1,0 +1,164 @@
+"""A trimmed head judged as a draft: greedy acceptance against the untrimmed checkpoint (fp32,
+the target), for the untrimmed and the trimmed fp16 draft side by side.
+
+Judging prompts are cut from held-out human-written text (`corpora`); the target continues
+each greedily; the draft module in fp16 reads every prompt plus its continuation once, and
+`converter.speculate.replay` counts the cycles each depth K would run (exact for greedy
+verification, see there). The trimmed draft's logits are the untrimmed draft's at the kept
+rows (each head row is its own dot product; a kernel may add in another order, so equal up
+to rounding), so one fp16 pass judges both.
+
+Prompt plus continuation fit the draft's window (``length``): the window program then reads
+the same context as this check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from converter.errors import InputError
+from converter.speculate import Acceptance, replay
+from converter.vocabulary.corpora import Corpus
+from graph_passes.decoder import BC1LDecoder
+from graph_passes.masks import key_mask_from_padding
+from parity.reference import greedy_ids
+
+DEPTHS = (1, 2, 3, 4)
+GATED_DEPTH = 4
+# Judged tokens per prompt, at most: half the window up to 32 (SmolLM2's 64-token window:
+# 28-token prompts, 32 judged tokens, 4 drafted past them).
+MAX_NEW = 32
+MIN_PROMPT = 4
+
+
+@dataclass(frozen=True)
+class Judging:
+    """The prompts' shape: prompt tokens, judged tokens and how many prompts."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prompts: int
+
+    @property
+    def positions(self) -> int:
+        """Target tokens judged (each one a draft position some cycle reaches or skips)."""
+        return self.new_tokens * self.prompts
+
+
+def judging_shape(length: int, positions: int) -> Judging:
+    """Prompt and continuation sizes within a window of ``length`` slots, and the prompts
+    needed for at least ``positions`` judged tokens."""
+    new = min(MAX_NEW, length // 2)
+    prompt = length - new - max(DEPTHS)
+    if prompt < MIN_PROMPT:
+        raise InputError(
+            f"shapes.sequence_length: {length} slots leave {prompt} prompt tokens for judging "
+            f"a draft vocabulary; at least {MIN_PROMPT + max(DEPTHS) + 2 * MIN_PROMPT} needed"
+        )
+    return Judging(prompt, new, -(-positions // new))
+
+
+def judging_prompts(tokenizer: Any, corpus: Corpus, shape: Judging) -> list[list[int]]:
+    """``shape.prompts`` prompts of ``shape.prompt_tokens`` tokens, evenly spaced over the
+    judging text (its texts joined by blank lines)."""
+    ids = tokenizer("\n\n".join(corpus.texts), add_special_tokens=False)["input_ids"]
+    step = len(ids) // shape.prompts
+    if step < shape.prompt_tokens:
+        raise InputError(
+            f"vocabulary.judging_text: {corpus.name!r} has {len(ids)} tokens, too few for "
+            f"{shape.prompts} prompts of {shape.prompt_tokens}"
+        )
+    return [ids[i * step : i * step + shape.prompt_tokens] for i in range(shape.prompts)]
+
+
+@dataclass
+class AcceptanceReport:
+    """Both drafts' acceptance per depth on the judging prompts."""
+
+    shape: Judging
+    outside_share: float  # judged target tokens the trimmed head cannot draft
+    full: list[Acceptance]
+    trimmed: list[Acceptance]
+
+    @property
+    def loss(self) -> float:
+        """Relative drop of mean accepted drafts per cycle at the gated depth."""
+        full = self.full[DEPTHS.index(GATED_DEPTH)].mean_accepted
+        trimmed = self.trimmed[DEPTHS.index(GATED_DEPTH)].mean_accepted
+        return (full - trimmed) / full if full else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready figures (vocabulary.json, the manifest's draft_vocabulary)."""
+
+        def depth(a: Acceptance) -> dict[str, Any]:
+            return {
+                "k": a.k,
+                "mean_accepted": round(a.mean_accepted, 4),
+                "rate_per_position": [round(a.rate(i), 4) for i in range(a.k)],
+                "cycles": a.cycles,
+            }
+
+        return {
+            "prompts": self.shape.prompts,
+            "prompt_tokens": self.shape.prompt_tokens,
+            "judged_tokens_per_prompt": self.shape.new_tokens,
+            "positions": self.shape.positions,
+            "outside_share": round(self.outside_share, 4),
+            "untrimmed": [depth(a) for a in self.full],
+            "trimmed": [depth(a) for a in self.trimmed],
+            "loss_at_k4": round(self.loss, 4),
+        }
+
+
+def draft_logits(module: BC1LDecoder, table: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The module's logits (n, V) at every position of ``ids`` (n <= its window), left-padded
+    to the window in the module's dtype."""
+    length = module.io.length
+    pad = length - len(ids)
+    tokens = torch.tensor([[0] * pad + ids])
+    real = torch.tensor([[0] * pad + [1] * len(ids)])
+    dtype = next(module.parameters()).dtype
+    key_mask = key_mask_from_padding(real).to(dtype)
+    x = tokens if module.io.inputs == "token-ids" else table[tokens].to(dtype)
+    with torch.no_grad():
+        last = module.run_layers(x, key_mask)[-1]
+        logits = torch.cat(module.head(last), dim=1)  # (1, V, 1, L)
+    return logits[0, :, 0, pad:].T.float()
+
+
+def judge(
+    target: torch.nn.Module,
+    draft16: BC1LDecoder,
+    table: torch.Tensor,
+    prompts: list[list[int]],
+    shape: Judging,
+    kept: np.ndarray,
+    advance: Callable[[], None] = lambda: None,
+) -> AcceptanceReport:
+    """Greedy acceptance of the untrimmed and the trimmed fp16 draft (``draft16``, the whole
+    head; ``kept`` the trimmed head's ascending ids) with ``target`` in fp32."""
+    full = [Acceptance(k) for k in DEPTHS]
+    trimmed = [Acceptance(k) for k in DEPTHS]
+    kept_t = torch.from_numpy(kept)
+    inside = np.zeros(int(max(kept.max(), 0)) + 1, dtype=bool)
+    inside[kept] = True
+    outside = 0
+    extra = max(DEPTHS) - 1
+    for prompt in prompts:
+        cont = greedy_ids(target, tuple(prompt), shape.new_tokens + extra)
+        logits = draft_logits(draft16, table, prompt + cont[:-1])[len(prompt) - 1 :]
+        want = torch.tensor(cont)
+        agree_full = (logits.argmax(-1) == want).tolist()
+        agree_trim = (kept_t[logits[:, kept_t].argmax(-1)] == want).tolist()
+        for a, b in zip(full, trimmed, strict=True):
+            replay(agree_full, shape.new_tokens, a.k, a)
+            replay(agree_trim, shape.new_tokens, b.k, b)
+        judged = cont[: shape.new_tokens]
+        outside += sum(1 for t in judged if t >= len(inside) or not inside[t])
+        advance()
+    return AcceptanceReport(shape, outside / shape.positions, full, trimmed)
