@@ -30,6 +30,7 @@ from converter.vocabulary.ranking import (
     corpus_counts,
     tokenizer_rank,
 )
+from converter.vocabulary.streamed import body_weights, streamed_section
 from parity.gate import GateResult, gate
 from parity.model_copies import cast_copy
 from parity.reference import restrict_head
@@ -46,6 +47,7 @@ class TrimmedVocabulary:
     hidden_size: int
     ranking: list[dict[str, Any]]  # per corpus: name, source, licence, sha256, tokens
     judging: dict[str, Any]
+    streamed: dict[str, Any]  # bytes per decoded token before / after, predicted floors
     acceptance: AcceptanceReport
     gate: GateResult
 
@@ -70,6 +72,7 @@ class TrimmedVocabulary:
                 "corpora; ids the corpora never produced by the tokenizer's merge rank",
             },
             "judging": self.judging,
+            "streamed_per_decoded_token": self.streamed,
             "acceptance": {
                 "evidence": "measured",
                 "what": "greedy speculative acceptance on the judging prompts, target the "
@@ -92,6 +95,20 @@ def _described(corpus: Corpus, tokens: int | None = None) -> dict[str, Any]:
     return described if tokens is None else {**described, "tokens": tokens}
 
 
+def corpus_ranking(
+    tokenizer: Any, refs: list[str], where: Any, vocab: int
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """The ids' counts summed over the ranking corpora, and each corpus described."""
+    counts = np.zeros(vocab, dtype=np.int64)
+    described = []
+    for ref in refs:
+        corpus = load_corpus(ref, where, "vocabulary.ranking_corpora")
+        seen = corpus_counts(tokenizer, corpus, vocab)
+        counts += seen
+        described.append(_described(corpus, int(seen.sum())))
+    return counts, described
+
+
 def judged_prompts(v: DraftVocabulary, length: int) -> int:
     """How many judging prompts the step runs (its progress total)."""
     return judging_shape(length, v.judging_positions).prompts
@@ -103,21 +120,15 @@ def trim_vocabulary(run: Any, advance: Advance) -> None:
     ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
     tokenizer = need(ckpt.tokenizer, "the checkpoint's tokenizer (a draft vocabulary ranks ids)")
     vocab, where = rw.spec.vocab_size, run.recipe.recipe_dir
-    counts = np.zeros(vocab, dtype=np.int64)
-    ranking = []
-    for ref in v.ranking_corpora:
-        corpus = load_corpus(ref, where, "vocabulary.ranking_corpora")
-        seen = corpus_counts(tokenizer, corpus, vocab)
-        counts += seen
-        ranking.append(_described(corpus, int(seen.sum())))
+    counts, ranking = corpus_ranking(tokenizer, v.ranking_corpora, where, vocab)
     always = always_kept(tokenizer, [f.token_ids for f in rw.fixtures], vocab)
     kept = choose_ids(counts, tokenizer_rank(tokenizer, vocab), always, v.size)
     judging = load_corpus(v.judging_text, where, "vocabulary.judging_text")
     shape = judging_shape(rw.module.io.length, v.judging_positions)
     draft16 = cast_copy(rw.module, torch.float16)
-    report = judge(
+    (report,) = judge(
         ckpt.model, draft16, rw.embed_table, judging_prompts(tokenizer, judging, shape), shape,
-        kept.ids, advance,
+        [kept.ids], advance,
     )  # fmt: skip
     del draft16
     ids = torch.from_numpy(kept.ids)
@@ -129,8 +140,11 @@ def trim_vocabulary(run: Any, advance: Advance) -> None:
         v.acceptance_loss,
         where=f"K = 4, {shape.positions} judged positions, {len(kept.ids)} of {vocab} ids",
     )
+    d = rw.spec.hidden_size
+    width = 2.0 if run.recipe.precision == "float16" else 4.0
+    streamed = streamed_section(body_weights(rw.module), d, vocab, len(kept.ids), width)
     run.vocabulary = TrimmedVocabulary(
-        kept, vocab, rw.spec.hidden_size, ranking, _described(judging), report, result
+        kept, vocab, d, ranking, _described(judging), streamed, report, result
     )
 
 

@@ -137,28 +137,34 @@ def judge(
     table: torch.Tensor,
     prompts: list[list[int]],
     shape: Judging,
-    kept: np.ndarray,
+    kept_sets: list[np.ndarray],
     advance: Callable[[], None] = lambda: None,
-) -> AcceptanceReport:
-    """Greedy acceptance of the untrimmed and the trimmed fp16 draft (``draft16``, the whole
-    head; ``kept`` the trimmed head's ascending ids) with ``target`` in fp32."""
+) -> list[AcceptanceReport]:
+    """Greedy acceptance of the untrimmed fp16 draft (``draft16``, the whole head) and of
+    each trimmed one (``kept_sets``: each head's ascending ids) with ``target`` in fp32, one
+    report per trimmed head; the drafts share the target's continuations and one fp16 pass."""
     full = [Acceptance(k) for k in DEPTHS]
-    trimmed = [Acceptance(k) for k in DEPTHS]
-    kept_t = torch.from_numpy(kept)
-    inside = np.zeros(int(max(kept.max(), 0)) + 1, dtype=bool)
-    inside[kept] = True
-    outside = 0
+    trimmed = [[Acceptance(k) for k in DEPTHS] for _ in kept_sets]
+    kept_ts = [torch.from_numpy(kept) for kept in kept_sets]
+    outside = [0] * len(kept_sets)
     extra = max(DEPTHS) - 1
     for prompt in prompts:
         cont = greedy_ids(target, tuple(prompt), shape.new_tokens + extra)
         logits = draft_logits(draft16, table, prompt + cont[:-1])[len(prompt) - 1 :]
         want = torch.tensor(cont)
-        agree_full = (logits.argmax(-1) == want).tolist()
-        agree_trim = (kept_t[logits[:, kept_t].argmax(-1)] == want).tolist()
-        for a, b in zip(full, trimmed, strict=True):
-            replay(agree_full, shape.new_tokens, a.k, a)
-            replay(agree_trim, shape.new_tokens, b.k, b)
-        judged = cont[: shape.new_tokens]
-        outside += sum(1 for t in judged if t >= len(inside) or not inside[t])
+        _replay_all((logits.argmax(-1) == want).tolist(), shape, full)
+        judged = want[: shape.new_tokens]
+        for i, kept in enumerate(kept_ts):
+            agree = (kept[logits[:, kept].argmax(-1)] == want).tolist()
+            _replay_all(agree, shape, trimmed[i])
+            outside[i] += int((~torch.isin(judged, kept)).sum())
         advance()
-    return AcceptanceReport(shape, outside / shape.positions, full, trimmed)
+    return [
+        AcceptanceReport(shape, out / shape.positions, full, t)
+        for out, t in zip(outside, trimmed, strict=True)
+    ]
+
+
+def _replay_all(agree: list[bool], shape: Judging, depths: list[Acceptance]) -> None:
+    for stats in depths:
+        replay(agree, shape.new_tokens, stats.k, stats)
