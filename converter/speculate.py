@@ -99,6 +99,24 @@ def replay(agree: list[bool], new_tokens: int, k: int, stats: Acceptance) -> Non
         t += accepted + 1
 
 
+def draft_agreement(
+    make_session: Callable[[], CacheSession], prompt: list[int], cont: list[int]
+) -> list[bool]:
+    """Whether the draft's greedy token after ``prompt + cont[:i]`` is ``cont[i]``, for every
+    i: the prompt prefilled, then ``cont`` decoded one token at a time (teacher-forced), for
+    `replay`. The context must fit the cache (no eviction)."""
+    session = make_session()
+    capacity = session.functions["prefill"].shape.cache_length
+    if len(prompt) + len(cont) > capacity:
+        raise ValueError(f"{len(prompt)} + {len(cont)} tokens exceed the {capacity}-slot cache")
+    token = session.choose(session.prefill_outputs("prefill", prompt))
+    agree = [token == cont[0]]
+    for i in range(len(cont) - 1):
+        token = session.choose(session.call_outputs("decode", [cont[i]]))
+        agree.append(token == cont[i + 1])
+    return agree
+
+
 @torch.no_grad()
 def target_tokens(target: nn.Module, ids: list[int], start: int) -> list[int]:
     """The target's greedy token after each position from ``start`` on (full recompute)."""

@@ -238,6 +238,30 @@ def test_the_torch_backend_drafts_as_the_program_does(artifact: Path) -> None:
     assert check["relative_difference"] <= 0.01, check
 
 
+def test_the_replayed_sweep_counts_what_the_cycles_count(artifact: Path) -> None:
+    """``anec speculate``'s default loop with the torch draft: each text's target
+    continuation decoded once (teacher-forced) and every K's cycles replayed from it counts
+    what the cycle loop (draft, verify, roll back, extend) counts with the same draft."""
+    from tiny_models import tiny_hf_model
+
+    from converter.cli.speculate import replay_agreements
+    from converter.generate import Runtime, torch_backend
+    from converter.speculate import Acceptance, replay, speculate, target_tokens
+
+    make = torch_backend(Runtime.from_artifact(artifact))
+    target = tiny_hf_model("llama", seed=3)
+    prompts = [[7, 8, 9, 10], [20, 21, 22]]
+    agreements = replay_agreements(make, target, prompts, 16 + 4 - 1)
+    for k in (1, 2, 4):
+        looped, replayed = Acceptance(k), Acceptance(k)
+        for prompt, agree in zip(prompts, agreements, strict=True):
+            speculate(make, partial(target_tokens, target), prompt, k, 16, looped)
+            replay(agree, 16, k, replayed)
+        assert 0 < looped.mean_accepted < k
+        assert (replayed.reached, replayed.accepted) == (looped.reached, looped.accepted)
+        assert (replayed.cycles, replayed.tokens) == (looped.cycles, looped.tokens)
+
+
 def test_the_torch_backend_refuses_a_compressed_variant(artifact: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -77,6 +77,20 @@ def mil_check(
     }
 
 
+def replay_agreements(
+    make: Any, model: Any, prompts: list[list[int]], tokens: int
+) -> list[list[bool]]:
+    """Per text, the target's greedy continuation of ``tokens`` (fp32, transformers' cache)
+    and whether the draft's greedy token matches it after each prefix (`draft_agreement`)."""
+    from converter.speculate import draft_agreement
+    from parity.reference import greedy_ids
+
+    return [
+        draft_agreement(make, prompt, greedy_ids(model, tuple(prompt), tokens))
+        for prompt in prompts
+    ]
+
+
 def row_text(row: dict[str, Any], backend: str) -> str:
     """One K's row of the sweep as text (and its MIL check, when one ran)."""
     rates = " ".join(f"{r:.2f}" for r in row["acceptance_per_position"])
@@ -126,6 +140,14 @@ def row_text(row: dict[str, Any], backend: str) -> str:
     help="Also run the first N texts with the draft in the MIL evaluator and report, per K, "
     "both mean accepted per cycle and their relative difference on those texts.",
 )
+@click.option(
+    "--cycles",
+    is_flag=True,
+    help="With the torch backend, run every speculative cycle (draft, verify, roll back, "
+    "extend) instead of replaying them: by default the torch draft decodes each text's "
+    "target continuation once and the cycles of every K are counted from its greedy tokens "
+    "(exact for greedy verification; mil and coreml always run the cycles).",
+)
 @click.option("--json", "as_json", is_flag=True)
 def speculate_command(
     draft_dir: Path,
@@ -138,6 +160,7 @@ def speculate_command(
     target_ms: float | None,
     draft_backend: str,
     check_mil: int,
+    cycles: bool,
     as_json: bool,
 ) -> None:
     """Greedy speculative decoding on held-out human-written text: the draft (a cached
@@ -146,7 +169,14 @@ def speculate_command(
     for each K; with --draft-ms, --verify-ms and --target-ms, a predicted speed-up (never for
     the draft's own checkpoint, whose figure is self-acceptance)."""
     from converter.generate import Runtime, coreml_backend, mil_backend, torch_backend
-    from converter.speculate import TEXTS, Acceptance, speculate, speedup, target_tokens
+    from converter.speculate import (
+        TEXTS,
+        Acceptance,
+        replay,
+        speculate,
+        speedup,
+        target_tokens,
+    )
 
     draft = Runtime.from_artifact(draft_dir)
     if draft.tokenizer is None:
@@ -157,13 +187,20 @@ def speculate_command(
     check = mil_backend(draft) if check_mil and draft_backend != "mil" else None
     prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[:texts]]
     verify = partial(target_tokens, model)
+    ks = parse_depths(depths)
+    agreements = None
+    if draft_backend == "torch" and not cycles:
+        agreements = replay_agreements(make, model, prompts, max_new_tokens + max(ks) - 1)
     rows = []
-    for k in parse_depths(depths):
+    for k in ks:
         stats = Acceptance(k)
         subset = Acceptance(k)  # the first --check-mil texts alone, with the same draft
         for i, prompt in enumerate(prompts):
             one = Acceptance(k)
-            speculate(make, verify, prompt, k, max_new_tokens, one)
+            if agreements is None:
+                speculate(make, verify, prompt, k, max_new_tokens, one)
+            else:
+                replay(agreements[i], max_new_tokens, k, one)
             stats.add(one)
             if i < check_mil:
                 subset.add(one)
@@ -188,7 +225,8 @@ def speculate_command(
     label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
     doc = {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
            "label": label, "rows": rows, "texts": len(prompts),
-           "max_new_tokens": max_new_tokens}  # fmt: skip
+           "max_new_tokens": max_new_tokens,
+           "loop": "cycles" if agreements is None else "replay"}  # fmt: skip
     if as_json:
         click.echo(json.dumps(doc))
     else:

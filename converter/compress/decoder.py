@@ -67,7 +67,8 @@ class DecoderSubject(DecoderKind):
     gates the program in fp32 against torch with the same decoded weights."""
 
     task: str = "text-generation"
-    host_files: tuple[str, ...] = ("embeddings.npy", "tokenizer.json")
+    # head_ids.npy: a trimmed head's ids (draft_vocabulary), copied where the artifact has it
+    host_files: tuple[str, ...] = ("embeddings.npy", "tokenizer.json", "head_ids.npy")
     not_compressed: str = (
         "activations, norms' parameters, RoPE tables, masks and the host-side embedding table "
         "stay as in the fp16 artifact"

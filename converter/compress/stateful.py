@@ -73,7 +73,7 @@ STRUCTURAL = (
     "kv_stale_max_abs_diff",
     "kv_weights_stored_once",
 )
-HOST_FILES = ("embeddings.npy", "tokenizer.json", "rope.npy")
+HOST_FILES = ("embeddings.npy", "tokenizer.json", "rope.npy", "head_ids.npy")
 WINDOW = "window"  # the window program's entry in the identical-weights comparison
 
 
