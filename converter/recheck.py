@@ -190,6 +190,11 @@ def recheck(
         report_dir,
         allow_pickle,
         expected_checkpoint_sha256=manifest.checkpoint["sha256"],
+        expected_head_ids=(
+            artifact / manifest.draft_vocabulary["head_ids"]["file"]
+            if manifest.draft_vocabulary
+            else None
+        ),
     )
     run = task.start(job)
     run.programs = programs

@@ -159,3 +159,18 @@ def test_corpora_are_found_by_name_or_path_or_named_in_the_error(tmp_path: Path)
     assert load_corpus("python-docs-topics", tmp_path, "x").texts  # ships with CPython
     with pytest.raises(InputError, match="vocabulary.judging_text: 'nope' is neither"):
         load_corpus("nope", tmp_path, "vocabulary.judging_text")
+
+
+def test_anec_parity_refuses_a_ranking_that_no_longer_gives_the_published_head(
+    tmp_path: Path,
+) -> None:
+    from converter.tasks.draft_vocabulary import check_published
+
+    kept = choose_ids(np.array([3, 0, 2, 1]), np.zeros(4), set(), 2)  # ids 0 and 2
+    path = tmp_path / "head_ids.npy"
+    np.save(path, np.array([0, 2], dtype=np.int32))
+    check_published(path, kept, [])  # the same ids: nothing to say
+    np.save(path, np.array([0, 3], dtype=np.int32))
+    ranking = [{"name": "c", "sha256": "ab" * 32}]
+    with pytest.raises(InputError, match="head_ids.npy: the ranking corpora here \\(c sha256"):
+        check_published(path, kept, ranking)

@@ -50,6 +50,9 @@ class Job:
     allow_pickle: bool = False
     # `anec parity`: the checkpoint must be the one the artifact was converted from.
     expected_checkpoint_sha256: str | None = None
+    # `anec parity` of a trimmed draft: the published head_ids.npy, which the ranking must
+    # reproduce (its program scores exactly those rows).
+    expected_head_ids: Path | None = None
 
 
 @dataclass

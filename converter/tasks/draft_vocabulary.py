@@ -10,11 +10,13 @@ The acceptance gate joins the torch parity report (`DecoderRun.vocabulary`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from converter.errors import InputError
 from converter.manifest import FileEntry
 from converter.manifest_fields import write_npy
 from converter.recipe.vocabulary import DraftVocabulary
@@ -114,6 +116,20 @@ def judged_prompts(v: DraftVocabulary, length: int) -> int:
     return judging_shape(length, v.judging_positions).prompts
 
 
+def check_published(path: Path | None, kept: KeptIds, ranking: list[dict[str, Any]]) -> None:
+    """InputError when the ids ranked now are not a published artifact's ``head_ids.npy``
+    (another corpus version, another Python's corpora): its program scores those rows."""
+    if path is None:
+        return
+    published = np.load(path)
+    if not np.array_equal(published.astype(np.int64), kept.ids):
+        corpora = ", ".join(f"{c['name']} sha256 {c['sha256'][:12]}" for c in ranking)
+        raise InputError(
+            f"{path}: the ranking corpora here ({corpora}) keep other ids than the published "
+            "head; compare their sha256 with the manifest's draft_vocabulary.ranking"
+        )
+
+
 def trim_vocabulary(run: Any, advance: Advance) -> None:
     """Rank, judge and trim (see the module docstring); a `DecoderRun` step."""
     v: DraftVocabulary = need(run.recipe.vocabulary, "the vocabulary section")
@@ -123,6 +139,7 @@ def trim_vocabulary(run: Any, advance: Advance) -> None:
     counts, ranking = corpus_ranking(tokenizer, v.ranking_corpora, where, vocab)
     always = always_kept(tokenizer, [f.token_ids for f in rw.fixtures], vocab)
     kept = choose_ids(counts, tokenizer_rank(tokenizer, vocab), always, v.size)
+    check_published(run.job.expected_head_ids, kept, ranking)
     judging = load_corpus(v.judging_text, where, "vocabulary.judging_text")
     shape = judging_shape(rw.module.io.length, v.judging_positions)
     draft16 = cast_copy(rw.module, torch.float16)
@@ -148,7 +165,7 @@ def trim_vocabulary(run: Any, advance: Advance) -> None:
     )
 
 
-def write_head_ids(directory: Any, trimmed: TrimmedVocabulary) -> FileEntry:
+def write_head_ids(directory: Path, trimmed: TrimmedVocabulary) -> FileEntry:
     """``head_ids.npy``: the kept ids as int32, row j of the head scoring ``head_ids[j]``."""
     return write_npy(
         directory / HEAD_IDS_FILE,
