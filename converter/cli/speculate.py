@@ -91,6 +91,27 @@ def replay_agreements(
     ]
 
 
+def depth_counts(
+    make: Any, verify: Any, prompts: list[list[int]], k: int, max_new_tokens: int,
+    agreements: list[list[bool]] | None, check_mil: int,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Depth ``k``'s counts over every text, and over the first ``check_mil`` texts alone:
+    replayed from ``agreements`` (`replay_agreements`), or by running the cycles."""
+    from converter.speculate import Acceptance, replay, speculate
+
+    stats, subset = Acceptance(k), Acceptance(k)
+    for i, prompt in enumerate(prompts):
+        one = Acceptance(k)
+        if agreements is None:
+            speculate(make, verify, prompt, k, max_new_tokens, one)
+        else:
+            replay(agreements[i], max_new_tokens, k, one)
+        stats.add(one)
+        if i < check_mil:
+            subset.add(one)
+    return stats, subset
+
+
 def row_text(row: dict[str, Any], backend: str) -> str:
     """One K's row of the sweep as text (and its MIL check, when one ran)."""
     rates = " ".join(f"{r:.2f}" for r in row["acceptance_per_position"])
@@ -169,14 +190,7 @@ def speculate_command(
     for each K; with --draft-ms, --verify-ms and --target-ms, a predicted speed-up (never for
     the draft's own checkpoint, whose figure is self-acceptance)."""
     from converter.generate import Runtime, coreml_backend, mil_backend, torch_backend
-    from converter.speculate import (
-        TEXTS,
-        Acceptance,
-        replay,
-        speculate,
-        speedup,
-        target_tokens,
-    )
+    from converter.speculate import TEXTS, speedup, target_tokens
 
     draft = Runtime.from_artifact(draft_dir)
     if draft.tokenizer is None:
@@ -193,17 +207,8 @@ def speculate_command(
         agreements = replay_agreements(make, model, prompts, max_new_tokens + max(ks) - 1)
     rows = []
     for k in ks:
-        stats = Acceptance(k)
-        subset = Acceptance(k)  # the first --check-mil texts alone, with the same draft
-        for i, prompt in enumerate(prompts):
-            one = Acceptance(k)
-            if agreements is None:
-                speculate(make, verify, prompt, k, max_new_tokens, one)
-            else:
-                replay(agreements[i], max_new_tokens, k, one)
-            stats.add(one)
-            if i < check_mil:
-                subset.add(one)
+        stats, subset = depth_counts(make, verify, prompts, k, max_new_tokens, agreements,
+                                     check_mil)  # fmt: skip
         row: dict[str, Any] = {
             "k": k,
             "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
