@@ -16,7 +16,12 @@ from converter.compress.acceptance import AcceptanceSetup, SessionVerifier, sess
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
 from converter.speculate import Acceptance, replay, speculate
-from converter.vocabulary.acceptance import draft_logits, judging_shape
+from converter.vocabulary.acceptance import (
+    batch_draft_logits,
+    batch_greedy,
+    draft_logits,
+    judging_shape,
+)
 from converter.vocabulary.corpora import load_corpus
 from converter.vocabulary.ranking import choose_ids, tokenizer_rank
 from parity.reference import greedy_ids, greedy_steps, restrict_head
@@ -57,6 +62,17 @@ def test_replay_counts_what_the_cycle_loop_counts(tiny, k: int) -> None:  # type
     assert 0 < sum(looped.accepted) < sum(looped.reached)  # neither all nor nothing accepted
     assert (replayed.reached, replayed.accepted) == (looped.reached, looped.accepted)
     assert (replayed.cycles, replayed.tokens) == (looped.cycles, looped.tokens)
+
+
+def test_the_judging_batches_compute_what_one_prompt_at_a_time_computes(tiny) -> None:  # type: ignore[no-untyped-def]
+    prompts = [[7, 8, 9, 10, 11], [40, 41, 42, 43, 44], [3, 1, 4, 1, 5]]
+    conts = batch_greedy(tiny.model, prompts, 9)
+    assert conts == [greedy_ids(tiny.model, tuple(p), 9) for p in prompts]
+    rows = [p + c for p, c in zip(prompts, conts, strict=True)]
+    batch = batch_draft_logits(tiny.module, tiny.embed_table, rows)
+    for row, logits in zip(rows, batch, strict=True):
+        alone = draft_logits(tiny.module, tiny.embed_table, row)
+        torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_replay_needs_the_drafts_past_the_last_token() -> None:

@@ -26,7 +26,6 @@ from converter.speculate import Acceptance, replay
 from converter.vocabulary.corpora import Corpus
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
-from parity.reference import greedy_ids
 
 DEPTHS = (1, 2, 3, 4)
 GATED_DEPTH = 4
@@ -115,20 +114,46 @@ class AcceptanceReport:
         }
 
 
+# Sequences per batched call: the target's greedy steps and the draft's passes run the
+# judging prompts together (all of one length), in groups of this many for memory (Gemma 3's
+# fp16 logits: 8 x 262,144 x 64 x 2 bytes = 268 MB).
+GROUP = 8
+
+
 def draft_logits(module: BC1LDecoder, table: torch.Tensor, ids: list[int]) -> torch.Tensor:
     """The module's logits (n, V) at every position of ``ids`` (n <= its window), left-padded
     to the window in the module's dtype."""
-    length = module.io.length
-    pad = length - len(ids)
-    tokens = torch.tensor([[0] * pad + ids])
-    real = torch.tensor([[0] * pad + [1] * len(ids)])
+    return batch_draft_logits(module, table, [ids])[0]
+
+
+def batch_draft_logits(
+    module: BC1LDecoder, table: torch.Tensor, rows: list[list[int]]
+) -> torch.Tensor:
+    """`draft_logits` of equally long ``rows`` in one call: (B, n, V) fp32."""
+    length, n = module.io.length, len(rows[0])
+    pad = length - n
+    tokens = torch.tensor([[0] * pad + ids for ids in rows])
+    real = torch.tensor([[0] * pad + [1] * n] * len(rows))
     dtype = next(module.parameters()).dtype
     key_mask = key_mask_from_padding(real).to(dtype)
     x = tokens if module.io.inputs == "token-ids" else table[tokens].to(dtype)
     with torch.no_grad():
         last = module.run_layers(x, key_mask)[-1]
-        logits = torch.cat(module.head(last), dim=1)  # (1, V, 1, L)
-    return logits[0, :, 0, pad:].T.float()
+        logits = torch.cat(module.head(last), dim=1)  # (B, V, 1, L)
+    return logits[:, :, 0, pad:].transpose(1, 2).float()
+
+
+@torch.no_grad()
+def batch_greedy(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """The target's greedy continuation of equally long ``prompts``, ``steps`` tokens each,
+    in one batch with transformers' cache (no padding: every row has the same length)."""
+    out = model(input_ids=torch.tensor(prompts), use_cache=True)
+    chosen: list[torch.Tensor] = []
+    for _ in range(steps):
+        token = out.logits[:, -1].float().argmax(-1, keepdim=True)  # (B, 1)
+        chosen.append(token)
+        out = model(input_ids=token, cache=out.cache, use_cache=True)
+    return torch.cat(chosen, dim=1).tolist()
 
 
 def judge(
@@ -148,17 +173,20 @@ def judge(
     kept_ts = [torch.from_numpy(kept) for kept in kept_sets]
     outside = [0] * len(kept_sets)
     extra = max(DEPTHS) - 1
-    for prompt in prompts:
-        cont = greedy_ids(target, tuple(prompt), shape.new_tokens + extra)
-        logits = draft_logits(draft16, table, prompt + cont[:-1])[len(prompt) - 1 :]
-        want = torch.tensor(cont)
-        _replay_all((logits.argmax(-1) == want).tolist(), shape, full)
-        judged = want[: shape.new_tokens]
-        for i, kept in enumerate(kept_ts):
-            agree = (kept[logits[:, kept].argmax(-1)] == want).tolist()
-            _replay_all(agree, shape, trimmed[i])
-            outside[i] += int((~torch.isin(judged, kept)).sum())
-        advance()
+    for start in range(0, len(prompts), GROUP):
+        group = prompts[start : start + GROUP]
+        conts = batch_greedy(target, group, shape.new_tokens + extra)
+        rows = [p + c[:-1] for p, c in zip(group, conts, strict=True)]
+        batch = batch_draft_logits(draft16, table, rows)[:, shape.prompt_tokens - 1 :]
+        for logits, cont in zip(batch, conts, strict=True):
+            want = torch.tensor(cont)
+            _replay_all((logits.argmax(-1) == want).tolist(), shape, full)
+            judged = want[: shape.new_tokens]
+            for i, kept in enumerate(kept_ts):
+                agree = (kept[logits[:, kept].argmax(-1)] == want).tolist()
+                _replay_all(agree, shape, trimmed[i])
+                outside[i] += int((~torch.isin(judged, kept)).sum())
+            advance()
     return [
         AcceptanceReport(shape, out / shape.positions, full, t)
         for out, t in zip(outside, trimmed, strict=True)
