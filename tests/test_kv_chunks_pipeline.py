@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tiny_models import convert_tiny_llama, run_anec, tiny_hf_model
 
+from converter.manifest import SCHEMA_VERSION
 from parity.mil import load_package
 
 # 0.12 MB: a tiny Llama layer stores 73,984 bytes (fp16), the LM head + final norm 38,528;
@@ -74,7 +75,7 @@ def test_each_chunk_is_a_multifunction_package_within_the_budget(artifact: Path)
 def test_the_manifest_lists_the_chunks_in_call_order(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     kv = manifest["kv_cache"]
-    assert manifest["schema_version"] == 5
+    assert manifest["schema_version"] == SCHEMA_VERSION
     assert kv["chunking"]["chunks"] == 3 and kv["chunking"]["package_budget_bytes"] == BUDGET
     assert kv["chunking"]["call_order"] == [f"tch.chunk{i}.mlpackage" for i in range(3)]
     chunks = kv["chunks"]
