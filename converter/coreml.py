@@ -88,7 +88,7 @@ def to_mlprogram(
         for s in states
     ]
     _restart_mil_names()
-    with warnings_to_log("ct.convert"), _validated_once():
+    with warnings_to_log("ct.convert"), _validated_once(), _activations_as_spelled():
         return ct.convert(
             traced,
             inputs=[ct.TensorType(name=i.name, shape=i.shape, dtype=_NP[i.dtype]) for i in inputs],
@@ -128,6 +128,27 @@ def _validated_once() -> Iterator[None]:
         Program.validate = check
     for program in programs:
         check(program)
+
+
+# coremltools' ML Program backend folds mul(x, sigmoid(x)) into one silu op; it cannot be
+# left out through ``pass_pipeline``, which only reaches the main pipeline's passes.
+_SILU_FUSION = "mil_backend::fuse_activation_silu"
+
+
+@contextlib.contextmanager
+def _activations_as_spelled() -> Iterator[None]:
+    """Keep each activation as the torch module spells it: without this a module that asks
+    for ``x * sigmoid(x)`` (recipe silu_form: mul-sigmoid) would get a silu op back. A module
+    that spells ``silu`` gets one silu op from the torch frontend either way."""
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipeline
+
+    table = PassPipeline._PIPELINE_NAME_TO_PASSES
+    backend = table["backend_mlprogram"]
+    table["backend_mlprogram"] = [p for p in backend if p != _SILU_FUSION]
+    try:
+        yield
+    finally:
+        table["backend_mlprogram"] = backend
 
 
 def _restart_mil_names() -> None:

@@ -41,7 +41,9 @@ NormKind = Literal["rms", "layer"]
 # first half of its fused D -> 2I projection; Gemma: tanh GELU); gelu: down(gelu(up)) (BERT).
 MlpKind = Literal["swiglu", "gelu", "geglu"]
 # The activation exactly: "gelu" is the erf GELU, "gelu_tanh" transformers' gelu_pytorch_tanh.
-Activation = Literal["silu", "gelu", "gelu_tanh"]
+# "silu_mul_sigmoid" is SiLU spelled x * sigmoid(x): the same function, and a program with a
+# sigmoid and a mul where "silu" gives one silu op (recipe silu_form: mul-sigmoid).
+Activation = Literal["silu", "gelu", "gelu_tanh", "silu_mul_sigmoid"]
 # pre:  h = x + attn(attn_norm(x)), out = h + mlp(mlp_norm(h))  (Llama, Qwen, ModernBERT)
 # post: h = attn_norm(x + attn(x)), out = mlp_norm(h + mlp(h))  (BERT)
 # both: h = x + attn_out_norm(attn(attn_norm(x))), out = h + mlp_out_norm(mlp(mlp_norm(h)))

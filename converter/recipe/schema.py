@@ -189,6 +189,9 @@ class DecoderRecipe(RecipeBase):
     cache: CacheSpec = Field(default_factory=CacheSpec)
     # A trimmed LM head (a draft's vocabulary, judged by acceptance); None: the whole head.
     vocabulary: DraftVocabulary | None = None
+    # How the program spells the MLP's SiLU: one silu op, or x * sigmoid(x) with no silu op
+    # (the NE's silu is reported inexact near 0: parity.mil.deviations).
+    silu_form: Literal["op", "mul-sigmoid"] = "op"
 
     @model_validator(mode="after")
     def _cache_checks(self) -> DecoderRecipe:

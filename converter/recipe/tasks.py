@@ -61,6 +61,7 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         ("io", "output"), DECODER_TASKS, "logits, or in-model argmax or top-k per LM-head chunk"
     ),
     TaskKey(("io", "top_k"), DECODER_TASKS, "k of io.output: topk"),
+    TaskKey(("silu_form",), DECODER_TASKS, "how the program spells the MLP's SiLU"),
     TaskKey(
         ("gates", "fp32_logits_rel_error"),
         ("text-generation", "feature-extraction", "text-classification", "decision"),

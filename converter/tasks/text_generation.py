@@ -36,6 +36,7 @@ from converter.tasks.draft_vocabulary import (
 )
 from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
+from graph_passes.mlp import spelled_mul_sigmoid
 from graph_passes.prescale import NormScale, apply_prescales, measure_norm_inputs
 from graph_passes.spec import CanonicalModel, TransformerSpec
 from graph_passes.stream_scale import (
@@ -165,6 +166,8 @@ def rewrite_decoder(recipe: DecoderRecipe, ckpt: Checkpoint) -> Rewrite:
     """Adapt the checkpoint, build the BC1L module and set its scales from the fixtures."""
     config = ConfigReads(ckpt.config)
     canonical = adapt(config, ckpt.model.state_dict())
+    if recipe.silu_form == "mul-sigmoid":
+        canonical = spelled_mul_sigmoid(canonical)
     assumed = []
     if ckpt.gguf_carried is not None:
         gguf = ckpt.weight_files[0].name
