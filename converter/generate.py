@@ -8,8 +8,8 @@ one token per call. Backends:
 
 * ``mil``: anec's MIL evaluator (numpy; Linux and macOS), fp16 profile by default;
 * ``coreml``: Core ML on macOS (``MLModel(function_name=...)`` per function, one
-  ``make_state()`` shared by them). NEVER RUN HERE: written against coremltools' documented
-  API (stateful-models, multifunction-models) and untested until someone runs it on a Mac;
+  ``make_state()`` shared by them: `converter.coreml_runtime`). Core ML itself has NEVER RUN
+  HERE; the host side runs in the tests against a stand-in with ``MLModel``'s shape;
 * ``torch``: not the program but the module it was converted from - the BC1L module rebuilt
   from the manifest's recipe and checkpoint, cast to fp16 as the torch-fp16 level runs it
   (`torch_backend`). The gates hold it and the program to the same reference; it runs an
@@ -19,18 +19,20 @@ one token per call. Backends:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from converter.coreml_runtime import ModelLoader, StateView, coreml_loader
 from converter.errors import InputError
 from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
 from parity.kv_session import (
     CacheSession,
+    ChainStates,
     ChunkMeta,
     FunctionRunner,
     FunctionShape,
@@ -113,7 +115,7 @@ class Runtime:
         return str(self.kv["functions"]["decode"]["inputs"][0]["name"])
 
     def session(
-        self, runner: FunctionRunner, states: Mapping[str, np.ndarray] | None
+        self, runner: FunctionRunner, states: MutableMapping[str, np.ndarray] | None
     ) -> CacheSession:
         """A host loop over this artifact's functions run by ``runner``."""
         table = self.embeddings
@@ -245,24 +247,19 @@ def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSe
 
 
 def coreml_backend(
-    runtime: Runtime, units: str = "CPU_AND_NE"
-) -> Callable[[], CacheSession]:  # pragma: no cover
-    """Sessions run by Core ML on macOS with compute units ``units``. NEVER RUN HERE (no
-    macOS on this machine)."""
-    import coremltools as ct
-
+    runtime: Runtime, units: str = "CPU_AND_NE", load: ModelLoader = coreml_loader
+) -> Callable[[], CacheSession]:
+    """Sessions run by Core ML with compute units ``units``: every function of every package
+    loaded once by ``load`` (`converter.coreml_runtime`: Core ML on macOS, NEVER RUN HERE; a
+    stand-in in the tests), one state per package shared by its functions (``STATE_SHARING``
+    there says why that choice is unverified)."""
     packages = runtime.packages or [runtime.package]
-    per_package = [
-        {
-            name: ct.models.MLModel(
-                str(package), function_name=name, compute_units=ct.ComputeUnit[units]
-            )
-            for name in runtime.functions
-        }
-        for package in packages
-    ]
+    per_package = [{name: load(package, name, units) for name in runtime.functions}
+                   for package in packages]  # fmt: skip
 
-    def runner(models: dict[str, Any]) -> FunctionRunner:
+    name = runtime.kv["cache"]["name"]
+
+    def runner(models: dict[str, Any]) -> tuple[FunctionRunner, StateView | None]:
         # One state per package (per chunk), shared by its functions.
         state = models["decode"].make_state() if runtime.kv["style"] == "state" else None
 
@@ -271,16 +268,17 @@ def coreml_backend(
                 k: v.astype(np.int32 if k == "input_ids" else np.float16) for k, v in inputs.items()
             }
             model = models[function]
-            out = model.predict(feed, state=state) if state else model.predict(feed)
+            out = model.predict(feed) if state is None else model.predict(feed, state=state)
             return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
-        return run
+        return run, None if state is None else StateView(state, [name])
 
     def make() -> CacheSession:
-        runners = [runner(models) for models in per_package]
+        runners, views = zip(*(runner(models) for models in per_package), strict=True)
         if runtime.chunks:
-            return runtime.session(chain_runner(runtime.chunks, runners), None)
-        return runtime.session(runners[0], None)
+            held = None if views[0] is None else ChainStates([v for v in views if v])
+            return runtime.session(chain_runner(runtime.chunks, list(runners)), held)
+        return runtime.session(runners[0], views[0])
 
     return make
 

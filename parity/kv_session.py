@@ -22,7 +22,7 @@ cache per chunk; the manifest states both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,7 +76,7 @@ class CacheSession:
     position: int = 0
     cache: np.ndarray | None = field(default=None, repr=False)  # io style only
     # The runner's state values (style state, MIL evaluator), for `poison`.
-    states: Mapping[str, np.ndarray] | None = field(default=None, repr=False)
+    states: MutableMapping[str, np.ndarray] | None = field(default=None, repr=False)
     # The LM-head chunk sizes (manifest lm_head_chunks): to combine argmax / top-k outputs.
     chunk_sizes: list[int] = field(default_factory=list)
     # A trimmed head's token id per row (manifest draft_vocabulary); None: row j is token j.
@@ -122,11 +122,17 @@ class CacheSession:
     def poison(self, start: int, value: float) -> None:
         """Write ``value`` into every cache slot from ``start`` on (a test of the rule that
         slots beyond the position change no output)."""
-        caches = [self.cache] if self.cache is not None else list((self.states or {}).values())
-        if not caches:
+        if self.cache is not None:
+            self.cache[:, :, start:, :] = value
+            return
+        if not self.states:
             raise ValueError("no cache to write into: this session's runner keeps it")
-        for cache in caches:
+        # A state is written whole: Core ML's (read_state / write_state) cannot be changed
+        # in place through numpy.
+        for name in list(self.states):
+            cache = np.array(self.states[name])
             cache[:, :, start:, :] = value
+            self.states[name] = cache
 
     def prefill(self, function: str, ids: list[int]) -> np.ndarray:
         """Run a prompt of any length through ``function`` in calls of its T tokens (the
@@ -342,11 +348,12 @@ def chain_runner(chunks: Sequence[ChunkMeta], runners: Sequence[FunctionRunner])
     return run
 
 
-class ChainStates(Mapping[str, np.ndarray]):
-    """Every chunk's state values, keyed ``chunk<i>.<state>``, read through to the dicts the
-    chunks' runners hold (a run replaces a state's array, so a copy would go stale)."""
+class ChainStates(MutableMapping[str, np.ndarray]):
+    """Every chunk's state values, keyed ``chunk<i>.<state>``, read and written through to the
+    mappings the chunks' runners hold (a run replaces a state's array, so a copy would go
+    stale)."""
 
-    def __init__(self, parts: Sequence[dict[str, np.ndarray]]) -> None:
+    def __init__(self, parts: Sequence[MutableMapping[str, np.ndarray]]) -> None:
         self.parts = list(parts)
 
     def _split(self, key: str) -> tuple[int, str]:
@@ -356,6 +363,13 @@ class ChainStates(Mapping[str, np.ndarray]):
     def __getitem__(self, key: str) -> np.ndarray:
         i, name = self._split(key)
         return self.parts[i][name]
+
+    def __setitem__(self, key: str, value: np.ndarray) -> None:
+        i, name = self._split(key)
+        self.parts[i][name] = value
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(f"{key}: a chunk's state cannot be removed")
 
     def __iter__(self) -> Iterator[str]:
         return iter([f"chunk{i}.{name}" for i, part in enumerate(self.parts) for name in part])

@@ -14,6 +14,7 @@ import click
 
 from converter.cli.archs import archs_command
 from converter.cli.convert import convert_command
+from converter.cli.device_check import device_check_command
 from converter.cli.generate import generate_command
 from converter.cli.group import AnecGroup
 from converter.cli.parity import parity_command
@@ -58,3 +59,4 @@ main.add_command(parity_command)  # anec parity ARTIFACT_DIR
 main.add_command(archs_command)  # anec archs
 main.add_command(generate_command)  # anec generate ARTIFACT --prompt TEXT
 main.add_command(speculate_command)  # anec speculate --draft ARTIFACT [--target DIR] --k 1..8
+main.add_command(device_check_command)  # anec device-check ARTIFACT (macOS)

@@ -120,5 +120,22 @@ def inspect_package(
         out.compute_plan = compute_plan_report(table, str(package), recorded, compute_units, static)
         out.agreement = agreement(static, out.compute_plan)
     if observed_file is not None:
-        out.observed = read_bench(observed_file, sha)
+        out.observed = read_observed(observed_file, sha)
     return out
+
+
+def read_observed(path: Path, content_sha256: str) -> Observed:
+    """A bench-device result, or the decode latency of an ``anec device-check`` file, for the
+    package with ``content_sha256``; InputError when it is for another package."""
+    from converter.plan.device_evidence import FORMAT, observed_from, read_raw
+
+    doc = read_raw(path)
+    if doc.get("format") != FORMAT:
+        return read_bench(path, content_sha256)
+    hashes = [p.get("content_sha256") for p in doc.get("packages") or []]
+    if content_sha256 not in hashes:
+        raise InputError(
+            f"{path}: device-check evidence of {doc.get('artifact')!r}, whose packages do not "
+            f"include this one ({content_sha256[:12]}): evidence from another artifact"
+        )
+    return observed_from(doc, "decode", content_sha256)

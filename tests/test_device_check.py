@@ -1,0 +1,143 @@
+"""``anec device-check`` up to the Core ML call, on a tiny state-style cached decoder, with
+stand-ins of coremltools' MLModel / MLState (tests/coreml_standin.py); and the Core ML host
+loop (`coreml_backend`) against the MIL evaluator's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from coreml_standin import STAND_IN_RECORD, StandInLoader, rss_probe
+from tiny_models import run_anec, save_tiny_llama, write_tiny_recipe
+
+from converter.coreml_runtime import parse_vm_stat
+from converter.errors import InputError
+from converter.generate import Runtime, coreml_backend, greedy, mil_backend
+
+pytestmark = pytest.mark.usefixtures("stand_in_evidence")
+
+CACHE = "cache:\n  style: state\n  length: 64\n  prefill: 8\n  extend: 4\n  decode_steps: 12\n"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("device")
+    ckpt = save_tiny_llama(root / "ckpt")
+    recipe = write_tiny_recipe(root / "kv.yaml", ckpt, "tiny-kv", extra="target: macOS15\n" + CACHE)
+    result = run_anec("convert", recipe, "--out", root / "out")
+    assert result.exit_code == 0, result.output
+    return root / "out" / "tiny-kv"
+
+
+def _adapters(loader: StandInLoader) -> Any:
+    return lambda: (loader, rss_probe, dict(STAND_IN_RECORD))
+
+
+def test_off_macos_it_stops_before_core_ml_naming_the_reason(artifact: Path) -> None:
+    result = run_anec("device-check", artifact)
+    assert result.exit_code == 2
+    assert "needs macOS" in result.output
+    assert not (artifact.parent / "tiny-kv.device-check.json").exists()
+
+
+def test_every_gate_runs_per_units_with_timing_and_memory(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+
+    loader = StandInLoader()
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(loader))
+    out = tmp_path / "evidence.json"
+    result = run_anec("device-check", artifact, "--out", out)
+    assert result.exit_code == 0, result.output + result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["passed"] is True and doc["stand_in"] is True
+    assert set(doc["units"]) == {"CPU_ONLY", "CPU_AND_NE"}
+    names = {g["name"] for g in doc["program"]["gates"]}
+    for unit, row in doc["units"].items():
+        assert {g["name"] for g in row["gates"]} == names, unit
+        assert all(g["attribution"] == "passed" for g in row["gates"])
+        assert set(row["functions"]) == {"prefill", "decode", "extend"}
+        decode = row["functions"]["decode"]
+        assert decode["calls"] > 12 and decode["latency"]["runs"] == decode["calls"]
+    # the census: each function alone, then all three; every model loaded per units setting
+    rows = doc["memory"]["rows"]
+    assert [sorted(r["functions"]) for r in rows] == [["decode"], ["extend"], ["prefill"],
+                                                      ["decode", "extend", "prefill"]]  # fmt: skip
+    assert ("tiny-kv.mlpackage", "decode", "CPU_AND_NE") in loader.loads
+    assert "STAND-IN" in result.output and "kv_max_abs_logit_error" in result.output
+
+
+def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+
+    def drift(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if function != "decode":
+            return outputs
+        return {k: v + 0.5 if k.startswith("logits") else v for k, v in outputs.items()}
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader(drift)))
+    out = tmp_path / "evidence.json"
+    result = run_anec("device-check", artifact, "--units", "CPU_AND_NE", "--no-memory",
+                      "--out", out)  # fmt: skip
+    assert result.exit_code == 1, result.output
+    doc = json.loads(out.read_text())
+    gates = {g["name"]: g for g in doc["units"]["CPU_AND_NE"]["gates"]}
+    failed = gates["kv_max_abs_logit_error"]
+    assert failed["passed"] is False and failed["attribution"].startswith("device:")
+    assert doc["memory"] is None
+    assert "kv_max_abs_logit_error" in result.output and "FAIL" in result.output
+
+
+def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+    from converter.device_check import read_evidence
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
+    out = tmp_path / "evidence.json"
+    assert run_anec("device-check", artifact, "--units", "CPU_ONLY", "--no-memory",
+                    "--out", out).exit_code == 0  # fmt: skip
+    package = artifact / "tiny-kv.mlpackage"
+    result = run_anec("plan-inspect", package, "--observed", out, "--json")
+    assert result.exit_code == 0, result.output
+    observed = json.loads(result.stdout)["packages"][0]["observed"]
+    assert observed["stand_in"] is True and set(observed["latency"]) == {"CPU_ONLY"}
+    assert read_evidence(out, Runtime.from_artifact(artifact))["passed"] is True
+
+    other = json.loads(out.read_text())
+    other["packages"][0]["content_sha256"] = "0" * 64
+    wrong = tmp_path / "other.json"
+    wrong.write_text(json.dumps(other))
+    result = run_anec("plan-inspect", package, "--observed", wrong)
+    assert result.exit_code == 2 and "another artifact" in result.output
+    with pytest.raises(InputError, match="another artifact"):
+        read_evidence(wrong, Runtime.from_artifact(artifact))
+
+
+def test_the_core_ml_host_loop_generates_what_the_evaluator_does(artifact: Path) -> None:
+    """coreml_backend against the stand-in: one state made by the decode function's model,
+    shared by prefill, decode and extend, gives the MIL evaluator's greedy tokens."""
+    runtime = Runtime.from_artifact(artifact)
+    loader = StandInLoader()
+    prompt = [5, 17, 42, 7, 99, 3, 64, 12, 8, 1]
+    core_ml = greedy(coreml_backend(runtime, "CPU_AND_NE", loader), prompt, 10)
+    assert core_ml.new_ids == greedy(mil_backend(runtime), prompt, 10).new_ids
+    assert sorted(f for _, f, _ in loader.loads) == ["decode", "extend", "prefill"]
+
+
+def test_wired_memory_is_read_from_vm_stat() -> None:
+    text = (
+        "Mach Virtual Memory Statistics: (page size of 16384 bytes)\n"
+        "Pages free:                               12345.\n"
+        "Pages wired down:                        200000.\n"
+    )
+    assert parse_vm_stat(text) == 16384 * 200000
+    with pytest.raises(ValueError, match="Pages wired down"):
+        parse_vm_stat("Pages free: 1.\n")
