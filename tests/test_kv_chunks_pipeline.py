@@ -109,6 +109,26 @@ def test_a_fresh_runtime_from_the_manifest_reproduces_the_greedy_ids(artifact: P
     assert got.new_ids == greedy_ids(tiny_hf_model("llama"), (1, 2, 3, 4, 5), 40)
 
 
+def test_the_core_ml_host_loop_chains_the_chunks(artifact: Path) -> None:
+    """coreml_backend against a stand-in of MLModel / MLState (tests/coreml_standin.py): one
+    state per chunk, the chain's greedy ids, and the stale-row write reaching every chunk's
+    state through read_state / write_state."""
+    from coreml_standin import StandInLoader
+
+    from converter.generate import Runtime, coreml_backend, greedy, mil_backend
+
+    runtime = Runtime.from_artifact(artifact)
+    make = coreml_backend(runtime, "CPU_AND_NE", StandInLoader())
+    got = greedy(make, [1, 2, 3, 4, 5], 12)
+    assert got.new_ids == greedy(mil_backend(runtime), [1, 2, 3, 4, 5], 12).new_ids
+    session = make()
+    assert session.states is not None and len(session.states) == 3
+    session.poison(40, 3.0e4)
+    for name in session.states:
+        cache = session.states[name]
+        assert (cache[:, :, 40:, :] == 3.0e4).all() and not cache[:, :, :40, :].any(), name
+
+
 def test_anec_parity_reruns_the_gates_on_the_chunks(artifact: Path, tmp_path: Path) -> None:
     result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
     assert result.exit_code == 0, result.output
