@@ -271,7 +271,8 @@ def device_check(
     for unit in units:
         timed = TimedLoader(load)
         make = coreml_backend(runtime, unit, timed)
-        gates = check_kv(make, references, "prefill", extend, f"coreml-{unit.lower()}").gates
+        name = "coreml-" + unit.lower().replace("_", "-")  # as the parity runtime level's
+        gates = check_kv(make, references, "prefill", extend, name).gates
         results.append(UnitsResult(unit, gates, baseline, timed.functions))
     memory = None if probe is None else memory_census(runtime, units[-1], load, probe)
     return DeviceEvidence(artifact.name, packages, recorded, program, results, memory)
@@ -291,6 +292,26 @@ def read_evidence(path: Path, runtime: Runtime) -> dict[str, Any]:
             f"({_short(expected)}): evidence from another artifact"
         )
     return doc
+
+
+def evidence_gates(doc: dict[str, Any]) -> list[GateResult]:
+    """The device gates of a device-check file (read by `read_evidence`), each under its
+    units' implementation, with its attribution and the provenance in its detail."""
+    from parity.gate import gate
+
+    provenance = provenance_text(doc["recorded"])
+    out = []
+    for units in doc["units"].values():
+        for g in units["gates"]:
+            out.append(
+                gate(g["level"], g["name"]).check(
+                    float(g["value"]),  # inf and NaN are spelt as strings in JSON
+                    implementation=g["implementation"],
+                    where=g["where"],
+                    detail=f"{g['attribution']}; {provenance}",
+                )
+            )
+    return out
 
 
 def _short(packages: Any) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from converter.device_check import evidence_gates
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest, check_schema_version
@@ -132,6 +133,13 @@ def _add_gate_to_reports(
     write_text_atomic(report_dir / "parity.html", report_to_html(doc, title))
 
 
+def _device_evidence(artifact: Path, path: Path) -> dict[str, Any]:
+    from converter.device_check import read_evidence
+    from converter.generate import Runtime
+
+    return read_evidence(path, Runtime.from_artifact(artifact))
+
+
 def _packages(artifact: Path, manifest: Manifest) -> list[Program]:
     """The artifact's packages in call order, each checked against its manifest hash."""
     entries = [manifest.package, *(manifest.extra_packages or [])]
@@ -153,13 +161,16 @@ def recheck(
     profiles: tuple[str, ...] | None = None,
     allow_pickle: bool = False,
     steps: Steps | None = None,
+    device_evidence: Path | None = None,
 ) -> RecheckResult:
     """Re-run the torch and MIL gates of an artifact against its original checkpoint.
 
     Reports go to ``out`` (default: ``<artifact>.parity`` beside the artifact, so the
     published files and their hashes stay as they are). ``profiles`` selects the MIL
     evaluator profiles of a decoder (None: the recipe's, `mil_profiles`; encoders run fp32 per
-    layer and fp16).
+    layer and fp16). ``device_evidence``: an ``anec device-check`` file of this artifact whose
+    Core ML gates join the report (checked before anything runs: InputError for another
+    artifact's).
     """
     progress = steps or Steps(quiet=True)
     artifact = Path(artifact)
@@ -173,6 +184,7 @@ def recheck(
             "compression, against the fp16 model and the original) are in its parity.json; "
             "re-running them is not implemented"
         )
+    device = _device_evidence(artifact, device_evidence) if device_evidence else None
     recipe = recipe_from_manifest(manifest)
     published = published_gates(artifact)
     if recipe.task != manifest.task:
@@ -208,6 +220,8 @@ def recheck(
     if (report_dir / "parity.json").is_file():
         same_set = gate_set_gate(published, rerun, ran)
         _add_gate_to_reports(report_dir, report, same_set, f"anec parity report: {recipe.name}")
+        for result in evidence_gates(device) if device else []:
+            _add_gate_to_reports(report_dir, report, result, f"anec parity report: {recipe.name}")
     document = json.loads((report_dir / "parity.json").read_text(encoding="utf-8"))
     document["artifact"] = str(artifact)
     return RecheckResult(report, report_dir, document)

@@ -143,3 +143,35 @@ def test_wired_memory_is_read_from_vm_stat() -> None:
     assert parse_vm_stat(text) == 16384 * 200000
     with pytest.raises(ValueError, match="Pages wired down"):
         parse_vm_stat("Pages free: 1.\n")
+
+
+def test_anec_parity_adds_the_device_gates_and_refuses_another_artifacts(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+
+    def drift(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v + 0.5 if k.startswith("logits") else v for k, v in outputs.items()}
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader(drift)))
+    evidence = tmp_path / "evidence.json"
+    run_anec("device-check", artifact, "--units", "CPU_ONLY", "--no-memory", "--out", evidence)
+    other = json.loads(evidence.read_text())
+    other["packages"][0]["content_sha256"] = "f" * 64
+    wrong = tmp_path / "other.json"
+    wrong.write_text(json.dumps(other))
+    result = run_anec("parity", artifact, "--out", tmp_path / "no", "--device-evidence", wrong)
+    assert result.exit_code == 2 and "another artifact" in result.output
+    assert not (tmp_path / "no").exists()  # refused before anything ran
+
+    out = tmp_path / "re"
+    result = run_anec("parity", artifact, "--out", out, "--profile", "fp16",
+                      "--device-evidence", evidence)  # fmt: skip
+    assert result.exit_code == 1, result.output  # the drifting device's gates failed
+    gates = json.loads((out / "parity.json").read_text())["gates"]
+    device = {g["name"]: g for g in gates if g["implementation"] == "coreml-cpu-only"}
+    assert not device["kv_max_abs_logit_error"]["passed"]
+    assert "device:" in device["kv_max_abs_logit_error"]["detail"]
+    assert "STAND-IN" in device["kv_max_abs_logit_error"]["detail"]
+    same_set = [g for g in gates if g["name"] == "same_gate_set"]
+    assert same_set and same_set[0]["passed"]

@@ -35,12 +35,20 @@ from parity.mil.profiles import PROFILES
     is_flag=True,
     help="Allow pickle-based weights, loaded with torch.load(weights_only=True).",
 )
+@click.option(
+    "--device-evidence",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="An anec device-check file of ARTIFACT (a cached decoder): its Core ML gates join "
+    "the report with their provenance; a file of another artifact exits 2.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the parity document as JSON.")
 def parity_command(
     artifact: Path,
     out_dir: Path | None,
     profiles: tuple[str, ...],
     allow_pickle: bool,
+    device_evidence: Path | None,
     as_json: bool,
 ) -> None:
     """Re-run every parity gate on ARTIFACT (a directory written by anec convert).
@@ -58,7 +66,7 @@ def parity_command(
     from converter.recheck import recheck
 
     with Steps(quiet=as_json) as steps:
-        result = recheck(artifact, out_dir, profiles or None, allow_pickle, steps)
+        result = recheck(artifact, out_dir, profiles or None, allow_pickle, steps, device_evidence)
     if as_json:
         click.echo(json.dumps(result.document, sort_keys=True))
     else:
