@@ -59,7 +59,12 @@ class StateView(MutableMapping[str, np.ndarray]):
     into the cache this way."""
 
     def __init__(self, state: Any, names: list[str]) -> None:
-        self.state, self.names = state, names
+        self._state, self.names = state, names
+
+    @property
+    def state(self) -> Any:
+        """The ``MLState`` read and written."""
+        return self._state
 
     def __getitem__(self, name: str) -> np.ndarray:
         return np.asarray(self.state.read_state(name))
@@ -75,6 +80,36 @@ class StateView(MutableMapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+class StateRelay:
+    """The cache of a per-function layout (one package per function, one state each): before
+    a call to another package, the state of the package called last is copied into its state
+    (``read_state`` / ``write_state``), so the cache follows the calls."""
+
+    def __init__(self, states: dict[str, Any], name: str, first: str) -> None:
+        self.states, self.name, self.current = states, name, first
+        self.copies = 0
+
+    def state_for(self, function: str) -> Any:
+        """``function``'s state, holding the cache as the last call left it."""
+        if function != self.current:
+            value = self.states[self.current].read_state(self.name)
+            self.states[function].write_state(self.name, value)
+            self.current = function
+            self.copies += 1
+        return self.states[function]
+
+    def view(self) -> StateView:
+        """The cache as the state of the package called last holds it."""
+        relay = self
+
+        class _Current(StateView):
+            @property
+            def state(self) -> Any:
+                return relay.states[relay.current]
+
+        return _Current(None, [self.name])
 
 
 class ModelLoader(Protocol):

@@ -78,16 +78,17 @@ class _TimedModel:
 
 
 class TimedLoader:
-    """A `ModelLoader` that times each load and every predict of the models it returns."""
+    """A `ModelLoader` that times each load and every predict of the models it returns, by
+    function (``names``: the function of each single-function package, whose own is main)."""
 
-    def __init__(self, load: ModelLoader) -> None:
-        self.load = load
+    def __init__(self, load: ModelLoader, names: dict[Path, str] | None = None) -> None:
+        self.load, self.names = load, names or {}
         self.functions: dict[str, FunctionTimes] = {}
 
     def __call__(self, package: Path, function: str, units: str) -> CoreMLModel:
         start = time.perf_counter()
         model = self.load(package, function, units)
-        times = self.functions.setdefault(function, FunctionTimes())
+        times = self.functions.setdefault(self.names.get(package, function), FunctionTimes())
         times.load_s += time.perf_counter() - start
         return _TimedModel(model, times)
 
@@ -179,8 +180,10 @@ class DeviceEvidence:
 def checked_packages(runtime: Runtime) -> list[dict[str, str]]:
     """Every package of the artifact with its manifest hash, checked against its content."""
     entries = [runtime.manifest["package"], *(runtime.manifest.get("extra_packages") or [])]
-    chunks = runtime.manifest["kv_cache"].get("chunks") or []
-    files = [c["package"] for c in chunks] or [entries[0]["file"]]
+    kv = runtime.manifest["kv_cache"]
+    files = [c["package"] for c in kv.get("chunks") or []] or [entries[0]["file"]]
+    if runtime.function_packages:
+        files = [p.name for p in runtime.function_packages.values()]
     hashes = {e["file"]: e["content_sha256"] for e in entries}
     out = []
     for file in files:
@@ -222,10 +225,15 @@ def memory_census(
     """Footprint and wired memory added by loading each function alone, then all together."""
     packages = runtime.packages or [runtime.package]
 
+    def load_all(names: list[str]) -> list[CoreMLModel]:
+        if runtime.function_packages:  # one package per function, its function main
+            return [load(runtime.function_packages[n], "main", units) for n in names]
+        return [load(p, n, units) for p in packages for n in names]
+
     def loaded(names: list[str]) -> dict[str, Any]:
         gc.collect()
         before = probe()
-        models = [load(p, n, units) for p in packages for n in names]
+        models = load_all(names)
         after = probe()
         del models
         gc.collect()
@@ -269,7 +277,7 @@ def device_check(
     baseline = {g.name: g for g in program}
     results = []
     for unit in units:
-        timed = TimedLoader(load)
+        timed = TimedLoader(load, {p: f for f, p in runtime.function_packages.items()})
         make = coreml_backend(runtime, unit, timed)
         name = "coreml-" + unit.lower().replace("_", "-")  # as the parity runtime level's
         gates = check_kv(make, references, "prefill", extend, name).gates

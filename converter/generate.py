@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from converter.coreml_runtime import ModelLoader, StateView, coreml_loader
+from converter.coreml_runtime import ModelLoader, StateRelay, StateView, coreml_loader
 from converter.errors import InputError
 from converter.manifest import check_schema_version
 from graph_passes.cache_host import CallShape
@@ -57,6 +57,9 @@ class Runtime:
     # chained host loop needs to call it, in call order; empty for one package.
     packages: list[Path] = field(default_factory=list)
     chunks: list[ChunkMeta] = field(default_factory=list)
+    # cache.layout per-function (manifest kv_cache.layout): each function's own package,
+    # whose function is ``main``; empty for a multifunction package.
+    function_packages: dict[str, Path] = field(default_factory=dict)
 
     @property
     def kv(self) -> dict[str, Any]:
@@ -101,6 +104,10 @@ class Runtime:
         for entry in kv.get("chunks") or []:
             runtime.packages.append(directory / entry["package"])
             runtime.chunks.append(chunk_of(entry, kv["cache"]["shape"][0] // 2))
+        if kv.get("layout") == "per-function":
+            runtime.function_packages = {
+                name: directory / f["package"] for name, f in kv["functions"].items()
+            }
         return runtime
 
     def head_ids(self) -> np.ndarray | None:
@@ -227,12 +234,17 @@ def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
 def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:
     """Sessions run by the MIL evaluator (functions prepared once, a fresh state each); a
     chunked decoder's chunks run as one chain (`parity.kv_session`)."""
-    from parity.mil.program import load_package
+    from parity.mil.program import load_function_set, load_package
 
     mil: MilFunctions | MilChain
     if runtime.chunks:
         programs = [load_package(p) for p in runtime.packages]
         mil = MilChain(programs, profile, list(runtime.functions), runtime.chunks)
+    elif runtime.function_packages:  # one state stands for the host's exact copies
+        mil = MilFunctions(
+            load_function_set(runtime.function_packages), profile, list(runtime.functions),
+            tuple(runtime.kv["cache"]["shape"]),
+        )  # fmt: skip
     else:
         mil = MilFunctions(
             load_package(runtime.package), profile, list(runtime.functions),
@@ -253,20 +265,19 @@ def coreml_backend(
     loaded once by ``load`` (`converter.coreml_runtime`: Core ML on macOS, NEVER RUN HERE; a
     stand-in in the tests), one state per package shared by its functions (``STATE_SHARING``
     there says why that choice is unverified)."""
+    name = runtime.kv["cache"]["name"]
+    if runtime.function_packages:
+        return _per_function_backend(runtime, units, load, name)
     packages = runtime.packages or [runtime.package]
     per_package = [{name: load(package, name, units) for name in runtime.functions}
                    for package in packages]  # fmt: skip
-
-    name = runtime.kv["cache"]["name"]
 
     def runner(models: dict[str, Any]) -> tuple[FunctionRunner, StateView | None]:
         # One state per package (per chunk), shared by its functions.
         state = models["decode"].make_state() if runtime.kv["style"] == "state" else None
 
         def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            feed = {
-                k: v.astype(np.int32 if k == "input_ids" else np.float16) for k, v in inputs.items()
-            }
+            feed = {k: _core_ml_input(k, v) for k, v in inputs.items()}
             model = models[function]
             out = model.predict(feed) if state is None else model.predict(feed, state=state)
             return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
@@ -281,6 +292,37 @@ def coreml_backend(
         return runtime.session(runners[0], views[0])
 
     return make
+
+
+def _per_function_backend(
+    runtime: Runtime, units: str, load: ModelLoader, name: str
+) -> Callable[[], CacheSession]:
+    """`coreml_backend` of the per-function layout: each function's package (its ``main``)
+    loaded once; a ``state`` cache relayed between the packages' states (`StateRelay`)."""
+    models = {f: load(p, "main", units) for f, p in runtime.function_packages.items()}
+
+    def make() -> CacheSession:
+        relay = None
+        if runtime.kv["style"] == "state":
+            states = {f: m.make_state() for f, m in models.items()}
+            relay = StateRelay(states, name, "prefill")
+
+        def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            feed = {k: _core_ml_input(k, v) for k, v in inputs.items()}
+            model = models[function]
+            if relay is None:
+                out = model.predict(feed)
+            else:
+                out = model.predict(feed, state=relay.state_for(function))
+            return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+
+        return runtime.session(run, None if relay is None else relay.view())
+
+    return make
+
+
+def _core_ml_input(name: str, value: np.ndarray) -> np.ndarray:
+    return value.astype(np.int32 if name == "input_ids" else np.float16)
 
 
 @dataclass

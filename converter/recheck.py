@@ -143,16 +143,20 @@ def _device_evidence(artifact: Path, path: Path) -> dict[str, Any]:
 def _packages(artifact: Path, manifest: Manifest) -> list[Program]:
     """The artifact's packages in call order, each checked against its manifest hash."""
     entries = [manifest.package, *(manifest.extra_packages or [])]
-    pieces = [p.name for p in manifest.pieces or [] if p.runs_on != "host"] or ["main"]
-    programs = []
-    for piece, entry in zip(pieces, entries, strict=True):
+    for entry in entries:
         package = artifact / entry.file
         if not package.is_dir():
             raise InputError(f"{package}: the package the manifest names is missing")
         if mlpackage_content_hash(package) != entry.content_sha256:
             raise InputError(f"{package}: its content differs from the hash in manifest.json")
-        programs.append(Program(piece, [], [], package, None, collections.Counter()))
-    return programs
+    if (manifest.kv_cache or {}).get("layout") == "per-function":
+        # the task reads the other functions' packages from kv_cache.functions
+        entries = entries[:1]
+    pieces = [p.name for p in manifest.pieces or [] if p.runs_on != "host"] or ["main"]
+    return [
+        Program(piece, [], [], artifact / entry.file, None, collections.Counter())
+        for piece, entry in zip(pieces, entries, strict=True)
+    ]
 
 
 def recheck(

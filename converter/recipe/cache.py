@@ -3,7 +3,11 @@
 ``style: none`` (the default) is today's window program. ``state`` and ``io`` emit one
 multifunction package (``prefill``, ``decode``, ``extend``) over a KV cache of ``length``
 slots (`graph_passes.cached_decoder`): ``state`` keeps the cache as a Core ML state (macOS 15
-/ iOS 18), ``io`` passes it in and returns only the new rows.
+/ iOS 18), ``io`` passes it in and returns only the new rows. ``layout: per-function`` emits
+one package per function instead, for runtimes where loading several functions of one package
+holds a weight copy per function (reported by Anemll for multifunction packages): the host
+carries the cache between packages (``io``), or copies the state from the package it last
+called into the next (``state``: MLState read_state / write_state).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from converter.recipe.yaml_errors import Loc, StrictModel, raise_rules
 from converter.targets import Feature, check_feature
 
 CacheStyleName = Literal["none", "state", "io"]
+CacheLayout = Literal["multifunction", "per-function"]
 # A cache's slots are one axis of the state; at most the NE's per-axis limit.
 MAX_CACHE = 16384
 
@@ -37,6 +42,8 @@ class CacheSpec(StrictModel):
     # chunk packages within it (`converter.tasks.kv_chunks`); default by target, about 1 GB
     # for iOS and 2 GB for macOS (Anemll's chunk sizes).
     package_budget_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # One multifunction package (weights stored once), or one package per function.
+    layout: CacheLayout = "multifunction"
 
     @model_validator(mode="after")
     def _fits(self) -> CacheSpec:
@@ -57,15 +64,14 @@ def cache_problems(
     """Rules between the cache section and the rest of a decoder recipe (``variants``: the
     compression variants, in order)."""
     if cache.style == "none":
-        if cache.package_budget_mb is not None:
-            return [
-                (
-                    ("cache", "package_budget_mb"),
-                    "applies to a cached decoder (style state "
-                    "or io); style none emits one window program",
-                )
-            ]
-        return []
+        # by value: a manifest's recipe records every key with its default
+        keys = ["package_budget_mb"] if cache.package_budget_mb is not None else []
+        keys += ["layout"] if cache.layout != "multifunction" else []
+        return [
+            (("cache", k), "applies to a cached decoder (style state or io); style none emits "
+             "one window program")
+            for k in keys
+        ]  # fmt: skip
     problems: list[tuple[Loc, str]] = []
     needs = [Feature.MULTIFUNCTION] + ([Feature.STATES] if cache.style == "state" else [])
     for feature in needs:
@@ -76,6 +82,21 @@ def cache_problems(
         problems.append((("shapes", "batch"), "a cached decoder runs batch 1; set batch: 1"))
     if precision != "float16":
         problems.append((("precision",), "a KV cache is fp16 (the NE's rule); set float16"))
+    if cache.layout == "per-function":
+        # Each function's package is converted on its own; chunks and compressed variants
+        # are built around one multifunction package per chunk.
+        if cache.package_budget_mb is not None:
+            problems.append((
+                ("cache", "package_budget_mb"),
+                "a per-function layout is not chunked: remove package_budget_mb or use "
+                "layout multifunction",
+            ))  # fmt: skip
+        if variants:
+            problems.append((
+                ("compression",),
+                "compressed variants of a per-function layout are not implemented: use "
+                "layout multifunction",
+            ))  # fmt: skip
     return problems + kv_method_problems(variants)
 
 

@@ -19,7 +19,7 @@ from parity.gate import GateResult, gate
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
 from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
-from parity.mil.program import load_package
+from parity.mil.program import load_function_set, load_package
 from parity.reference import Continuation
 from parity.report import level_row
 
@@ -34,12 +34,19 @@ def function_gates(
     per_layer: tuple[str, float] | None,
     weights: Weights = None,
     advance: Advance = lambda: None,
+    function_packages: dict[str, Path] | None = None,
 ) -> tuple[list[GateResult], KvParity]:
     """Both MIL levels of the cached functions on ``packages`` (one per chunk, call order),
     each loaded once: the per-layer fp32 gate (``per_layer``: the program's precision and the
     threshold; None leaves it out) against the module holding ``weights`` where given, and
-    the cache gates."""
-    programs = [load_package(p) for p in packages]
+    the cache gates. ``function_packages``: the per-function layout's packages, run as one
+    program (`parity.mil.program.FunctionSet`: the host's copy of the state between them is
+    exact, so one state stands for it)."""
+    programs: list[Any] = (
+        [load_function_set(function_packages)]
+        if function_packages
+        else [load_package(p) for p in packages]
+    )
     layers = []
     if per_layer is not None:
         precision, threshold = per_layer
@@ -75,6 +82,8 @@ def cache_gates(
                 detail=f"{mil.check.positions} positions of every call the gates made",
             )
         )
+    if "weight_ratio" not in sizes[0]:
+        return kv  # one package per function: no package holds two functions' weights
     # Per chunk: the worst chunk's ratio is the gate's value.
     worst = max(range(len(sizes)), key=lambda i: sizes[i]["weight_ratio"])
     kv.gates.append(

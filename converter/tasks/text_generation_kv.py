@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from converter.coreml import combine_functions, live_ops, save_package
+from converter.errors import InputError
 from converter.manifest_fields import write_npy
 from converter.progress import Steps
 from converter.publish import write_json_atomic
@@ -47,6 +48,15 @@ from converter.tasks.kv_contract import (
     kv_manifest_section,
     state_contract,
 )
+from converter.tasks.kv_layout import (
+    PER_FUNCTION,
+    WEIGHTS,
+    add_to_plan,
+    package_bytes,
+    per_function_entries,
+    publish_singles,
+    resident_predicted,
+)
 from converter.tasks.kv_parity import KV_LEVELS, PROFILE, function_gates
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
@@ -57,7 +67,6 @@ from parity.reference import Continuation, continuation, originals
 from parity.torch_settings import with_parity_torch
 
 SCRATCH = "functions.tmp"  # single-function packages, combined and then removed
-WEIGHTS = Path("Data") / "com.apple.CoreML" / "weights" / "weight.bin"
 
 
 @dataclass
@@ -74,16 +83,14 @@ class KvRun(window_task.DecoderRun):
     sizes: dict[str, Any] = field(default_factory=dict)
     kv: KvParity | None = None
     budget: int = 0  # bytes per package (cache.package_budget_mb or the target's default)
+    # cache.layout per-function: each function's published package (empty: multifunction)
+    function_packages: dict[str, Path] = field(default_factory=dict)
+    function_programs: dict[str, Program] = field(default_factory=dict)
 
     @property
     def cache(self) -> Any:
         """The recipe's cache section."""
         return self.recipe.cache
-
-
-def package_bytes(path: Path) -> int:
-    """Bytes of every file under a package."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -121,17 +128,18 @@ def convert_singles(
     target: Any,
     scratch: Path,
     advance: Advance = lambda: None,
-) -> tuple[dict[str, Path], Program]:
+) -> tuple[dict[str, Path], dict[str, Program]]:
     """Trace and convert each function (a state for the ``state`` style) and save each as
-    its own single-function package in ``scratch``; also the default function's program,
-    whose plan table holds every function under its own name."""
+    its own single-function package in ``scratch``; also each function's program (its
+    contract and live ops), the default function's with the plan table of every function
+    under its own name."""
     from converter.coreml import to_mlprogram, trace
     from converter.plan.ops import OpTable, function_table
     from graph_passes.markers import mark_layer_outputs
 
     scratch.mkdir(parents=True, exist_ok=True)
     singles: dict[str, Path] = {}
-    decode: Program | None = None
+    programs: dict[str, Program] = {}
     # The plan's op tables now, not the programs: held to the plan step, each chunk's
     # programs kept their fp16 weights through the cache parity.
     tables = OpTable([])
@@ -143,12 +151,14 @@ def convert_singles(
         mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
         singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
         tables.functions.append(function_table(name, mlmodel._mil_program.functions["main"]))
-        if name == DEFAULT_FUNCTION:
-            decode = Program(name, inputs, outputs, scratch, None, live_ops(mlmodel), tables)
+        table = tables if name == DEFAULT_FUNCTION else None
+        programs[name] = Program(name, inputs, outputs, singles[name], None, live_ops(mlmodel),
+                                 table)  # fmt: skip
         del mlmodel
         release_memory()
         advance()
-    return singles, need(decode, "the decode function")
+    need(programs.get(DEFAULT_FUNCTION), "the decode function")
+    return singles, programs
 
 
 def combine_measured(singles: dict[str, Path], package: Path) -> dict[str, Any]:
@@ -182,10 +192,10 @@ def emit_functions(
     scratch = package.parent / SCRATCH
     if scratch.exists():
         raise FileExistsError(f"{scratch}: a scratch folder is in the way")
-    singles, decode = convert_singles(functions, dtype, precision, target, scratch, advance)
+    singles, programs = convert_singles(functions, dtype, precision, target, scratch, advance)
     sizes = combine_measured(singles, package)
     shutil.rmtree(scratch)
-    return Emitted(package, sizes, replace(decode, path=package))
+    return Emitted(package, sizes, replace(programs[DEFAULT_FUNCTION], path=package))
 
 
 def split_packages(run: KvRun, advance: Advance) -> None:
@@ -200,6 +210,12 @@ def split_packages(run: KvRun, advance: Advance) -> None:
     budget = package_budget_bytes(cache.package_budget_mb, TARGETS[recipe.target].platform)
     run.budget = budget
     run.split = split_layers(weights, budget, recipe.precision)
+    if cache.layout == PER_FUNCTION and len(run.split) > 1:
+        raise InputError(
+            f"cache.layout: per-function: the weights need {len(run.split)} packages within "
+            f"the target's {budget / 1e6:.0f} MB per package, and a per-function layout is not "
+            "chunked; use layout multifunction (chunked) or a target with a larger budget"
+        )
     calls = function_calls(cache.prefill, cache.extend)
     run.chunks = [
         cached_functions(module, cache.style, cache.length, calls, c.layers) for c in run.split
@@ -209,13 +225,27 @@ def split_packages(run: KvRun, advance: Advance) -> None:
 
 def convert_functions(run: KvRun, advance: Advance) -> None:
     """Convert prefill, decode and extend of each chunk and combine them into one
-    multifunction package per chunk."""
+    multifunction package per chunk (or publish each as its own: cache.layout)."""
+    target = TARGETS[run.recipe.target].ct_target()
+    if run.cache.layout == PER_FUNCTION:
+        scratch = run.job.directory / SCRATCH
+        singles, programs = convert_singles(
+            run.functions, run.recipe.io.dtype, run.recipe.precision, target, scratch, advance
+        )
+        run.function_packages, decode, run.sizes = publish_singles(
+            singles, run.job.directory, run.recipe.name, programs[DEFAULT_FUNCTION]
+        )
+        shutil.rmtree(scratch)
+        run.function_programs = {f: replace(p, path=run.function_packages[f])
+                                 for f, p in programs.items()}  # fmt: skip
+        run.chunk_sizes, run.programs = [run.sizes], [decode]
+        return
     for chunk, functions in zip(run.split, run.chunks, strict=True):
         emitted = emit_functions(
             functions,
             run.recipe.io.dtype,
             run.recipe.precision,
-            TARGETS[run.recipe.target].ct_target(),
+            target,
             run.job.directory / package_file(run.recipe.name, chunk, len(run.split)),
             advance,
         )
@@ -229,8 +259,19 @@ def published_functions(run: KvRun, advance: Advance) -> None:
     the manifest recorded them; each combined package measured)."""
     import json
 
-    manifest = json.loads((run.main.path.parent / "manifest.json").read_text(encoding="utf-8"))
+    directory = run.main.path.parent
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     kv = manifest["kv_cache"]
+    if kv.get("layout") == PER_FUNCTION:
+        packages = {f: directory / e["package"] for f, e in kv["functions"].items()}
+        run.function_packages = packages
+        run.sizes = {
+            "layout": PER_FUNCTION,
+            "package_bytes": {f: package_bytes(p) for f, p in packages.items()},
+            "weight_bytes": {f: (p / WEIGHTS).stat().st_size for f, p in packages.items()},
+        }
+        run.chunk_sizes = [run.sizes]
+        return
     records = [c["sizes"] for c in kv["chunks"]] if "chunks" in kv else [kv["sizes"]]
     for program, recorded in zip(run.programs, records, strict=True):
         package = program.path
@@ -255,7 +296,7 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
     layers, run.kv = function_gates(
         [p.path for p in run.programs], run.chunks, run.continuations, run.cache.extend,
         rw.embed_table.numpy(), run.chunk_sizes, _per_layer(run) if per_layer else None,
-        advance=advance,
+        advance=advance, function_packages=run.function_packages,
     )  # fmt: skip
     report.gates += layers + run.kv.gates
     if per_layer:
@@ -300,6 +341,10 @@ def manifest(run: KvRun, advance: Advance) -> None:
     if len(run.split) == 1:
         contracts = {name: function_contract(m, dtype) for name, m in run.functions.items()}
         doc.kv_cache = kv_manifest_section(run.functions, contracts, run.sizes, rope_doc)
+        doc.kv_cache["layout"] = run.cache.layout
+        doc.kv_cache["resident_predicted"] = resident_predicted(run.sizes, list(run.functions))
+        if run.function_packages:
+            per_function_manifest(run, doc)
     else:
         cache = run.cache
         whole = cached_functions(
@@ -320,11 +365,28 @@ def manifest(run: KvRun, advance: Advance) -> None:
     write_json_atomic(run.job.directory / "manifest.json", doc.model_dump(mode="json"))
 
 
+def per_function_manifest(run: KvRun, doc: Any) -> None:
+    """The per-function layout: decode's package is ``package`` (function ``main``), the
+    others ``extra_packages``; each function names its package in ``kv_cache.functions``."""
+    from converter.manifest_fields import package_entry
+
+    doc.package.function = "main"
+    for name, entry in per_function_entries(run.functions, run.function_packages).items():
+        doc.kv_cache["functions"][name] |= entry
+    doc.extra_packages = [
+        package_entry(p.path, p.ops) for f, p in run.function_programs.items()
+        if f != DEFAULT_FUNCTION
+    ]  # fmt: skip
+
+
 def plan(run: KvRun, advance: Advance) -> Stop | None:
     """The static plan of the package (of each chunk's, ``plan.chunk<i>.*``) and the recipe's
     plan gates."""
     if len(run.programs) == 1:
-        return window_task.plan(run, advance)
+        stop = window_task.plan(run, advance)
+        kv = need(need(run.manifest, "the manifest").kv_cache, "the kv_cache section")
+        add_to_plan(run.job.directory, kv["resident_predicted"])
+        return stop
     platform = TARGETS[run.recipe.target].platform
     failures = plan_chunks(run.programs, run.job.directory, platform, run.recipe.gates)
     return Stop("plan", failures) if failures else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,21 @@ def load_package(package: Path) -> Any:
         program.add_function(name, loaded)
     milproto._load_program_spec_attributes(context, program_spec, program)
     return program
+
+
+@dataclass(frozen=True)
+class FunctionSet:
+    """Single-function packages seen as one program: each package's ``main`` under the name
+    of the function it is (a cached decoder's per-function layout); the evaluator reads only
+    ``functions``."""
+
+    functions: dict[str, Any]
+
+
+def load_function_set(packages: dict[str, Path]) -> FunctionSet:
+    """Each package of ``packages`` (function name -> single-function package) loaded, its
+    ``main`` as that function; each holds its own weights, as the packages do."""
+    return FunctionSet({name: load_package(p).functions["main"] for name, p in packages.items()})
 
 
 @contextmanager
