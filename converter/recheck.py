@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from converter.device_check import evidence_gates
+from converter.device.evidence import evidence_gates
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest, check_schema_version
@@ -134,10 +134,9 @@ def _add_gate_to_reports(
 
 
 def _device_evidence(artifact: Path, path: Path) -> dict[str, Any]:
-    from converter.device_check import read_evidence
-    from converter.generate import Runtime
+    from converter.device.evidence import read_evidence
 
-    return read_evidence(path, Runtime.from_artifact(artifact))
+    return read_evidence(path, artifact)
 
 
 def _packages(artifact: Path, manifest: Manifest) -> list[Program]:

@@ -100,7 +100,7 @@ def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import converter.cli.device_check as cli
-    from converter.device_check import read_evidence
+    from converter.device.evidence import read_evidence
 
     monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
     out = tmp_path / "evidence.json"
@@ -111,7 +111,7 @@ def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
     assert result.exit_code == 0, result.output
     observed = json.loads(result.stdout)["packages"][0]["observed"]
     assert observed["stand_in"] is True and set(observed["latency"]) == {"CPU_ONLY"}
-    assert read_evidence(out, Runtime.from_artifact(artifact))["passed"] is True
+    assert read_evidence(out, artifact)["passed"] is True
 
     other = json.loads(out.read_text())
     other["packages"][0]["content_sha256"] = "0" * 64
@@ -120,7 +120,7 @@ def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
     result = run_anec("plan-inspect", package, "--observed", wrong)
     assert result.exit_code == 2 and "another artifact" in result.output
     with pytest.raises(InputError, match="another artifact"):
-        read_evidence(wrong, Runtime.from_artifact(artifact))
+        read_evidence(wrong, artifact)
 
 
 def test_the_core_ml_host_loop_generates_what_the_evaluator_does(artifact: Path) -> None:
@@ -175,3 +175,54 @@ def test_anec_parity_adds_the_device_gates_and_refuses_another_artifacts(
     assert "STAND-IN" in device["kv_max_abs_logit_error"]["detail"]
     same_set = [g for g in gates if g["name"] == "same_gate_set"]
     assert same_set and same_set[0]["passed"]
+
+
+@pytest.fixture(scope="module")
+def window(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import convert_tiny_llama
+
+    result, out = convert_tiny_llama(tmp_path_factory.mktemp("window"), "", "tiny-window")
+    assert result.exit_code == 0, result.output
+    return out / "tiny-window"
+
+
+def test_a_window_decoder_is_gated_on_its_outputs_per_units(
+    window: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
+    out = tmp_path / "evidence.json"
+    result = run_anec("device-check", window, "--out", out)
+    assert result.exit_code == 0, result.output + result.stderr
+    doc = json.loads(out.read_text())
+    for unit in ("CPU_ONLY", "CPU_AND_NE"):
+        gates = {g["name"]: g for g in doc["units"][unit]["gates"]}
+        assert {"fp16_argmax_agreement", "fp16_max_abs_dprob", "finite_outputs"} <= set(gates)
+        assert gates["fp16_argmax_agreement"]["value"] == 1.0
+        assert doc["units"][unit]["functions"]["main"]["calls"] >= 1
+    # the program's own gates on the same feeds are the baseline
+    assert {g["implementation"] for g in doc["program"]["gates"]} == {"mil-fp16"}
+    assert [r["functions"] for r in doc["memory"]["rows"]] == [["main"]]
+
+
+def test_a_window_device_that_moves_the_logits_fails_naming_the_gate(
+    window: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+
+    def tilt(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = dict(outputs)
+        for name, value in outputs.items():
+            if name.startswith("logits"):
+                out[name] = value + np.arange(value.shape[-1]) % 7  # not a uniform shift
+        return out
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader(tilt)))
+    out = tmp_path / "evidence.json"
+    result = run_anec("device-check", window, "--units", "ALL", "--no-memory", "--out", out)
+    assert result.exit_code == 1, result.output
+    gates = {g["name"]: g for g in json.loads(out.read_text())["units"]["ALL"]["gates"]}
+    assert not gates["fp16_max_abs_dprob"]["passed"]
+    assert gates["fp16_max_abs_dprob"]["attribution"].startswith("device:")
+    assert "fp16_max_abs_dprob" in result.output

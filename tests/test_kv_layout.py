@@ -140,7 +140,7 @@ def test_the_prediction_gives_both_readings_of_a_multifunction_package() -> None
 def test_device_check_runs_each_package_and_reads_memory_per_package(artifact: Path) -> None:
     from coreml_standin import STAND_IN_RECORD, rss_probe
 
-    from converter.device_check import device_check
+    from converter.device.check import device_check
 
     evidence = device_check(artifact, ["CPU_ONLY"], StandInLoader(), rss_probe,
                             dict(STAND_IN_RECORD))  # fmt: skip

@@ -50,8 +50,9 @@ def mac_adapters() -> tuple[ModelLoader, MemoryProbe, dict[str, Any]]:
 def device_check_command(
     artifact: Path, units: tuple[str, ...], out_file: Path | None, no_memory: bool, as_json: bool
 ) -> None:
-    """Run ARTIFACT's cache gates (a cached decoder: recipe cache.style state or io) through
-    Core ML on this Mac, once per compute-units setting, and write one evidence file.
+    """Run ARTIFACT's gates through Core ML on this Mac, once per compute-units setting, and
+    write one evidence file: a cached decoder's cache gates (recipe cache.style state or io),
+    a window decoder's output gates (argmax agreement, |dp|, finite).
 
     Each gate is also run on the program in anec's MIL evaluator (fp16), so a failure says
     whether it comes from the program or the device. The gates' own calls give each
@@ -59,9 +60,9 @@ def device_check_command(
     alone and all together. `anec plan-inspect --observed FILE` reads the file.
 
     Exit codes: 0 every gate passed under every units setting, 1 a gate failed, 2 bad input
-    (not macOS, not a cached decoder, a package that differs from its manifest hash).
+    (not macOS, not a decoder, a package that differs from its manifest hash).
     """
-    from converter.device_check import DEFAULT_UNITS, device_check
+    from converter.device.check import DEFAULT_UNITS, device_check
     from converter.publish import write_json_atomic
 
     load, probe, recorded = mac_adapters()

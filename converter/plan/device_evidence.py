@@ -1,4 +1,4 @@
-"""Reading ``anec device-check`` evidence files (`converter.device_check` writes them): the
+"""Reading ``anec device-check`` evidence files (`converter.device` writes them): the
 format name, the raw document, and a function's latency as a plan report's ``observed``."""
 
 from __future__ import annotations

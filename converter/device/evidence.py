@@ -1,26 +1,14 @@
-"""``anec device-check ARTIFACT``: a cached decoder's own gates run by Core ML on this Mac,
-per compute-units setting, with per-function timing and memory, in one evidence file.
-
-For every units setting the cache gates (`parity.kv_gates.check_kv`: prefill, decode against
-the checkpoint's fp32 continuations, extend against decode, stale rows) run through the host
-loop with Core ML's predictions. The same gates run once on the emitted program in anec's MIL
-evaluator (fp16), so each failure says where it comes from: the program (it fails there too)
-or the device (it passes there). The gates' own calls give each function's latency; the first
-load of each function is timed apart (Core ML compiles then). Memory: the process's physical
-footprint and the system's wired memory before and after loading each function alone, then all
-of them together (Anemll reports a multifunction package holding a copy of its weights per
-loaded function: ../shared/research/anchors_runtime.md section 6).
-
-Everything that touches Core ML is a `converter.coreml_runtime` adapter (macOS only, NEVER
-RUN HERE); the tests run this module with stand-ins of the same shape, and the evidence they
-write says ``origin: stand-in`` (`converter.plan.provenance`).
-"""
+"""What ``anec device-check`` measured and the evidence file it writes: per units setting the
+gates (each read against the program's own in the MIL evaluator), the timing of every call
+and load, the memory census; reading the file back for ``anec parity`` (its provenance and
+the artifact's package hashes checked)."""
 
 from __future__ import annotations
 
 import gc
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,16 +24,12 @@ from converter.coreml_runtime import (
 )
 from converter.errors import InputError
 from converter.evidence import Evidence
-from converter.generate import Runtime, artifact_checkpoint, coreml_backend, mil_backend
 from converter.hashing import mlpackage_content_hash
 from converter.plan.device_bench import latency_stats
 from converter.plan.device_evidence import FORMAT, read_raw
 from converter.plan.provenance import check_recorded, provenance_json, provenance_text
 from parity.gate import GateResult
-from parity.kv_gates import check_kv
-from parity.reference import Continuation
 
-DEFAULT_UNITS = ("CPU_ONLY", "CPU_AND_NE")
 PROGRAM = "mil-fp16"  # the baseline every device result is read against
 
 
@@ -120,7 +104,7 @@ class UnitsResult:
 
 @dataclass
 class DeviceEvidence:
-    """What `device_check` measured; `to_json` is the evidence file."""
+    """What a device-check measured; `to_json` is the evidence file."""
 
     artifact: str
     packages: list[dict[str, str]]
@@ -177,17 +161,19 @@ class DeviceEvidence:
         return "\n".join(lines)
 
 
-def checked_packages(runtime: Runtime) -> list[dict[str, str]]:
-    """Every package of the artifact with its manifest hash, checked against its content."""
-    entries = [runtime.manifest["package"], *(runtime.manifest.get("extra_packages") or [])]
-    kv = runtime.manifest["kv_cache"]
+def checked_packages(artifact: Path) -> list[dict[str, str]]:
+    """The packages a device-check runs (every function's, every chunk's, else the one),
+    each with its manifest hash, checked against its content."""
+    manifest = json.loads((artifact / "manifest.json").read_text(encoding="utf-8"))
+    entries = [manifest["package"], *(manifest.get("extra_packages") or [])]
+    kv = manifest.get("kv_cache") or {}
     files = [c["package"] for c in kv.get("chunks") or []] or [entries[0]["file"]]
-    if runtime.function_packages:
-        files = [p.name for p in runtime.function_packages.values()]
+    if kv.get("layout") == "per-function":
+        files = [f["package"] for f in kv["functions"].values()]
     hashes = {e["file"]: e["content_sha256"] for e in entries}
     out = []
     for file in files:
-        path = runtime.directory / file
+        path = artifact / file
         if not path.is_dir():
             raise InputError(f"{path}: the package the manifest names is missing")
         if mlpackage_content_hash(path) != hashes.get(file):
@@ -196,52 +182,31 @@ def checked_packages(runtime: Runtime) -> list[dict[str, str]]:
     return out
 
 
-def continuations(runtime: Runtime) -> list[Continuation]:
-    """The recipe's fixtures' greedy continuations by the checkpoint in fp32, as the
-    conversion's cache gates use them (its hash checked against the manifest)."""
-    import torch
-
-    from converter.recipe import DecoderRecipe, recipe_from_dict
-    from parity.fixtures import build_fixtures
-    from parity.reference import continuation, originals
-
-    recipe = recipe_from_dict(runtime.manifest["recipe"])
-    assert isinstance(recipe, DecoderRecipe)
-    ckpt = artifact_checkpoint(runtime.directory)
-    fixtures = build_fixtures(
-        recipe.fixtures.prompts, recipe.fixtures.token_ids, ckpt.tokenizer,
-        recipe.shapes.sequence_length, int(runtime.manifest["vocab_size"]),
-        recipe.fixtures.padded_variants,
-    )  # fmt: skip
-    ids = runtime.head_ids()
-    head_ids = None if ids is None else torch.from_numpy(ids)
-    steps = recipe.cache.decode_steps
-    return [continuation(ckpt.model, f, steps, head_ids) for f in originals(fixtures)]
-
-
 def memory_census(
-    runtime: Runtime, units: str, load: ModelLoader, probe: MemoryProbe
+    load_set: Callable[[list[str]], list[CoreMLModel]],
+    names: list[str],
+    units: str,
+    probe: MemoryProbe,
 ) -> dict[str, Any]:
-    """Footprint and wired memory added by loading each function alone, then all together."""
-    packages = runtime.packages or [runtime.package]
+    """Footprint and wired memory added by loading each function alone (``load_set`` loads
+    the named functions' models), then all of them together."""
 
-    def load_all(names: list[str]) -> list[CoreMLModel]:
-        if runtime.function_packages:  # one package per function, its function main
-            return [load(runtime.function_packages[n], "main", units) for n in names]
-        return [load(p, n, units) for p in packages for n in names]
-
-    def loaded(names: list[str]) -> dict[str, Any]:
+    def loaded(functions: list[str]) -> dict[str, Any]:
         gc.collect()
         before = probe()
-        models = load_all(names)
+        models = load_set(functions)
         after = probe()
         del models
         gc.collect()
-        return {"functions": names, **_added(before, after)}
+        return {"functions": functions, **_added(before, after)}
 
-    names = list(runtime.functions)
     rows = [loaded([n]) for n in names] + ([loaded(names)] if len(names) > 1 else [])
     return {"units": units, "rows": rows}
+
+
+def implementation(units: str) -> str:
+    """A units setting's gate implementation, named as the parity runtime level's."""
+    return "coreml-" + units.lower().replace("_", "-")
 
 
 def _added(before: MemoryReading, after: MemoryReading) -> dict[str, int]:
@@ -253,47 +218,14 @@ def _added(before: MemoryReading, after: MemoryReading) -> dict[str, int]:
     }  # fmt: skip
 
 
-def device_check(
-    artifact: Path,
-    units: Sequence[str],
-    load: ModelLoader,
-    probe: MemoryProbe | None,
-    recorded: dict[str, Any],
-) -> DeviceEvidence:
-    """Run the artifact's cache gates under each of ``units`` through ``load``; ``probe``
-    (None: no memory census) reads memory; ``recorded`` says where this ran."""
-    runtime = Runtime.from_artifact(artifact)
-    choice = (runtime.manifest.get("head_output") or {}).get("choice", "logits")
-    if choice != "logits":
-        # Core ML returns only a program's choice per chunk; the gates compare logits.
-        raise InputError(
-            f"{artifact}: head_output.choice is {choice}; device-check compares logits with the "
-            "checkpoint's: convert the same recipe with io.output: logits"
-        )
-    packages = checked_packages(runtime)
-    references = continuations(runtime)
-    extend = int(runtime.functions["extend"].shape.tokens)
-    program = check_kv(mil_backend(runtime), references, "prefill", extend, PROGRAM).gates
-    baseline = {g.name: g for g in program}
-    results = []
-    for unit in units:
-        timed = TimedLoader(load, {p: f for f, p in runtime.function_packages.items()})
-        make = coreml_backend(runtime, unit, timed)
-        name = "coreml-" + unit.lower().replace("_", "-")  # as the parity runtime level's
-        gates = check_kv(make, references, "prefill", extend, name).gates
-        results.append(UnitsResult(unit, gates, baseline, timed.functions))
-    memory = None if probe is None else memory_census(runtime, units[-1], load, probe)
-    return DeviceEvidence(artifact.name, packages, recorded, program, results, memory)
-
-
-def read_evidence(path: Path, runtime: Runtime) -> dict[str, Any]:
-    """A device-check file, checked against the artifact ``runtime`` was read from (its
-    provenance and every package hash); InputError otherwise."""
+def read_evidence(path: Path, artifact: Path) -> dict[str, Any]:
+    """A device-check file, checked against ``artifact`` (its provenance and every package
+    hash); InputError otherwise."""
     doc = read_raw(path)
     if doc.get("format") != FORMAT:
         raise InputError(f"{path}: not an {FORMAT} file (written by anec device-check)")
     check_recorded(doc.get("recorded"), str(path))
-    expected = checked_packages(runtime)
+    expected = checked_packages(artifact)
     if doc.get("packages") != expected:
         raise InputError(
             f"{path}: measured packages {_short(doc.get('packages'))}, not this artifact's "
