@@ -387,42 +387,53 @@ def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -
         )
     gated = by_name.get(f"mil-{GATED_PROFILE}")
     if gated is not None:
-        summary = gated.summary()
-        kept = sum(r.argmax_kept for r in gated.positions)
-        flipped = sorted({r.fixture for r in gated.positions if not r.argmax_kept})
-        dprob = worst_of(
-            (r.abs_dprob, f"{r.fixture} position {r.position}") for r in gated.positions
-        )
-        gates += [
-            gate("mil-fp16", "fp16_argmax_agreement").check(
-                summary.argmax_agreement if summary.positions else math.nan,
-                thresholds.fp16_argmax_agreement,
-                where=first_few(flipped),
-                detail=f"{kept}/{summary.positions} real positions the program returns logits for",
-            ),
-            gate("mil-fp16", "fp16_max_abs_dprob").check(
-                summary.max_abs_dprob,
-                thresholds.fp16_max_abs_dprob,
-                where=dprob.where,
-                detail="softmax at T=1 over the whole vocabulary, real positions",
-            ),
-            gate("mil-fp16", "finite_outputs").check(
-                float(gated.finite),
-                detail="every layer output and logit, padded positions included",
-            ),
-            *_choice_gate(gated.choice),
+        gates += output_gates(gated, thresholds)
+        gates.append(
             gate("mil-fp16", "finite_values").check(
                 float(len(gated.non_finite_values)),
                 where=first_few(gated.non_finite_values),
                 detail="values computed by any op of the program, padded positions included",
-            ),
-        ]
+            )
+        )
     # Opt-in: recorded only when the recipe set the threshold (and so ran the profile).
     margin = by_name.get(DEVICE_MARGIN)
     threshold = thresholds.device_margin_argmax_agreement
     if margin is not None and margin.device_margin is not None and threshold is not None:
         gates.append(margin_gate(margin.device_margin, threshold))
     return gates
+
+
+def output_gates(
+    run: ProfileRun, thresholds: Thresholds, implementation: str | None = None
+) -> list[GateResult]:
+    """The fp16 gates on a run's outputs (argmax agreement, |dp|, finite, the in-program
+    choice), under ``implementation`` (None: the gated MIL profile's own)."""
+    summary = run.summary()
+    kept = sum(r.argmax_kept for r in run.positions)
+    flipped = sorted({r.fixture for r in run.positions if not r.argmax_kept})
+    dprob = worst_of((r.abs_dprob, f"{r.fixture} position {r.position}") for r in run.positions)
+    return [
+        gate("mil-fp16", "fp16_argmax_agreement").check(
+            summary.argmax_agreement if summary.positions else math.nan,
+            thresholds.fp16_argmax_agreement,
+            implementation=implementation,
+            where=first_few(flipped),
+            detail=f"{kept}/{summary.positions} real positions the program returns logits for",
+        ),
+        gate("mil-fp16", "fp16_max_abs_dprob").check(
+            summary.max_abs_dprob,
+            thresholds.fp16_max_abs_dprob,
+            implementation=implementation,
+            where=dprob.where,
+            detail="softmax at T=1 over the whole vocabulary, real positions",
+        ),
+        gate("mil-fp16", "finite_outputs").check(
+            float(run.finite),
+            implementation=implementation,
+            detail="every layer output and logit, padded positions included",
+        ),
+        *_choice_gate(run.choice),
+    ]
 
 
 # ---- the Core ML runtime level: predictions of the emitted package with CPU_AND_NE, macOS only --
@@ -461,11 +472,25 @@ def _runtime_level(
     import coremltools as ct
 
     model: Any = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.CPU_AND_NE)
+    description = f"Core ML predictions ({status}); placement not observed"
+    return status, predicted_run(RUNTIME, description, model, module, batches, references, feeds)
+
+
+def predicted_run(
+    implementation: str,
+    description: str,
+    model: Any,
+    module: BC1LDecoder,
+    batches: list[Batch],
+    references: dict[str, ReferenceRun],
+    feeds: list[tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]],
+) -> ProfileRun:
+    """``model``'s predictions (anything with Core ML's ``predict``) on the program's feeds,
+    against the reference as a profile run (outputs only: Core ML returns no layer values)."""
     start = time.perf_counter()
     predicted = [model.predict(feed) for feed, _, _ in feeds]
     results = [Evaluation({k: np.asarray(v) for k, v in p.items()}, {}) for p in predicted]
     seconds = time.perf_counter() - start
-    description = f"Core ML predictions ({status}); placement not observed"
-    run = _compare(RUNTIME, description, module, batches, results, [], references, {})
+    run = _compare(implementation, description, module, batches, results, [], references, {})
     run.layer_rel_error, run.seconds = [], seconds
-    return status, run
+    return run
