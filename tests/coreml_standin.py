@@ -78,3 +78,26 @@ def rss_probe() -> MemoryReading:
 
 
 STAND_IN_RECORD = {"origin": "stand-in", "machine": "x86_64"}
+
+
+def stand_in_plans(package: Path, units: list[str]) -> dict[str, dict[str, list[Any]]]:
+    """``read_plans``'s shape: every non-constant op of every function, preferred on the NE
+    (a stand-in: no Core ML planned anything)."""
+    from converter.plan.computeplan import PlanOp
+
+    program = load_package(package)
+    ops = {
+        name: [
+            PlanOp(i, f"ios18.{op.op_type}", [o.name for o in op.outputs], "NE", ["NE", "CPU"])
+            for i, op in enumerate(op for op in function.operations if op.op_type != "const")
+        ]
+        for name, function in program.functions.items()
+    }
+    return {u: ops for u in units}
+
+
+def stand_in_adapters(loader: StandInLoader) -> Any:
+    """`converter.device.check.Adapters` of stand-ins (the record says ``origin: stand-in``)."""
+    from converter.device.check import Adapters
+
+    return Adapters(loader, rss_probe, stand_in_plans, dict(STAND_IN_RECORD))

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from coreml_standin import STAND_IN_RECORD, StandInLoader, rss_probe
+from coreml_standin import StandInLoader, stand_in_adapters
 from tiny_models import run_anec, save_tiny_llama, write_tiny_recipe
 
 from converter.coreml_runtime import parse_vm_stat
@@ -34,7 +34,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _adapters(loader: StandInLoader) -> Any:
-    return lambda: (loader, rss_probe, dict(STAND_IN_RECORD))
+    return lambda: stand_in_adapters(loader)
 
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS Core ML really runs")
@@ -70,6 +70,10 @@ def test_every_gate_runs_per_units_with_timing_and_memory(
     assert [sorted(r["functions"]) for r in rows] == [["decode"], ["extend"], ["prefill"],
                                                       ["decode", "extend", "prefill"]]  # fmt: skip
     assert ("tiny-kv.mlpackage", "decode", "CPU_AND_NE") in loader.loads
+    plans = doc["compute_plans"]["tiny-kv.mlpackage"]
+    assert set(plans) == {"CPU_ONLY", "CPU_AND_NE"}
+    decode = plans["CPU_AND_NE"]["decode"]
+    assert decode["devices"] == {"NE": len(decode["ops"])} and decode["ops"][0][2] == "NE"
     assert "STAND-IN" in result.output and "kv_max_abs_logit_error" in result.output
 
 

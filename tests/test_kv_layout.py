@@ -138,13 +138,14 @@ def test_the_prediction_gives_both_readings_of_a_multifunction_package() -> None
 
 @pytest.mark.usefixtures("stand_in_evidence")
 def test_device_check_runs_each_package_and_reads_memory_per_package(artifact: Path) -> None:
-    from coreml_standin import STAND_IN_RECORD, rss_probe
+    from coreml_standin import stand_in_adapters
 
     from converter.device.check import device_check
 
-    evidence = device_check(artifact, ["CPU_ONLY"], StandInLoader(), rss_probe,
-                            dict(STAND_IN_RECORD))  # fmt: skip
+    evidence = device_check(artifact, ["CPU_ONLY"], stand_in_adapters(StandInLoader()))
     assert evidence.passed
     assert sorted(evidence.units[0].functions) == list(FUNCTIONS)
     assert [p["file"] for p in evidence.packages] == [f"tiny-pf.{f}.mlpackage" for f in FUNCTIONS]
     assert evidence.memory is not None and len(evidence.memory["rows"]) == 4
+    assert evidence.plans is not None
+    assert set(evidence.plans) == {f"tiny-pf.{f}.mlpackage" for f in FUNCTIONS}

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from converter.coreml_runtime import UNITS, MemoryProbe, ModelLoader
+from converter.coreml_runtime import UNITS
+
+if TYPE_CHECKING:
+    from converter.device.check import Adapters
 
 
-def mac_adapters() -> tuple[ModelLoader, MemoryProbe, dict[str, Any]]:
-    """Core ML's loader, the memory probe and where this runs; InputError off macOS (the
-    tests replace this function with stand-ins)."""
+def mac_adapters() -> Adapters:
+    """Core ML's loader, the memory probe, the compute-plan reader and where this runs;
+    InputError off macOS (the tests replace this function with stand-ins)."""
     from converter.errors import InputError
 
     if platform.system() != "Darwin":
@@ -23,9 +26,14 @@ def mac_adapters() -> tuple[ModelLoader, MemoryProbe, dict[str, Any]]:
             "anec parity and anec generate --backend mil run the program here"
         )
     from converter.coreml_runtime import coreml_loader, memory_now  # pragma: no cover
+    from converter.device.check import Adapters  # pragma: no cover
+    from converter.plan.computeplan import read_plans  # pragma: no cover
     from converter.plan.dump import recording_metadata  # pragma: no cover
 
-    return coreml_loader, memory_now, recording_metadata()  # pragma: no cover
+    def plans(package: Path, units: list[str]) -> Any:  # pragma: no cover
+        return read_plans(package, units)  # type: ignore[arg-type]
+
+    return Adapters(coreml_loader, memory_now, plans, recording_metadata())  # pragma: no cover
 
 
 @click.command("device-check")
@@ -56,8 +64,10 @@ def device_check_command(
 
     Each gate is also run on the program in anec's MIL evaluator (fp16), so a failure says
     whether it comes from the program or the device. The gates' own calls give each
-    function's latency; first loads are timed apart; memory is read with each function loaded
-    alone and all together. `anec plan-inspect --observed FILE` reads the file.
+    function's latency; first loads are timed apart; each package's compute plan gives every
+    op's preferred device; memory is read with each function loaded alone and all together.
+    `anec plan-inspect --observed FILE` and `anec parity --device-evidence FILE` read the
+    file.
 
     Exit codes: 0 every gate passed under every units setting, 1 a gate failed, 2 bad input
     (not macOS, not a decoder, a package that differs from its manifest hash).
@@ -65,10 +75,7 @@ def device_check_command(
     from converter.device.check import DEFAULT_UNITS, device_check
     from converter.publish import write_json_atomic
 
-    load, probe, recorded = mac_adapters()
-    evidence = device_check(
-        artifact, units or DEFAULT_UNITS, load, None if no_memory else probe, recorded
-    )
+    evidence = device_check(artifact, units or DEFAULT_UNITS, mac_adapters(), not no_memory)
     doc = evidence.to_json()
     target = out_file or artifact.parent / f"{artifact.name}.device-check.json"
     write_json_atomic(target, doc)

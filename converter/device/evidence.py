@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from converter.coreml_runtime import (
 from converter.errors import InputError
 from converter.evidence import Evidence
 from converter.hashing import mlpackage_content_hash
+from converter.plan.computeplan import PlanOp
 from converter.plan.device_bench import latency_stats
 from converter.plan.device_evidence import FORMAT, read_raw
 from converter.plan.provenance import check_recorded, provenance_json, provenance_text
@@ -112,6 +114,8 @@ class DeviceEvidence:
     program: list[GateResult]
     units: list[UnitsResult]
     memory: dict[str, Any] | None
+    # Core ML's compute plan per package, units setting and function (`plan_section`)
+    plans: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -139,6 +143,7 @@ class DeviceEvidence:
                 for u in self.units
             },
             "memory": self.memory,
+            "compute_plans": self.plans,
         }
 
     def text(self) -> str:
@@ -154,6 +159,11 @@ class DeviceEvidence:
                 timing = f"median {stats.median_ms:.2f} ms, p90 {stats.p90_ms:.2f} ms over " \
                     f"{stats.runs} calls" if stats else "not called"  # fmt: skip
                 lines.append(f"  {name}: first load {t.load_s:.2f} s; {timing}")
+        for package, by_units in (self.plans or {}).items():
+            for units, by_function in by_units.items():
+                for function, plan in by_function.items():
+                    devices = ", ".join(f"{d} {n}" for d, n in sorted(plan["devices"].items()))
+                    lines.append(f"compute plan {package} {units} {function}: {devices}")
         for row in (self.memory or {}).get("rows", []):
             lines.append(f"memory with {'+'.join(row['functions'])} loaded: footprint "
                          f"+{row['footprint_added'] / 2**20:.1f} MiB, wired "
@@ -202,6 +212,21 @@ def memory_census(
 
     rows = [loaded([n]) for n in names] + ([loaded(names)] if len(names) > 1 else [])
     return {"units": units, "rows": rows}
+
+
+def plan_section(plans: dict[str, dict[str, list[PlanOp]]]) -> dict[str, Any]:
+    """One package's compute plans ({units: {function: ops}}): per function the ops Core ML
+    prefers on each device, and each op's index, type and preferred device."""
+    return {
+        units: {
+            function: {
+                "devices": dict(Counter(op.preferred or "unknown" for op in ops)),
+                "ops": [[op.index, op.op_type, op.preferred] for op in ops],
+            }
+            for function, ops in by_function.items()
+        }
+        for units, by_function in plans.items()
+    }
 
 
 def implementation(units: str) -> str:
