@@ -17,7 +17,7 @@ import numpy as np
 CONST_OP_PREFIX = "constexpr_"
 
 
-def load_package(package: Path) -> Any:
+def load_package(package: Path, shared: dict[Hashable, Any] | None = None) -> Any:
     """The MIL program of a saved ``.mlpackage`` with its weights (coremltools ``Program``),
     each weight blob held once however many functions name it.
 
@@ -28,7 +28,8 @@ def load_package(package: Path) -> Any:
     ``load_mil_proto`` with a context that gives each const naming an already-read blob the
     array read first, as the const is made; the private names are coremltools 9.0's (pinned).
     The arrays are shared, so a change to one function's weight replaces its const op rather
-    than writing into the array.
+    than writing into the array. ``shared``: arrays by content, filled and reused across calls
+    (several packages holding the same weights load them once).
     """
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto import load as milproto
@@ -40,9 +41,12 @@ def load_package(package: Path) -> Any:
         raise ValueError(f"{package}: not an ML Program (version 1)")
     blobs: dict[str, tuple[str, int]] = {}  # the function being loaded: const -> (file, offset)
     weights = str(Path(package) / "Data" / "com.apple.CoreML" / "weights")
-    context = _sharing_context(
-        milproto.TranscriptionContext, weights, {}, lambda name, _value: blobs.get(name)
-    )
+    if shared is None:
+        context = _sharing_context(
+            milproto.TranscriptionContext, weights, {}, lambda name, _value: blobs.get(name)
+        )
+    else:
+        context = _sharing_context(milproto.TranscriptionContext, weights, shared, _content_key)
     program = Program()
     for name, function in program_spec.functions.items():
         blobs.clear()
@@ -64,8 +68,11 @@ class FunctionSet:
 
 def load_function_set(packages: dict[str, Path]) -> FunctionSet:
     """Each package of ``packages`` (function name -> single-function package) loaded, its
-    ``main`` as that function; each holds its own weights, as the packages do."""
-    return FunctionSet({name: load_package(p).functions["main"] for name, p in packages.items()})
+    ``main`` as that function; weights the packages hold alike are read once."""
+    shared: dict[Hashable, Any] = {}
+    return FunctionSet(
+        {name: load_package(p, shared).functions["main"] for name, p in packages.items()}
+    )
 
 
 @contextmanager
