@@ -139,7 +139,7 @@ def _device_evidence(artifact: Path, path: Path) -> dict[str, Any]:
     return read_evidence(path, artifact)
 
 
-def _packages(artifact: Path, manifest: Manifest) -> list[Program]:
+def published_programs(artifact: Path, manifest: Manifest) -> list[Program]:
     """The artifact's packages in call order, each checked against its manifest hash."""
     entries = [manifest.package, *(manifest.extra_packages or [])]
     for entry in entries:
@@ -196,7 +196,7 @@ def recheck(
             f"task {manifest.task}"
         )
     task = task_of(recipe)
-    programs = _packages(artifact, manifest)
+    programs = published_programs(artifact, manifest)
     report_dir = out or artifact.parent / f"{artifact.name}.parity"
     report_dir.mkdir(parents=True, exist_ok=True)
     job = Job(

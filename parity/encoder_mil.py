@@ -181,13 +181,18 @@ def pieces_runner(
 
 
 def output_runner(
-    packages: dict[str, Path], module: BC1LEncoder, host: HostEmbedding | None, dtype: str
+    packages: dict[str, Path],
+    module: BC1LEncoder,
+    host: HostEmbedding | None,
+    dtype: str,
+    pieces: dict[str, Any] | None = None,
 ) -> Runner:
     """An encoder's emitted program(s) in the ``fp16`` profile as a `Runner` for
     `check_encoder`: ``{"main": path}`` or ``{"island": path, "tail": path}`` (``tail``
-    absent for feature extraction)."""
+    absent for feature extraction). ``pieces``: something else that runs each piece
+    (``run(feeds).outputs``, e.g. Core ML's predictions) instead of the evaluator."""
     return pieces_runner(
-        evaluators(packages, "fp16"),
+        pieces if pieces is not None else evaluators(packages, "fp16"),
         lambda batch: encoder_feed(module, host, batch, dtype)[0],
         lambda _, feeds, hidden: {"hidden": hidden, "key_mask": feeds["key_mask"]},
         {OUTPUT: OUTPUT_NAMES[module.io.output]},

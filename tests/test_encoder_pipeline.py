@@ -272,3 +272,29 @@ def test_anec_parity_rechecks_an_encoder_artifact(converted: Path, tmp_path: Pat
     assert again.pop(("same_gate_set", "recheck"))["passed"]
     assert sorted(again) == sorted(tuple(g[k] for k in key) for g in published)
     assert (art / "parity.json").read_bytes() == before
+
+
+@pytest.mark.usefixtures("stand_in_evidence")
+def test_device_check_gates_each_partitioned_piece_on_core_ml(converted: Path) -> None:
+    """anec device-check of an encoder against a stand-in of Core ML (tests/coreml_standin.py):
+    the host embedding, then the island and tail packages, gated as the MIL level gates."""
+    from coreml_standin import StandInLoader, stand_in_adapters
+
+    from converter.device.check import device_check
+
+    evidence = device_check(converted / "mb-host-embedding", ["CPU_ONLY"],
+                            stand_in_adapters(StandInLoader()))  # fmt: skip
+    assert evidence.passed
+    (unit,) = evidence.units
+    assert sorted(unit.functions) == ["island", "tail"]
+    names = {(g.name, g.implementation) for g in unit.gates}
+    assert ("fp16_argmax_agreement", "coreml-cpu-only") in names
+    assert {g.name for g in evidence.program} == {g.name for g in unit.gates}
+
+    def tilt(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v + np.arange(v.shape[-1]) * 0.5 for k, v in outputs.items()}
+
+    drifted = device_check(converted / "mb-single", ["ALL"],
+                           stand_in_adapters(StandInLoader(tilt)), memory=False)  # fmt: skip
+    failed = [g for g in drifted.units[0].gates if not g.passed]
+    assert failed and all(drifted.units[0].attribution(g).startswith("device:") for g in failed)

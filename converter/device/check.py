@@ -9,10 +9,12 @@ from typing import Any
 
 from converter.coreml_runtime import MemoryProbe, ModelLoader
 from converter.device.cached import cached_check
+from converter.device.encoder import encoder_check
 from converter.device.evidence import DeviceEvidence, plan_section
 from converter.device.window import window_check
 from converter.errors import InputError
 from converter.plan.computeplan import PlanOp
+from converter.recipe.tasks import ENCODER_TASKS
 
 DEFAULT_UNITS = ("CPU_ONLY", "CPU_AND_NE")
 # package, units settings -> {units: {function: ops}} (`converter.plan.computeplan.read_plans`)
@@ -34,8 +36,8 @@ def device_check(
     artifact: Path, units: Sequence[str], mac: Adapters, memory: bool = True
 ) -> DeviceEvidence:
     """The artifact's gates under each of ``units`` through ``mac.load``: a cached decoder's
-    cache gates, a window decoder's output gates; then each package's compute plan per units
-    setting and (``memory``) the memory census. InputError for other kinds."""
+    cache gates, a window decoder's or an encoder's output gates; then each package's compute
+    plan per units setting and (``memory``) the memory census. InputError for other kinds."""
     from converter.recheck import read_manifest
 
     manifest = read_manifest(artifact)
@@ -44,6 +46,8 @@ def device_check(
         evidence = cached_check(artifact, units, mac.load, probe, mac.recorded)
     elif manifest.task == "text-generation":
         evidence = window_check(artifact, manifest, units, mac.load, probe, mac.recorded)
+    elif manifest.task in ENCODER_TASKS:
+        evidence = encoder_check(artifact, manifest, units, mac.load, probe, mac.recorded)
     else:
         raise _not_a_decoder(artifact, manifest.task)
     evidence.plans = {
@@ -55,6 +59,6 @@ def device_check(
 
 def _not_a_decoder(artifact: Path, task: str) -> InputError:
     return InputError(
-        f"{artifact}: task {task}; device-check runs decoders (window or cached). For an "
-        "encoder, anec parity runs the Core ML level (CPU_AND_NE) on macOS"
+        f"{artifact}: task {task}; device-check runs decoders (window or cached) and "
+        f"encoders ({', '.join(ENCODER_TASKS)}); a decision model's is not implemented"
     )
