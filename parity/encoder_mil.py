@@ -212,12 +212,18 @@ def _tail_feed(batch: Batch, spec: DecisionHeadSpec, hidden: Any) -> Feeds:
 
 
 def decision_mil_runner(
-    packages: dict[str, Path], host: HostEmbedding, spec: DecisionHeadSpec, dtype: str
+    packages: dict[str, Path],
+    host: HostEmbedding,
+    spec: DecisionHeadSpec,
+    dtype: str,
+    pieces: dict[str, Any] | None = None,
 ) -> Runner:
     """A decision model's island and tail programs in the ``fp16`` profile, fed the host
-    embedding (numpy, as the runtime), as a `Runner` for `check_decision`."""
+    embedding (numpy, as the runtime), as a `Runner` for `check_decision` (``pieces``: as
+    `output_runner`'s)."""
     return pieces_runner(
-        evaluators(packages, "fp16"), lambda batch: encoder_feed(None, host, batch, dtype)[0],
+        pieces if pieces is not None else evaluators(packages, "fp16"),
+        lambda batch: encoder_feed(None, host, batch, dtype)[0],
         lambda batch, _, hidden: _tail_feed(batch, spec, hidden), {k: k for k in DECISION_OUTPUTS},
     )  # fmt: skip
 

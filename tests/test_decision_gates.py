@@ -256,3 +256,31 @@ def _encoder(case: DecisionCase):  # type: ignore[no-untyped-def]
     from graph_passes.archs import adapt_encoder
 
     return adapt_encoder(case.model.encoder.config, case.model.encoder.state_dict())
+
+
+@pytest.mark.usefixtures("stand_in_evidence")
+def test_device_check_gates_the_island_and_tail_on_core_ml(tmp_path: Path) -> None:
+    """anec device-check of a decision model against a stand-in of Core ML: the host
+    embedding, the island, then the tail, gated as the MIL level gates them."""
+    from coreml_standin import StandInLoader, stand_in_adapters
+
+    from converter.device.check import device_check
+
+    t = tiny_decision()
+    path = save_checkpoint(tmp_path / "ckpt", t.encoder, t.data, t.tensors)
+    recipe = validate_recipe({
+        "name": "tiny-decision", "task": "decision",
+        "source": {"kind": "hf-dir", "path": str(path)},
+        "shapes": {"batch": 1, "sequence_length": 24},
+        "fixtures": {"token_ids": markers_in(random_sequences(11, (24, 9), VOCAB, first=1)),
+                     "padded_variants": False},
+    })  # fmt: skip
+    assert convert(recipe, tmp_path / "out").exit_code == 0
+    evidence = device_check(tmp_path / "out" / "tiny-decision", ["CPU_AND_NE"],
+                            stand_in_adapters(StandInLoader()), memory=False)  # fmt: skip
+    assert evidence.passed
+    (unit,) = evidence.units
+    assert sorted(unit.functions) == ["island", "tail"]
+    names = {g.name for g in unit.gates}
+    assert "temperature_certificate" in names and names == {g.name for g in evidence.program}
+    assert {g.implementation for g in unit.gates} == {"coreml-cpu-and-ne"}

@@ -61,7 +61,7 @@ def device_check_command(
     """Run ARTIFACT's gates through Core ML on this Mac, once per compute-units setting, and
     write one evidence file: a cached decoder's cache gates (recipe cache.style state or io),
     a window decoder's output gates (argmax agreement, |dp|, finite), an encoder's (cosine, or
-    a classifier's argmax and |dp|).
+    a classifier's argmax and |dp|), a decision model's decision gates.
 
     Each gate is also run on the program in anec's MIL evaluator (fp16), so a failure says
     whether it comes from the program or the device. The gates' own calls give each
@@ -71,7 +71,7 @@ def device_check_command(
     file.
 
     Exit codes: 0 every gate passed under every units setting, 1 a gate failed, 2 bad input
-    (not macOS, a decision model, a package that differs from its manifest hash).
+    (not macOS, a compressed variant, a package that differs from its manifest hash).
     """
     from converter.device.check import DEFAULT_UNITS, device_check
     from converter.publish import write_json_atomic

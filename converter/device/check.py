@@ -12,9 +12,7 @@ from converter.device.cached import cached_check
 from converter.device.encoder import encoder_check
 from converter.device.evidence import DeviceEvidence, plan_section
 from converter.device.window import window_check
-from converter.errors import InputError
 from converter.plan.computeplan import PlanOp
-from converter.recipe.tasks import ENCODER_TASKS
 
 DEFAULT_UNITS = ("CPU_ONLY", "CPU_AND_NE")
 # package, units settings -> {units: {function: ops}} (`converter.plan.computeplan.read_plans`)
@@ -36,8 +34,8 @@ def device_check(
     artifact: Path, units: Sequence[str], mac: Adapters, memory: bool = True
 ) -> DeviceEvidence:
     """The artifact's gates under each of ``units`` through ``mac.load``: a cached decoder's
-    cache gates, a window decoder's or an encoder's output gates; then each package's compute
-    plan per units setting and (``memory``) the memory census. InputError for other kinds."""
+    cache gates, a window decoder's, an encoder's or a decision model's output gates; then each
+    package's compute plan per units setting and (``memory``) the memory census."""
     from converter.recheck import read_manifest
 
     manifest = read_manifest(artifact)
@@ -46,19 +44,10 @@ def device_check(
         evidence = cached_check(artifact, units, mac.load, probe, mac.recorded)
     elif manifest.task == "text-generation":
         evidence = window_check(artifact, manifest, units, mac.load, probe, mac.recorded)
-    elif manifest.task in ENCODER_TASKS:
+    else:  # an encoder, with or without a decision head
         evidence = encoder_check(artifact, manifest, units, mac.load, probe, mac.recorded)
-    else:
-        raise _not_a_decoder(artifact, manifest.task)
     evidence.plans = {
         p["file"]: plan_section(mac.plans(artifact / p["file"], list(units)))
         for p in evidence.packages
     }
     return evidence
-
-
-def _not_a_decoder(artifact: Path, task: str) -> InputError:
-    return InputError(
-        f"{artifact}: task {task}; device-check runs decoders (window or cached) and "
-        f"encoders ({', '.join(ENCODER_TASKS)}); a decision model's is not implemented"
-    )

@@ -1,7 +1,7 @@
-"""``anec device-check`` of an encoder: its fp16 task output (hidden states, a sentence
-embedding or a classifier's logits) from Core ML's predictions per units setting, gated as
-the MIL level gates it (cosine, or argmax and |dp| for a classifier), read against the same
-gates on the MIL evaluator's outputs.
+"""``anec device-check`` of an encoder or a decision model: its fp16 task output (hidden
+states, a sentence embedding, a classifier's logits, a decision head's outputs) from Core ML's
+predictions per units setting, gated as the MIL level gates it, read against the same gates on
+the MIL evaluator's outputs.
 
 The module, host step, fixtures and reference runs are rebuilt from the manifest's recipe and
 checkpoint (its hash checked), as ``anec parity`` does; a partitioned encoder runs its host
@@ -11,8 +11,9 @@ embedding in numpy, then its island and tail packages.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from converter.device.evidence import (
 )
 from converter.errors import InputError
 from converter.manifest import Manifest
+from parity.gate import GateResult
 
 
 @dataclass
@@ -47,6 +49,49 @@ class _Piece:
         return _Outputs({k: np.asarray(v) for k, v in self.model.predict(feeds).items()})
 
 
+Gated = Callable[[dict[str, Path], str, dict[str, Any] | None], list[GateResult]]
+
+
+def _encoder_gates(run: Any) -> Gated:
+    """Rebuild an encoder's module and references (`run`'s first steps); the function that
+    gates its pieces run by ``runs`` (None: the MIL evaluator) under an implementation name."""
+    from converter.tasks.base import load
+    from converter.tasks.encoder import references, rewrite, thresholds
+    from parity.encoder_gates import check_encoder
+    from parity.encoder_mil import output_runner
+
+    for step in (load, rewrite, references):
+        step(run, lambda: None)
+    rw, limits, dtype = run.rewrite, thresholds(run.recipe), run.recipe.io.dtype
+
+    def gated(pieces: dict[str, Path], name: str, runs: dict[str, Any] | None) -> Any:
+        runner = output_runner(pieces, rw.module, rw.host, dtype, runs)
+        report, _ = check_encoder(rw.module, rw.batches, run.references, limits, {name: runner},
+                                  torch_levels=False)  # fmt: skip
+        return report.gates
+
+    return gated
+
+
+def _decision_gates(run: Any) -> Gated:
+    """As `_encoder_gates`, for an encoder with a decision head (island, then tail)."""
+    from converter.tasks.decision import load_with_head, references, rewrite, thresholds
+    from parity.decision_gates import check_decision
+    from parity.encoder_mil import decision_mil_runner
+
+    for step in (load_with_head, rewrite, references):
+        step(run, lambda: None)
+    rw, limits, dtype = run.rewrite, thresholds(run.recipe), run.recipe.io.dtype
+
+    def gated(pieces: dict[str, Path], name: str, runs: dict[str, Any] | None) -> Any:
+        runner = decision_mil_runner(pieces, rw.host, rw.tail.spec, dtype, runs)
+        report, _ = check_decision(rw.module, rw.tail, rw.batches, rw.slices, run.references,
+                                   limits, {name: runner}, False)  # fmt: skip
+        return report.gates
+
+    return gated
+
+
 def encoder_check(
     artifact: Path,
     manifest: Manifest,
@@ -55,14 +100,11 @@ def encoder_check(
     probe: MemoryProbe | None,
     recorded: dict[str, Any],
 ) -> DeviceEvidence:
-    """Run the encoder's output gates under each of ``units`` through ``load``."""
+    """Run an encoder's (or a decision model's) output gates under each of ``units`` through
+    ``load``."""
     from converter.recheck import checkpoint_source, published_programs, recipe_from_manifest
     from converter.tasks import task_of
     from converter.tasks.base import Job
-    from converter.tasks.base import load as load_checkpoint
-    from converter.tasks.encoder import EncoderRun, references, rewrite, thresholds
-    from parity.encoder_gates import check_encoder
-    from parity.encoder_mil import output_runner
 
     if manifest.compression is not None:
         raise InputError(f"{artifact}: a compressed variant; device-check runs fp16 artifacts")
@@ -73,18 +115,8 @@ def encoder_check(
         job = Job(recipe, checkpoint_source(manifest), Path(scratch),
                   expected_checkpoint_sha256=manifest.checkpoint["sha256"])  # fmt: skip
         run = task_of(recipe).start(job)
-        assert isinstance(run, EncoderRun)
-        for step in (load_checkpoint, rewrite, references):
-            step(run, lambda: None)
-    rw = run.rewrite
-    assert rw is not None
-    limits = thresholds(recipe)
-
-    def gated(name: str, runs: dict[str, Any] | None) -> Any:
-        runner = output_runner(pieces, rw.module, rw.host, recipe.io.dtype, runs)
-        report, _ = check_encoder(rw.module, rw.batches, run.references, limits, {name: runner},
-                                  torch_levels=False)  # fmt: skip
-        return report.gates
+        gates_of = _decision_gates(run) if manifest.task == "decision" else _encoder_gates(run)
+    gated = partial(gates_of, pieces)
 
     baseline = gated(PROGRAM, None)
     results = []
