@@ -114,6 +114,20 @@ def test_generate_runs_on_the_argmax_outputs_alone(artifact: Path) -> None:
     assert got.new_ids == greedy_ids(tiny_hf_model("llama"), tuple(prompt), 24)
 
 
+def test_the_core_ml_host_loop_runs_on_the_argmax_outputs(artifact: Path) -> None:
+    """coreml_backend against a stand-in of MLModel / MLState (tests/coreml_standin.py),
+    which returns the program's outputs alone, as Core ML does: transformers' greedy path."""
+    from coreml_standin import StandInLoader
+    from tiny_models import tiny_hf_model
+
+    from converter.generate import Runtime, coreml_backend, greedy
+    from parity.reference import greedy_ids
+
+    make = coreml_backend(Runtime.from_artifact(artifact), "CPU_AND_NE", StandInLoader())
+    got = greedy(make, [1, 2, 3, 4, 5], 24)
+    assert got.new_ids == greedy_ids(tiny_hf_model("llama"), (1, 2, 3, 4, 5), 24)
+
+
 def test_speculate_drafts_from_the_argmax_outputs_alone(artifact: Path) -> None:
     """A draft that returns only the in-model argmax per chunk (what a Core ML draft gives):
     speculative decoding drafts and absorbs from the chosen ids, and its output is still the
