@@ -25,7 +25,7 @@ import ctypes
 import platform
 import re
 import subprocess
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,23 +54,18 @@ class CoreMLModel(Protocol):
 
 
 class StateView(MutableMapping[str, np.ndarray]):
-    """The tensors of an ``MLState`` by name, read and written whole through its
-    ``read_state`` / ``write_state`` (coremltools 8+): the host loop's stale-row check writes
-    into the cache this way."""
+    """The tensors of an ``MLState`` (``state()`` gives it) by name, read and written whole
+    through its ``read_state`` / ``write_state`` (coremltools 8+): the host loop's stale-row
+    check writes into the cache this way."""
 
-    def __init__(self, state: Any, names: list[str]) -> None:
-        self._state, self.names = state, names
-
-    @property
-    def state(self) -> Any:
-        """The ``MLState`` read and written."""
-        return self._state
+    def __init__(self, state: Callable[[], Any], names: list[str]) -> None:
+        self.state, self.names = state, names
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return np.asarray(self.state.read_state(name))
+        return np.asarray(self.state().read_state(name))
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
-        self.state.write_state(name, np.asarray(value, dtype=np.float16))
+        self.state().write_state(name, np.asarray(value, dtype=np.float16))
 
     def __delitem__(self, name: str) -> None:
         raise TypeError(f"{name}: a Core ML state's tensors cannot be removed")
@@ -89,7 +84,6 @@ class StateRelay:
 
     def __init__(self, states: dict[str, Any], name: str, first: str) -> None:
         self.states, self.name, self.current = states, name, first
-        self.copies = 0
 
     def state_for(self, function: str) -> Any:
         """``function``'s state, holding the cache as the last call left it."""
@@ -97,19 +91,11 @@ class StateRelay:
             value = self.states[self.current].read_state(self.name)
             self.states[function].write_state(self.name, value)
             self.current = function
-            self.copies += 1
         return self.states[function]
 
     def view(self) -> StateView:
         """The cache as the state of the package called last holds it."""
-        relay = self
-
-        class _Current(StateView):
-            @property
-            def state(self) -> Any:
-                return relay.states[relay.current]
-
-        return _Current(None, [self.name])
+        return StateView(lambda: self.states[self.current], [self.name])
 
 
 class ModelLoader(Protocol):

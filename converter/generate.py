@@ -282,7 +282,7 @@ def coreml_backend(
             out = model.predict(feed) if state is None else model.predict(feed, state=state)
             return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
-        return run, None if state is None else StateView(state, [name])
+        return run, None if state is None else StateView(lambda: state, [name])
 
     def make() -> CacheSession:
         runners, views = zip(*(runner(models) for models in per_package), strict=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from converter.device.evidence import evidence_gates
+from converter.device.evidence import evidence_gates, read_evidence
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
 from converter.manifest import Manifest, check_schema_version
@@ -133,12 +133,6 @@ def _add_gate_to_reports(
     write_text_atomic(report_dir / "parity.html", report_to_html(doc, title))
 
 
-def _device_evidence(artifact: Path, path: Path) -> dict[str, Any]:
-    from converter.device.evidence import read_evidence
-
-    return read_evidence(path, artifact)
-
-
 def published_programs(artifact: Path, manifest: Manifest) -> list[Program]:
     """The artifact's packages in call order, each checked against its manifest hash."""
     entries = [manifest.package, *(manifest.extra_packages or [])]
@@ -187,7 +181,7 @@ def recheck(
             "compression, against the fp16 model and the original) are in its parity.json; "
             "re-running them is not implemented"
         )
-    device = _device_evidence(artifact, device_evidence) if device_evidence else None
+    device = read_evidence(device_evidence, artifact) if device_evidence else None
     recipe = recipe_from_manifest(manifest)
     published = published_gates(artifact)
     if recipe.task != manifest.task:
