@@ -98,6 +98,6 @@ def stand_in_plans(package: Path, units: list[str]) -> dict[str, dict[str, list[
 
 def stand_in_adapters(loader: StandInLoader) -> Any:
     """`converter.device.check.Adapters` of stand-ins (the record says ``origin: stand-in``)."""
-    from converter.device.check import Adapters
+    from converter.device.evidence import Adapters
 
     return Adapters(loader, rss_probe, stand_in_plans, dict(STAND_IN_RECORD))

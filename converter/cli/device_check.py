@@ -12,7 +12,7 @@ import click
 from converter.coreml_runtime import UNITS
 
 if TYPE_CHECKING:
-    from converter.device.check import Adapters
+    from converter.device.evidence import Adapters
 
 
 def mac_adapters() -> Adapters:
@@ -26,7 +26,7 @@ def mac_adapters() -> Adapters:
             "anec parity and anec generate --backend mil run the program here"
         )
     from converter.coreml_runtime import coreml_loader, memory_now  # pragma: no cover
-    from converter.device.check import Adapters  # pragma: no cover
+    from converter.device.evidence import Adapters  # pragma: no cover
     from converter.plan.computeplan import read_plans  # pragma: no cover
     from converter.plan.dump import recording_metadata  # pragma: no cover
 
@@ -74,9 +74,12 @@ def device_check_command(
     (not macOS, a compressed variant, a package that differs from its manifest hash).
     """
     from converter.device.check import DEFAULT_UNITS, device_check
+    from converter.progress import Steps
     from converter.publish import write_json_atomic
 
-    evidence = device_check(artifact, units or DEFAULT_UNITS, mac_adapters(), not no_memory)
+    mac = mac_adapters()
+    with Steps(quiet=as_json) as steps:
+        evidence = device_check(artifact, units or DEFAULT_UNITS, mac, not no_memory, steps)
     doc = evidence.to_json()
     target = out_file or artifact.parent / f"{artifact.name}.device-check.json"
     write_json_atomic(target, doc)

@@ -10,8 +10,7 @@ embedding in numpy, then its island and tail packages.
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,16 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from converter.coreml_runtime import CoreMLModel, MemoryProbe, ModelLoader
-from converter.device.evidence import (
-    PROGRAM,
-    DeviceEvidence,
-    TimedLoader,
-    UnitsResult,
-    checked_packages,
-    implementation,
-    memory_census,
-)
+from converter.coreml_runtime import CoreMLModel, ModelLoader
+from converter.device.evidence import PROGRAM, Prepared, implementation
+from converter.device.rebuild import rebuilt_run
 from converter.errors import InputError
 from converter.manifest import Manifest
 from parity.gate import GateResult
@@ -52,16 +44,15 @@ class _Piece:
 Gated = Callable[[dict[str, Path], str, dict[str, Any] | None], list[GateResult]]
 
 
-def _encoder_gates(run: Any) -> Gated:
-    """Rebuild an encoder's module and references (`run`'s first steps); the function that
-    gates its pieces run by ``runs`` (None: the MIL evaluator) under an implementation name."""
+def _encoder_gates(manifest: Manifest) -> Gated:
+    """An encoder rebuilt (module, host step, references); the function that gates its pieces
+    run by ``runs`` (None: the MIL evaluator) under an implementation name."""
     from converter.tasks.base import load
     from converter.tasks.encoder import references, rewrite, thresholds
     from parity.encoder_gates import check_encoder
     from parity.encoder_mil import output_runner
 
-    for step in (load, rewrite, references):
-        step(run, lambda: None)
+    run = rebuilt_run(manifest, (load, rewrite, references))
     rw, limits, dtype = run.rewrite, thresholds(run.recipe), run.recipe.io.dtype
 
     def gated(pieces: dict[str, Path], name: str, runs: dict[str, Any] | None) -> Any:
@@ -73,14 +64,13 @@ def _encoder_gates(run: Any) -> Gated:
     return gated
 
 
-def _decision_gates(run: Any) -> Gated:
+def _decision_gates(manifest: Manifest) -> Gated:
     """As `_encoder_gates`, for an encoder with a decision head (island, then tail)."""
     from converter.tasks.decision import load_with_head, references, rewrite, thresholds
     from parity.decision_gates import check_decision
     from parity.encoder_mil import decision_mil_runner
 
-    for step in (load_with_head, rewrite, references):
-        step(run, lambda: None)
+    run = rebuilt_run(manifest, (load_with_head, rewrite, references))
     rw, limits, dtype = run.rewrite, thresholds(run.recipe), run.recipe.io.dtype
 
     def gated(pieces: dict[str, Path], name: str, runs: dict[str, Any] | None) -> Any:
@@ -92,44 +82,24 @@ def _decision_gates(run: Any) -> Gated:
     return gated
 
 
-def encoder_check(
-    artifact: Path,
-    manifest: Manifest,
-    units: Sequence[str],
-    load: ModelLoader,
-    probe: MemoryProbe | None,
-    recorded: dict[str, Any],
-) -> DeviceEvidence:
-    """Run an encoder's (or a decision model's) output gates under each of ``units`` through
-    ``load``."""
-    from converter.recheck import checkpoint_source, published_programs, recipe_from_manifest
-    from converter.tasks import task_of
-    from converter.tasks.base import Job
+def prepare_encoder(artifact: Path, manifest: Manifest) -> Prepared:
+    """An encoder's (or a decision model's) output gates, its references rebuilt."""
+    from converter.recheck import published_programs
 
     if manifest.compression is not None:
         raise InputError(f"{artifact}: a compressed variant; device-check runs fp16 artifacts")
-    packages = checked_packages(artifact)
     pieces = {p.piece: p.path for p in published_programs(artifact, manifest)}
-    recipe = recipe_from_manifest(manifest)
-    with tempfile.TemporaryDirectory(prefix="anec-device-") as scratch:
-        job = Job(recipe, checkpoint_source(manifest), Path(scratch),
-                  expected_checkpoint_sha256=manifest.checkpoint["sha256"])  # fmt: skip
-        run = task_of(recipe).start(job)
-        gates_of = _decision_gates(run) if manifest.task == "decision" else _encoder_gates(run)
-    gated = partial(gates_of, pieces)
+    gates_of = _decision_gates if manifest.task == "decision" else _encoder_gates
+    gated = partial(gates_of(manifest), pieces)
 
-    baseline = gated(PROGRAM, None)
-    results = []
-    for unit in units:
-        timed = TimedLoader(load, {path: piece for piece, path in pieces.items()})
-        models = {piece: _Piece(timed(path, "main", unit)) for piece, path in pieces.items()}
-        gates = gated(implementation(unit), models)
-        results.append(UnitsResult(unit, gates, {g.name: g for g in baseline}, timed.functions))
-    memory = None
-    if probe is not None:
+    def on_device(unit: str, load: ModelLoader) -> list[GateResult]:
+        models = {piece: _Piece(load(path, "main", unit)) for piece, path in pieces.items()}
+        return gated(implementation(unit), models)
 
-        def load_set(names: list[str]) -> list[CoreMLModel]:
-            return [load(pieces[n], "main", units[-1]) for n in names]
+    def load_functions(load: ModelLoader, units: str, names: list[str]) -> list[CoreMLModel]:
+        return [load(pieces[n], "main", units) for n in names]
 
-        memory = memory_census(load_set, list(pieces), units[-1], probe)
-    return DeviceEvidence(artifact.name, packages, recorded, baseline, results, memory)
+    return Prepared(
+        lambda: gated(PROGRAM, None), on_device, load_functions, list(pieces),
+        {path: piece for piece, path in pieces.items()},
+    )  # fmt: skip

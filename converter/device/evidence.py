@@ -9,7 +9,7 @@ import gc
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,36 @@ from converter.plan.computeplan import PlanOp
 from converter.plan.device_bench import latency_stats
 from converter.plan.device_evidence import FORMAT, read_raw
 from converter.plan.provenance import check_recorded, provenance_json, provenance_text
+from converter.progress import Steps
 from parity.gate import GateResult
 
 PROGRAM = "mil-fp16"  # the baseline every device result is read against
+# package, units settings -> {units: {function: ops}} (`converter.plan.computeplan.read_plans`)
+Planner = Callable[[Path, list[str]], dict[str, dict[str, list[PlanOp]]]]
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What device-check calls on a Mac: Core ML's loader, the memory probe, the compute-plan
+    reader and where this runs (stand-ins of the same shape in the tests)."""
+
+    load: ModelLoader
+    probe: MemoryProbe
+    plans: Planner
+    recorded: dict[str, Any]
+
+
+@dataclass
+class Prepared:
+    """One artifact kind ready to measure (its references rebuilt): its gates on the program
+    in the MIL evaluator, its gates on the models a loader gives for one units setting, and
+    how to load a set of its functions (the memory census)."""
+
+    program: Callable[[], list[GateResult]]
+    on_device: Callable[[str, ModelLoader], list[GateResult]]
+    load_functions: Callable[[ModelLoader, str, list[str]], list[CoreMLModel]]
+    functions: list[str]
+    names: dict[Path, str] = field(default_factory=dict)  # single-function packages' functions
 
 
 @dataclass
@@ -212,6 +239,35 @@ def memory_census(
 
     rows = [loaded([n]) for n in names] + ([loaded(names)] if len(names) > 1 else [])
     return {"units": units, "rows": rows}
+
+
+def measure(
+    artifact: Path,
+    packages: list[dict[str, str]],
+    kind: Prepared,
+    units: Sequence[str],
+    mac: Adapters,
+    memory: bool,
+    steps: Steps,
+) -> DeviceEvidence:
+    """The program's gates, then each units setting's through a timed loader, then (with
+    ``memory``) the census under the last units setting."""
+    with steps.step(f"program ({PROGRAM})"):
+        baseline = kind.program()
+    by_name = {g.name: g for g in baseline}
+    results = []
+    for unit in units:
+        with steps.step(f"Core ML {unit}"):
+            timed = TimedLoader(mac.load, kind.names)
+            results.append(UnitsResult(unit, kind.on_device(unit, timed), by_name, timed.functions))
+    census = None
+    if memory:
+        with steps.step("memory census"):
+            census = memory_census(
+                lambda names: kind.load_functions(mac.load, units[-1], names),
+                kind.functions, units[-1], mac.probe,
+            )  # fmt: skip
+    return DeviceEvidence(artifact.name, packages, mac.recorded, baseline, results, census)
 
 
 def plan_section(plans: dict[str, dict[str, list[PlanOp]]]) -> dict[str, Any]:

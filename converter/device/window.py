@@ -9,25 +9,17 @@ The module, fixtures and reference runs are rebuilt from the manifest's recipe a
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from converter.coreml_runtime import CoreMLModel, MemoryProbe, ModelLoader
-from converter.device.evidence import (
-    PROGRAM,
-    DeviceEvidence,
-    TimedLoader,
-    UnitsResult,
-    checked_packages,
-    implementation,
-    memory_census,
-)
+from converter.coreml_runtime import CoreMLModel, ModelLoader
+from converter.device.evidence import PROGRAM, Prepared, implementation
+from converter.device.rebuild import rebuilt_run
 from converter.errors import InputError
 from converter.manifest import Manifest
+from parity.gate import GateResult
 
 
 class _EvaluatorModel:
@@ -53,62 +45,37 @@ def _refuse_unless_plain(artifact: Path, manifest: Manifest) -> None:
         )
 
 
-def window_check(
-    artifact: Path,
-    manifest: Manifest,
-    units: Sequence[str],
-    load: ModelLoader,
-    probe: MemoryProbe | None,
-    recorded: dict[str, Any],
-) -> DeviceEvidence:
-    """Run the window program's output gates under each of ``units`` through ``load``."""
-    from converter.recheck import checkpoint_source, recipe_from_manifest
-    from converter.tasks import task_of
-    from converter.tasks.base import Job
-    from converter.tasks.base import load as load_checkpoint
-    from converter.tasks.text_generation import DecoderRun, references, rewrite, thresholds
+def prepare_window(artifact: Path, manifest: Manifest) -> Prepared:
+    """A window decoder's output gates, its module, fixtures and references rebuilt."""
+    from converter.tasks.base import load
+    from converter.tasks.text_generation import references, rewrite, thresholds
     from parity.conversion import output_gates, predicted_run, program_feed
     from parity.mil import Evaluator, load_package
     from parity.mil.program import dtype_name
 
     _refuse_unless_plain(artifact, manifest)
-    packages = checked_packages(artifact)
     package = artifact / manifest.package.file
-    recipe = recipe_from_manifest(manifest)
-    with tempfile.TemporaryDirectory(prefix="anec-device-") as scratch:
-        job = Job(recipe, checkpoint_source(manifest), Path(scratch),
-                  expected_checkpoint_sha256=manifest.checkpoint["sha256"])  # fmt: skip
-        run = task_of(recipe).start(job)
-        assert isinstance(run, DecoderRun)
-        for step in (load_checkpoint, rewrite, references):
-            step(run, lambda: None)
-    rw = run.rewrite
-    assert rw is not None
+    run = rebuilt_run(manifest, (load, rewrite, references))
+    rw, limits = run.rewrite, thresholds(run.recipe)
     program = load_package(package)
     specs = {name: dtype_name(var) for name, var in program.functions["main"].inputs.items()}
     feeds = [program_feed(specs, rw.module, batch, rw.embed_table) for batch in rw.batches]
-    limits = thresholds(recipe)
 
-    def gated(name: str, description: str, model: Any) -> Any:
+    def gated(name: str, description: str, model: Any) -> list[GateResult]:
         measured = predicted_run(
             name, description, model, rw.module, rw.batches, run.references, feeds
         )
         return output_gates(measured, limits, name)
 
-    evaluator = _EvaluatorModel(Evaluator(program, "fp16"))
-    baseline = gated(PROGRAM, "anec MIL evaluator, fp16 profile", evaluator)
-    del evaluator
-    results = []
-    for unit in units:
-        timed = TimedLoader(load)
-        model = timed(package, "main", unit)
-        gates = gated(implementation(unit), f"Core ML predictions, {unit}", model)
-        results.append(UnitsResult(unit, gates, {g.name: g for g in baseline}, timed.functions))
-    memory = None
-    if probe is not None:
+    def on_device(unit: str, load: ModelLoader) -> list[GateResult]:
+        model = load(package, "main", unit)
+        return gated(implementation(unit), f"Core ML predictions, {unit}", model)
 
-        def load_set(names: list[str]) -> list[CoreMLModel]:
-            return [load(package, "main", units[-1]) for _ in names]
+    def load_functions(load: ModelLoader, units: str, names: list[str]) -> list[CoreMLModel]:
+        return [load(package, "main", units) for _ in names]
 
-        memory = memory_census(load_set, ["main"], units[-1], probe)
-    return DeviceEvidence(artifact.name, packages, recorded, baseline, results, memory)
+    return Prepared(
+        lambda: gated(PROGRAM, "anec MIL evaluator, fp16 profile", _EvaluatorModel(
+            Evaluator(program, "fp16"))),
+        on_device, load_functions, ["main"],
+    )  # fmt: skip
