@@ -230,3 +230,29 @@ def test_a_window_device_that_moves_the_logits_fails_naming_the_gate(
     assert not gates["fp16_max_abs_dprob"]["passed"]
     assert gates["fp16_max_abs_dprob"]["attribution"].startswith("device:")
     assert "fp16_max_abs_dprob" in result.output
+
+
+def test_anec_parity_reads_a_window_decoders_evidence_and_refuses_a_malformed_one(
+    window: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import converter.cli.device_check as cli
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
+    evidence = tmp_path / "evidence.json"
+    assert run_anec("device-check", window, "--units", "CPU_ONLY", "--no-memory",
+                    "--out", evidence).exit_code == 0  # fmt: skip
+    result = run_anec("parity", window, "--out", tmp_path / "re", "--device-evidence", evidence)
+    assert result.exit_code == 0, result.output
+    gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
+    device = {g["name"]: g for g in gates if g["implementation"] == "coreml-cpu-only"}
+    # a recipe gate keeps the recipe's threshold
+    assert (
+        device["fp16_max_abs_dprob"]["threshold"] == 0.02 and device["fp16_max_abs_dprob"]["passed"]
+    )
+
+    doc = json.loads(evidence.read_text())
+    del doc["units"]["CPU_ONLY"]["gates"][0]["value"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(doc))
+    result = run_anec("parity", window, "--out", tmp_path / "no", "--device-evidence", broken)
+    assert result.exit_code == 2 and "malformed units section" in result.output

@@ -301,7 +301,7 @@ def _added(before: MemoryReading, after: MemoryReading) -> dict[str, int]:
 
 def read_evidence(path: Path, artifact: Path) -> dict[str, Any]:
     """A device-check file, checked against ``artifact`` (its provenance and every package
-    hash); InputError otherwise."""
+    hash) and readable as gates; InputError otherwise."""
     doc = read_raw(path)
     if doc.get("format") != FORMAT:
         raise InputError(f"{path}: not an {FORMAT} file (written by anec device-check)")
@@ -312,21 +312,29 @@ def read_evidence(path: Path, artifact: Path) -> dict[str, Any]:
             f"{path}: measured packages {_short(doc.get('packages'))}, not this artifact's "
             f"({_short(expected)}): evidence from another artifact"
         )
+    try:
+        evidence_gates(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(f"{path}: malformed units section ({type(e).__name__}: {e})") from None
     return doc
 
 
 def evidence_gates(doc: dict[str, Any]) -> list[GateResult]:
     """The device gates of a device-check file (read by `read_evidence`), each under its
-    units' implementation, with its attribution and the provenance in its detail."""
+    units' implementation, with its attribution and the provenance in its detail; a gate
+    with a recipe threshold keeps the one it was checked against."""
     from parity.gate import gate
 
     provenance = provenance_text(doc["recorded"])
     out = []
     for units in doc["units"].values():
         for g in units["gates"]:
+            registered = gate(g["level"], g["name"])
+            threshold = float(g["threshold"]) if registered.recipe_key else None
             out.append(
-                gate(g["level"], g["name"]).check(
+                registered.check(
                     float(g["value"]),  # inf and NaN are spelt as strings in JSON
+                    threshold,
                     implementation=g["implementation"],
                     where=g["where"],
                     detail=f"{g['attribution']}; {provenance}",
