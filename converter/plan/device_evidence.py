@@ -30,10 +30,15 @@ def observed_from(doc: dict[str, Any], function: str, content_sha256: str) -> Ob
     checked), as the ``observed`` section of a plan report reads a bench-device result."""
     recorded = check_recorded(doc.get("recorded"), str(doc.get("artifact")))
     latency: dict[str, LatencyStats] = {}
-    for unit, result in doc["units"].items():
-        samples = result["functions"].get(function, {}).get("samples_ms")
-        if samples:
-            latency[unit] = latency_stats(samples)
+    try:
+        for unit, result in doc["units"].items():
+            samples = result["functions"].get(function, {}).get("samples_ms")
+            if samples:
+                latency[unit] = latency_stats(samples)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(
+            f"{doc.get('artifact')}: malformed device-check units section ({e!r})"
+        ) from None
     power = {u: {"available": False, "reason": "device-check samples no power"} for u in latency}
     if not latency:
         raise InputError(f"{doc.get('artifact')}: the device-check file timed no {function} call")
