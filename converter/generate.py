@@ -117,6 +117,16 @@ class Runtime:
             return None
         return np.load(self.directory / section["head_ids"]["file"]).astype(np.int64)
 
+    def require_logits(self, why: str) -> None:
+        """InputError unless the program returns logits (not an in-model argmax / top-k):
+        ``why`` says what needs them."""
+        choice = (self.manifest.get("head_output") or {}).get("choice", "logits")
+        if choice != "logits":
+            raise InputError(
+                f"{self.directory}: head_output.choice is {choice}; {why}: convert the same "
+                "recipe with io.output: logits"
+            )
+
     def token_input(self) -> str:
         """``input_ids`` or ``inputs_embeds``: the first input of the decode function."""
         return str(self.kv["functions"]["decode"]["inputs"][0]["name"])

@@ -37,6 +37,19 @@ def _adapters(loader: StandInLoader) -> Any:
     return lambda: stand_in_adapters(loader)
 
 
+def _cpu_evidence(
+    artifact: Path, out: Path, monkeypatch: pytest.MonkeyPatch, loader: StandInLoader
+) -> Path:
+    """``anec device-check --units CPU_ONLY --no-memory`` against ``loader``; its file."""
+    import converter.cli.device_check as cli
+
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(loader))
+    result = run_anec("device-check", artifact, "--units", "CPU_ONLY", "--no-memory",
+                      "--out", out)  # fmt: skip
+    assert out.is_file(), result.output
+    return out
+
+
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS Core ML really runs")
 def test_off_macos_it_stops_before_core_ml_naming_the_reason(artifact: Path) -> None:
     result = run_anec("device-check", artifact)
@@ -103,13 +116,9 @@ def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
 def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
     from converter.device.evidence import read_evidence
 
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
-    out = tmp_path / "evidence.json"
-    assert run_anec("device-check", artifact, "--units", "CPU_ONLY", "--no-memory",
-                    "--out", out).exit_code == 0  # fmt: skip
+    out = _cpu_evidence(artifact, tmp_path / "evidence.json", monkeypatch, StandInLoader())
     package = artifact / "tiny-kv.mlpackage"
     result = run_anec("plan-inspect", package, "--observed", out, "--json")
     assert result.exit_code == 0, result.output
@@ -152,14 +161,11 @@ def test_wired_memory_is_read_from_vm_stat() -> None:
 def test_anec_parity_adds_the_device_gates_and_refuses_another_artifacts(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
-
     def drift(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: v + 0.5 if k.startswith("logits") else v for k, v in outputs.items()}
 
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader(drift)))
-    evidence = tmp_path / "evidence.json"
-    run_anec("device-check", artifact, "--units", "CPU_ONLY", "--no-memory", "--out", evidence)
+    evidence = _cpu_evidence(artifact, tmp_path / "evidence.json", monkeypatch,
+                             StandInLoader(drift))  # fmt: skip
     other = json.loads(evidence.read_text())
     other["packages"][0]["content_sha256"] = "f" * 64
     wrong = tmp_path / "other.json"
@@ -235,12 +241,7 @@ def test_a_window_device_that_moves_the_logits_fails_naming_the_gate(
 def test_anec_parity_reads_a_window_decoders_evidence_and_refuses_a_malformed_one(
     window: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
-
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
-    evidence = tmp_path / "evidence.json"
-    assert run_anec("device-check", window, "--units", "CPU_ONLY", "--no-memory",
-                    "--out", evidence).exit_code == 0  # fmt: skip
+    evidence = _cpu_evidence(window, tmp_path / "evidence.json", monkeypatch, StandInLoader())
     result = run_anec("parity", window, "--out", tmp_path / "re", "--device-evidence", evidence)
     assert result.exit_code == 0, result.output
     gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from converter.coreml_runtime import CoreMLModel, ModelLoader
 from converter.device.evidence import PROGRAM, Prepared, implementation
-from converter.errors import InputError
 from converter.generate import Runtime, artifact_checkpoint, coreml_backend, mil_backend
 from parity.gate import GateResult
 from parity.kv_gates import check_kv
@@ -47,13 +46,8 @@ def continuations(runtime: Runtime) -> list[Continuation]:
 def prepare_cached(artifact: Path) -> Prepared:
     """A cached decoder's cache gates, its continuations rebuilt from the checkpoint."""
     runtime = Runtime.from_artifact(artifact)
-    choice = (runtime.manifest.get("head_output") or {}).get("choice", "logits")
-    if choice != "logits":
-        # Core ML returns only a program's choice per chunk; the gates compare logits.
-        raise InputError(
-            f"{artifact}: head_output.choice is {choice}; device-check compares logits with the "
-            "checkpoint's: convert the same recipe with io.output: logits"
-        )
+    # Core ML returns only a program's choice per chunk; the gates compare logits.
+    runtime.require_logits("device-check compares logits with the checkpoint's")
     references = continuations(runtime)
     extend = int(runtime.functions["extend"].shape.tokens)
 

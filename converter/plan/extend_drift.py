@@ -93,14 +93,9 @@ def record_drift(artifact: Path, units: Sequence[str], steps: int, backend: str)
     from converter.generate import coreml_backend, mil_backend
 
     runtime = Runtime.from_artifact(artifact)
-    choice = (runtime.manifest.get("head_output") or {}).get("choice", "logits")
-    if choice != "logits":
-        # The gate compares logits and exempts near ties by the top-2 margin; a program that
-        # returns only its choice per chunk carries neither.
-        raise InputError(
-            f"{artifact}: head_output.choice is {choice}; --extend-drift compares the logits of "
-            "the K-token and 1-token paths: convert the same recipe with io.output: logits"
-        )
+    # The gate compares logits and exempts near ties by the top-2 margin; a program that
+    # returns only its choice per chunk carries neither.
+    runtime.require_logits("--extend-drift compares the logits of the K-token and 1-token paths")
     prompts = fixture_prompts(runtime)
     if not prompts:
         raise InputError(f"{artifact}: the manifest's recipe has no fixture prompts to run")
