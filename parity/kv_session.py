@@ -127,10 +127,12 @@ class CacheSession:
             return
         if not self.states:
             raise ValueError("no cache to write into: this session's runner keeps it")
-        # A state is written whole: Core ML's (read_state / write_state) cannot be changed
-        # in place through numpy.
+        # Written in place where the mapping holds the array (or a view of a module's buffer),
+        # and set back whole: Core ML's state (read_state / write_state) is read as a copy.
         for name in list(self.states):
-            cache = np.array(self.states[name])
+            cache = np.asarray(self.states[name])
+            if not cache.flags.writeable:
+                cache = cache.copy()
             cache[:, :, start:, :] = value
             self.states[name] = cache
 

@@ -141,7 +141,12 @@ def _split_run(module, compression: object, budget_mb: float | None):  # type: i
     from types import SimpleNamespace
 
     cache = SimpleNamespace(
-        style="state", length=32, prefill=8, extend=4, package_budget_mb=budget_mb
+        style="state",
+        length=32,
+        prefill=8,
+        extend=4,
+        package_budget_mb=budget_mb,
+        layout="multifunction",
     )
     recipe = SimpleNamespace(precision="float16", target="iOS18", compression=compression)
     return SimpleNamespace(
