@@ -193,7 +193,11 @@ def combine_functions(packages: dict[str, Path], package: Path, default: str) ->
     for name, path in packages.items():
         descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
     descriptor.default_function_name = default
-    with warnings_to_log("ct.utils.save_multifunction"), loads_sharing_equal_constants():
+    with (
+        warnings_to_log("ct.utils.save_multifunction"),
+        loads_sharing_equal_constants(),
+        _validated_once(),  # half of the combine's time went to validating after every pass
+    ):
         ct.utils.save_multifunction(descriptor, str(package))
     release_memory()  # the loaded programs are cyclic garbage: gone only when collected
     canonicalize_spec(package)
