@@ -137,7 +137,9 @@ def test_the_prediction_gives_both_readings_of_a_multifunction_package() -> None
 
 
 @pytest.mark.usefixtures("stand_in_evidence")
-def test_device_check_runs_each_package_and_reads_memory_per_package(artifact: Path) -> None:
+def test_device_check_runs_each_package_and_reads_memory_per_package(
+    artifact: Path, tmp_path: Path
+) -> None:
     from coreml_standin import stand_in_adapters
 
     from converter.device.check import device_check
@@ -145,7 +147,18 @@ def test_device_check_runs_each_package_and_reads_memory_per_package(artifact: P
     evidence = device_check(artifact, ["CPU_ONLY"], stand_in_adapters(StandInLoader()))
     assert evidence.passed
     assert sorted(evidence.units[0].functions) == list(FUNCTIONS)
-    assert [p["file"] for p in evidence.packages] == [f"tiny-pf.{f}.mlpackage" for f in FUNCTIONS]
+    by_file = {p["file"]: p["functions"] for p in evidence.packages}
+    assert by_file == {f"tiny-pf.{f}.mlpackage": [f] for f in FUNCTIONS}
+    # plan-inspect --observed on one function's package shows that function's calls
+    from converter.hashing import mlpackage_content_hash
+    from converter.plan.inspect import read_observed
+    from converter.publish import write_json_atomic
+
+    path = write_json_atomic(tmp_path / "evidence.json", evidence.to_json())
+    prefill = artifact / "tiny-pf.prefill.mlpackage"
+    observed = read_observed(path, mlpackage_content_hash(prefill))
+    calls = evidence.units[0].functions["prefill"].samples_ms
+    assert observed.latency["CPU_ONLY"].runs == len(calls)
     assert evidence.memory is not None and len(evidence.memory["rows"]) == 4
     assert evidence.plans is not None
     assert set(evidence.plans) == {f"tiny-pf.{f}.mlpackage" for f in FUNCTIONS}

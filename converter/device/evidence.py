@@ -198,24 +198,30 @@ class DeviceEvidence:
         return "\n".join(lines)
 
 
-def checked_packages(artifact: Path) -> list[dict[str, str]]:
-    """The packages a device-check runs (every function's, every chunk's, else the one),
-    each with its manifest hash, checked against its content."""
+def checked_packages(artifact: Path) -> list[dict[str, Any]]:
+    """Every package of the artifact with its manifest hash (checked against its content)
+    and the functions it holds, as the device-check names them: a cached decoder's prefill /
+    decode / extend (one each in the per-function layout), an encoder's pieces, else main."""
     manifest = json.loads((artifact / "manifest.json").read_text(encoding="utf-8"))
     entries = [manifest["package"], *(manifest.get("extra_packages") or [])]
     kv = manifest.get("kv_cache") or {}
-    files = [c["package"] for c in kv.get("chunks") or []] or [entries[0]["file"]]
-    if kv.get("layout") == "per-function":
-        files = [f["package"] for f in kv["functions"].values()]
-    hashes = {e["file"]: e["content_sha256"] for e in entries}
+    pieces = [p["name"] for p in manifest.get("pieces") or [] if p["runs_on"] != "host"]
     out = []
-    for file in files:
+    for i, entry in enumerate(entries):
+        file = entry["file"]
         path = artifact / file
         if not path.is_dir():
             raise InputError(f"{path}: the package the manifest names is missing")
-        if mlpackage_content_hash(path) != hashes.get(file):
+        if mlpackage_content_hash(path) != entry["content_sha256"]:
             raise InputError(f"{path}: its content differs from the hash in manifest.json")
-        out.append({"file": file, "content_sha256": hashes[file]})
+        if kv.get("layout") == "per-function":
+            functions = [f for f, e in kv["functions"].items() if e["package"] == file]
+        elif kv:
+            functions = list(kv["functions"])
+        else:
+            functions = [pieces[i]] if len(pieces) == len(entries) else ["main"]
+        out.append({"file": file, "content_sha256": entry["content_sha256"],
+                    "functions": functions})  # fmt: skip
     return out
 
 

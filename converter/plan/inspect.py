@@ -132,10 +132,12 @@ def read_observed(path: Path, content_sha256: str) -> Observed:
     doc = read_raw(path)
     if doc.get("format") != FORMAT:
         return read_bench(path, content_sha256)
-    hashes = [p.get("content_sha256") for p in doc.get("packages") or []]
-    if content_sha256 not in hashes:
+    found = [p for p in doc.get("packages") or [] if p.get("content_sha256") == content_sha256]
+    if not found:
         raise InputError(
             f"{path}: device-check evidence of {doc.get('artifact')!r}, whose packages do not "
             f"include this one ({content_sha256[:12]}): evidence from another artifact"
         )
-    return observed_from(doc, "decode", content_sha256)
+    functions = list(found[0].get("functions") or ["decode"])
+    # a draft's step is its decode; any other package shows its first function
+    return observed_from(doc, "decode" if "decode" in functions else functions[0], content_sha256)
