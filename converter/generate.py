@@ -287,10 +287,7 @@ def coreml_backend(
         state = models["decode"].make_state() if runtime.kv["style"] == "state" else None
 
         def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            feed = {k: _core_ml_input(k, v) for k, v in inputs.items()}
-            model = models[function]
-            out = model.predict(feed) if state is None else model.predict(feed, state=state)
-            return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+            return _predict(models[function], inputs, state)
 
         return run, None if state is None else StateView(lambda: state, [name])
 
@@ -318,21 +315,19 @@ def _per_function_backend(
             relay = StateRelay(states, name, "prefill")
 
         def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            feed = {k: _core_ml_input(k, v) for k, v in inputs.items()}
-            model = models[function]
-            if relay is None:
-                out = model.predict(feed)
-            else:
-                out = model.predict(feed, state=relay.state_for(function))
-            return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+            state = None if relay is None else relay.state_for(function)
+            return _predict(models[function], inputs, state)
 
         return runtime.session(run, None if relay is None else relay.view())
 
     return make
 
 
-def _core_ml_input(name: str, value: np.ndarray) -> np.ndarray:
-    return value.astype(np.int32 if name == "input_ids" else np.float16)
+def _predict(model: Any, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]:
+    """One Core ML call: int32 token ids, fp16 everything else; fp32 outputs."""
+    feed = {k: v.astype(np.int32 if k == "input_ids" else np.float16) for k, v in inputs.items()}
+    out = model.predict(feed) if state is None else model.predict(feed, state=state)
+    return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
 
 @dataclass

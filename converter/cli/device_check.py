@@ -1,4 +1,4 @@
-"""The ``anec device-check`` command: a cached decoder's gates run by Core ML on this Mac."""
+"""The ``anec device-check`` command: an artifact's gates run by Core ML on this Mac."""
 
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ from parity.mil.profiles import PROFILES
     "--device-evidence",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     default=None,
-    help="An anec device-check file of ARTIFACT (a cached decoder): its Core ML gates join "
-    "the report with their provenance; a file of another artifact exits 2.",
+    help="An anec device-check file of ARTIFACT: its Core ML gates join the report with "
+    "their provenance; a file of another artifact exits 2.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the parity document as JSON.")
 def parity_command(

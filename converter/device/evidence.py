@@ -136,7 +136,7 @@ class DeviceEvidence:
     """What a device-check measured; `to_json` is the evidence file."""
 
     artifact: str
-    packages: list[dict[str, str]]
+    packages: list[dict[str, Any]]
     recorded: dict[str, Any]
     program: list[GateResult]
     units: list[UnitsResult]
@@ -249,7 +249,7 @@ def memory_census(
 
 def measure(
     artifact: Path,
-    packages: list[dict[str, str]],
+    packages: list[dict[str, Any]],
     kind: Prepared,
     units: Sequence[str],
     mac: Adapters,

@@ -22,7 +22,6 @@ from typing import Any
 
 from converter.tasks.base import Program
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
-from graph_passes.cached_decoder import CachedDecoder
 
 PER_FUNCTION = "per-function"
 WEIGHTS = Path("Data") / "com.apple.CoreML" / "weights" / "weight.bin"
@@ -45,21 +44,25 @@ def function_package_file(name: str, function: str) -> str:
 
 
 def publish_singles(
-    singles: dict[str, Path], directory: Path, name: str, decode: Program
-) -> tuple[dict[str, Path], Program, dict[str, Any]]:
-    """Move each single-function package into ``directory`` under its published name;
-    returns the packages by function, the decode program at its package and the sizes."""
-    packages = {}
+    singles: dict[str, Path], programs: dict[str, Program], directory: Path, name: str
+) -> dict[str, Program]:
+    """Move each single-function package into ``directory`` under its published name; each
+    function's program, at its package."""
+    published = {}
     for function, path in singles.items():
         target = directory / function_package_file(name, function)
         shutil.move(str(path), str(target))
-        packages[function] = target
-    sizes: dict[str, Any] = {
+        published[function] = replace(programs[function], path=target)
+    return published
+
+
+def per_function_sizes(packages: dict[str, Path]) -> dict[str, Any]:
+    """Bytes of each function's package and of its weight file."""
+    return {
         "layout": PER_FUNCTION,
         "package_bytes": {f: package_bytes(p) for f, p in packages.items()},
         "weight_bytes": {f: (p / WEIGHTS).stat().st_size for f, p in packages.items()},
     }
-    return packages, replace(decode, path=packages[DEFAULT_FUNCTION]), sizes
 
 
 def loaded_sets(functions: list[str]) -> list[list[str]]:
@@ -109,10 +112,3 @@ def add_to_plan(directory: Path, resident: dict[str, Any]) -> None:
         lines.append(f"  {row['functions']}: {figures}")
     text = (directory / PLAN_TXT).read_text(encoding="utf-8").rstrip("\n")
     write_text_atomic(directory / PLAN_TXT, text + "\n" + "\n".join(lines) + "\n")
-
-
-def per_function_entries(
-    functions: dict[str, CachedDecoder], packages: dict[str, Path]
-) -> dict[str, dict[str, str]]:
-    """The manifest's per-function package and function name (each package's ``main``)."""
-    return {f: {"package": packages[f].name, "function": "main"} for f in functions}

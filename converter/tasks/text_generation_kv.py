@@ -53,7 +53,7 @@ from converter.tasks.kv_layout import (
     WEIGHTS,
     add_to_plan,
     package_bytes,
-    per_function_entries,
+    per_function_sizes,
     publish_singles,
     resident_predicted,
 )
@@ -83,14 +83,18 @@ class KvRun(window_task.DecoderRun):
     sizes: dict[str, Any] = field(default_factory=dict)
     kv: KvParity | None = None
     budget: int = 0  # bytes per package (cache.package_budget_mb or the target's default)
-    # cache.layout per-function: each function's published package (empty: multifunction)
-    function_packages: dict[str, Path] = field(default_factory=dict)
+    # cache.layout per-function: each function's published program (empty: multifunction)
     function_programs: dict[str, Program] = field(default_factory=dict)
 
     @property
     def cache(self) -> Any:
         """The recipe's cache section."""
         return self.recipe.cache
+
+    @property
+    def function_packages(self) -> dict[str, Path]:
+        """The per-function layout's package of each function (empty: multifunction)."""
+        return {f: p.path for f, p in self.function_programs.items()}
 
 
 # ---- steps -----------------------------------------------------------------------------------
@@ -232,13 +236,12 @@ def convert_functions(run: KvRun, advance: Advance) -> None:
         singles, programs = convert_singles(
             run.functions, run.recipe.io.dtype, run.recipe.precision, target, scratch, advance
         )
-        run.function_packages, decode, run.sizes = publish_singles(
-            singles, run.job.directory, run.recipe.name, programs[DEFAULT_FUNCTION]
+        run.function_programs = publish_singles(
+            singles, programs, run.job.directory, run.recipe.name
         )
         shutil.rmtree(scratch)
-        run.function_programs = {f: replace(p, path=run.function_packages[f])
-                                 for f, p in programs.items()}  # fmt: skip
-        run.chunk_sizes, run.programs = [run.sizes], [decode]
+        run.sizes = per_function_sizes(run.function_packages)
+        run.chunk_sizes, run.programs = [run.sizes], [run.function_programs[DEFAULT_FUNCTION]]
         return
     for chunk, functions in zip(run.split, run.chunks, strict=True):
         emitted = emit_functions(
@@ -263,13 +266,11 @@ def published_functions(run: KvRun, advance: Advance) -> None:
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     kv = manifest["kv_cache"]
     if kv.get("layout") == PER_FUNCTION:
-        packages = {f: directory / e["package"] for f, e in kv["functions"].items()}
-        run.function_packages = packages
-        run.sizes = {
-            "layout": PER_FUNCTION,
-            "package_bytes": {f: package_bytes(p) for f, p in packages.items()},
-            "weight_bytes": {f: (p / WEIGHTS).stat().st_size for f, p in packages.items()},
+        run.function_programs = {
+            f: replace(run.main, piece=f, path=directory / e["package"])
+            for f, e in kv["functions"].items()
         }
+        run.sizes = per_function_sizes(run.function_packages)
         run.chunk_sizes = [run.sizes]
         return
     records = [c["sizes"] for c in kv["chunks"]] if "chunks" in kv else [kv["sizes"]]
@@ -371,8 +372,8 @@ def per_function_manifest(run: KvRun, doc: Any) -> None:
     from converter.manifest_fields import package_entry
 
     doc.package.function = "main"
-    for name, entry in per_function_entries(run.functions, run.function_packages).items():
-        doc.kv_cache["functions"][name] |= entry
+    for name, program in run.function_programs.items():
+        doc.kv_cache["functions"][name] |= {"package": program.path.name, "function": "main"}
     doc.extra_packages = [
         package_entry(p.path, p.ops) for f, p in run.function_programs.items()
         if f != DEFAULT_FUNCTION
