@@ -90,6 +90,25 @@ def test_every_gate_runs_per_units_with_timing_and_memory(
     assert "STAND-IN" in result.output and "kv_max_abs_logit_error" in result.output
 
 
+def test_a_compressed_variant_is_refused_before_anything_runs(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import converter.cli.device_check as cli
+
+    loader = StandInLoader()
+    monkeypatch.setattr(cli, "mac_adapters", _adapters(loader))
+    variant = tmp_path / "tiny-kv-int8"
+    shutil.copytree(artifact, variant)
+    manifest = json.loads((variant / "manifest.json").read_text())
+    manifest["compression"] = {"method": "int8"}
+    (variant / "manifest.json").write_text(json.dumps(manifest))
+    result = run_anec("device-check", variant, "--out", tmp_path / "e.json")
+    assert result.exit_code == 2 and "compressed variant" in result.output
+    assert not loader.loads and not (tmp_path / "e.json").exists()
+
+
 def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

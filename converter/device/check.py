@@ -15,6 +15,7 @@ from converter.device.evidence import (
     plan_section,
 )
 from converter.device.window import prepare_window
+from converter.errors import InputError
 from converter.progress import Steps
 
 DEFAULT_UNITS = ("CPU_ONLY", "CPU_AND_NE")
@@ -36,6 +37,10 @@ def device_check(
 
     steps = steps or Steps(quiet=True)
     manifest = read_manifest(artifact)
+    if manifest.compression is not None:
+        # Its gates compare against the fp16 program as well as the checkpoint (level
+        # compression), which the device's outputs alone do not show.
+        raise InputError(f"{artifact}: a compressed variant; device-check runs fp16 artifacts")
     packages = checked_packages(artifact)  # before the checkpoint is loaded
     with steps.step("reference (checkpoint)"):
         if manifest.kv_cache is not None:

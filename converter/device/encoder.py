@@ -21,7 +21,6 @@ import numpy as np
 from converter.coreml_runtime import CoreMLModel, ModelLoader
 from converter.device.evidence import PROGRAM, Prepared, implementation
 from converter.device.rebuild import rebuilt_run
-from converter.errors import InputError
 from converter.manifest import Manifest
 from parity.gate import GateResult
 
@@ -86,8 +85,6 @@ def prepare_encoder(artifact: Path, manifest: Manifest) -> Prepared:
     """An encoder's (or a decision model's) output gates, its references rebuilt."""
     from converter.recheck import published_programs
 
-    if manifest.compression is not None:
-        raise InputError(f"{artifact}: a compressed variant; device-check runs fp16 artifacts")
     pieces = {p.piece: p.path for p in published_programs(artifact, manifest)}
     gates_of = _decision_gates if manifest.task == "decision" else _encoder_gates
     gated = partial(gates_of(manifest), pieces)

@@ -35,9 +35,7 @@ class _EvaluatorModel:
         raise TypeError("a window program has no state")
 
 
-def _refuse_unless_plain(artifact: Path, manifest: Manifest) -> None:
-    if manifest.compression is not None:
-        raise InputError(f"{artifact}: a compressed variant; device-check runs fp16 artifacts")
+def _refuse_a_trimmed_head(artifact: Path, manifest: Manifest) -> None:
     if manifest.draft_vocabulary is not None:
         raise InputError(
             f"{artifact}: a trimmed draft vocabulary; device-check of a window program with a "
@@ -53,7 +51,7 @@ def prepare_window(artifact: Path, manifest: Manifest) -> Prepared:
     from parity.mil import Evaluator, load_package
     from parity.mil.program import dtype_name
 
-    _refuse_unless_plain(artifact, manifest)
+    _refuse_a_trimmed_head(artifact, manifest)
     package = artifact / manifest.package.file
     run = rebuilt_run(manifest, (load, rewrite, references))
     rw, limits = run.rewrite, thresholds(run.recipe)
