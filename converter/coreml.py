@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,12 @@ def to_mlprogram(
         for s in states
     ]
     _restart_mil_names()
-    with warnings_to_log("ct.convert"), _validated_once(), _activations_as_spelled():
+    with (
+        warnings_to_log("ct.convert"),
+        _validated_once(),
+        _activations_as_spelled(),
+        _overflow_checked_by_range(),
+    ):
         return ct.convert(
             traced,
             inputs=[ct.TensorType(name=i.name, shape=i.shape, dtype=_NP[i.dtype]) for i in inputs],
@@ -128,6 +134,52 @@ def _validated_once() -> Iterator[None]:
         Program.validate = check
     for program in programs:
         check(program)
+
+
+FP16_MAX = 65504.0
+
+
+def _in_fp16_range(value: Any) -> bool:
+    """Whether every value lies in [-65504, 65504] (False for a NaN: its min / max is NaN)."""
+    array = np.asarray(value)
+    if array.size == 0:
+        return True
+    return bool(array.min() >= -FP16_MAX) and bool(array.max() <= FP16_MAX)
+
+
+@contextlib.contextmanager
+def _overflow_checked_by_range() -> Iterator[None]:
+    """Answer coremltools' fp16 cast pass's overflow question from each constant's min / max.
+
+    ``FP16ComputePrecision.fp16_overflow`` asks, for every op, whether an fp32 constant input
+    would overflow fp16, by building ``abs(value)`` and a boolean-indexed copy of it: for the
+    three functions of SmolLM2's cached decoder that was 22 s of their 125 s conversion
+    (py-spy). A constant within [-65504, 65504] cannot overflow, so an op whose constants all
+    are gets False at once; any other op (one value out of range, an inf mask, a NaN) is
+    answered by coremltools' own check, so every answer is the one it gives.
+    """
+    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+
+    original = FP16ComputePrecision.__dict__["fp16_overflow"]
+    exact = FP16ComputePrecision.fp16_overflow
+
+    def fp16_overflow(op: Any) -> bool:
+        for inputs in op.inputs.values():
+            for var in inputs if isinstance(inputs, list | tuple) else [inputs]:
+                if (
+                    var.op is not None
+                    and var.op.op_type == "const"
+                    and var.is_tensor_or_scalar_of(dtype="fp32")
+                    and not _in_fp16_range(var.op.val.val)
+                ):
+                    return bool(exact(op))
+        return False
+
+    FP16ComputePrecision.fp16_overflow = staticmethod(fp16_overflow)
+    try:
+        yield
+    finally:
+        FP16ComputePrecision.fp16_overflow = original
 
 
 # coremltools' ML Program backend folds mul(x, sigmoid(x)) into one silu op; it cannot be
@@ -175,9 +227,19 @@ def save_package(mlmodel: Any, package: Path) -> Path:
     day (so the content hash in the manifest is reproducible); the weights file is
     deterministic already. The package's own ``Manifest.json`` keeps coremltools' fresh
     UUIDs and is outside the content hash.
+
+    The temporary package ``ct.convert`` wrote is moved, not copied as ``MLModel.save`` does
+    (2.5 s for SmolLM2's weights on this machine), and its spec replaced by the model's own,
+    which holds the metadata set after the package was written, as ``save`` writes it;
+    ``mlmodel`` then refers to ``package``.
     """
-    mlmodel.save(str(package))
-    canonicalize_spec(package)
+    source = Path(mlmodel.package_path) if mlmodel.is_package else None
+    if source is not None and mlmodel.is_temp_package and not package.exists():
+        shutil.move(source, package)  # a rename where both are on one filesystem
+        mlmodel.package_path, mlmodel.is_temp_package = str(package), False
+    else:
+        mlmodel.save(str(package))
+    canonicalize_spec(package, mlmodel.get_spec())
     return package
 
 
@@ -204,14 +266,15 @@ def combine_functions(packages: dict[str, Path], package: Path, default: str) ->
     return package
 
 
-def canonicalize_spec(package: Path) -> None:
-    """Rewrite the package's model spec with deterministic protobuf serialization (map
-    entries sorted by key) and without coremltools' conversion date."""
+def canonicalize_spec(package: Path, spec: Any = None) -> None:
+    """Rewrite the package's model spec (or write ``spec`` there) with deterministic protobuf
+    serialization (map entries sorted by key) and without coremltools' conversion date."""
     from coremltools.proto import Model_pb2
 
     spec_file = package / SPEC_FILE
-    spec = Model_pb2.Model()
-    spec.ParseFromString(spec_file.read_bytes())
+    if spec is None:
+        spec = Model_pb2.Model()
+        spec.ParseFromString(spec_file.read_bytes())
     metadata = spec.description.metadata.userDefined
     if CONVERSION_DATE_KEY in metadata:
         log.info(
