@@ -46,12 +46,18 @@ def to_fp16(x: np.ndarray) -> np.ndarray:
         return x.astype(np.float16)
 
 
-def widen_fp16(half: np.ndarray) -> np.ndarray:
-    """An fp16 array as fp32 (exact), as a new array; torch's conversion where it can read
-    the array (4M values: 8 ms against numpy's 11)."""
-    if _torch_readable(half, np.float16):
-        return _as_torch(half).float().numpy()
-    return half.astype(np.float32)
+def widen_fp16(half: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """An fp16 array as fp32 (exact), as a new array or into ``out`` (fp32, same shape);
+    torch's conversion where it can read the arrays (4M values: 8 ms against numpy's 11)."""
+    if out is None:
+        if _torch_readable(half, np.float16):
+            return _as_torch(half).float().numpy()
+        return half.astype(np.float32)
+    if _torch_readable(half, np.float16) and _torch_readable(out, np.float32):
+        _as_torch(out).copy_(_as_torch(half))
+    else:
+        np.copyto(out, half)
+    return out
 
 
 def _torch_readable(x: np.ndarray, dtype: type[np.floating]) -> bool:

@@ -99,6 +99,9 @@ class KernelSpec:
     attributes: tuple[str, ...]
     check: Check | None
     exact: bool = False  # results only move or select input values: nothing to round
+    # Inputs the kernel only reads while it runs (its result never holds them): a packed fp16
+    # constant there is widened into the evaluator's reused buffer (`Evaluator._borrowed`).
+    borrows: tuple[str, ...] = ()
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -109,20 +112,22 @@ def kernel(
     attributes: tuple[str, ...] = (),
     check: Check | None = None,
     exact: bool = False,
+    borrows: tuple[str, ...] = (),
 ) -> Callable[[Kernel], Kernel]:
     """Register ``fn`` for ``op_types``; ``attributes`` are the semantic const inputs.
 
     An attribute ``dtype:<input>`` names an input's element type instead of its value, and
     ``has:<input>`` whether the op has that input at all (an opset's form of the op).
     ``exact`` kernels only move or select values already stored: the evaluator skips the
-    profile's rounding of their results (it could not change them).
+    profile's rounding of their results (it could not change them). ``borrows`` names
+    inputs the kernel reads only during its call and never returns (nor a view of them).
     """
 
     def register(fn: Kernel) -> Kernel:
         for op_type in op_types:
             if op_type in KERNELS:
                 raise ValueError(f"two kernels for MIL op type {op_type!r}")
-            KERNELS[op_type] = KernelSpec(op_type, fn, attributes, check, exact)
+            KERNELS[op_type] = KernelSpec(op_type, fn, attributes, check, exact, borrows)
         return fn
 
     return register

@@ -53,6 +53,7 @@ def conv_padding(
     "conv",
     attributes=("groups", "pad_type", "pad", "strides", "dilations"),
     check=_check_conv,
+    borrows=("weight",),
 )
 def conv(call: Call) -> np.ndarray:
     """N-d convolution (cross-correlation) with groups, strides, dilations and padding."""
@@ -121,7 +122,7 @@ def matmul(call: Call) -> np.ndarray:
     return _matmul_promoting(call, x, y)
 
 
-@kernel("linear")
+@kernel("linear", borrows=("weight",))
 def linear(call: Call) -> np.ndarray:
     """``x @ weight.T + bias``; weight (D_out, D_in)."""
     x, weight = call["x"], call["weight"]
