@@ -23,6 +23,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from converter.coreml_fast import (
+    fp16_checks_without_copies,
+    same_arrays_compared_once,
+    validated_once,
+)
 from converter.runlog import warnings_to_log
 from parity.memory import release_memory
 
@@ -91,9 +96,9 @@ def to_mlprogram(
     _restart_mil_names()
     with (
         warnings_to_log("ct.convert"),
-        _validated_once(),
+        validated_once(),
         _activations_as_spelled(),
-        _overflow_checked_by_range(),
+        fp16_checks_without_copies(),
     ):
         return ct.convert(
             traced,
@@ -106,80 +111,6 @@ def to_mlprogram(
             skip_model_load=True,
             pass_pipeline=pipeline,
         )
-
-
-@contextlib.contextmanager
-def _validated_once() -> Iterator[None]:
-    """Validate each program once, after coremltools' pass pipeline, not after every pass.
-
-    ``PassPipelineManager.apply_pipeline`` re-checks the whole program (every op's inputs
-    against its producers' consumers) after each of its ~90 passes: in a profile of
-    tests/test_kv_pipeline.py that was 81 of the pipeline's 151 s. The checks only read the
-    program, so running them once on the final program finds the same invalid state, at the
-    end rather than after the pass that caused it.
-    """
-    from coremltools.converters.mil.mil.program import Program
-
-    check = Program.validate
-    programs: list[Any] = []
-
-    def record(self: Any, check_essential_scope: bool | None = False) -> None:
-        if not any(p is self for p in programs):
-            programs.append(self)
-
-    Program.validate = record
-    try:
-        yield
-    finally:
-        Program.validate = check
-    for program in programs:
-        check(program)
-
-
-FP16_MAX = 65504.0
-
-
-def _in_fp16_range(value: Any) -> bool:
-    """Whether every value lies in [-65504, 65504] (False for a NaN: its min / max is NaN)."""
-    array = np.asarray(value)
-    if array.size == 0:
-        return True
-    return bool(array.min() >= -FP16_MAX) and bool(array.max() <= FP16_MAX)
-
-
-@contextlib.contextmanager
-def _overflow_checked_by_range() -> Iterator[None]:
-    """Answer coremltools' fp16 cast pass's overflow question from each constant's min / max.
-
-    ``FP16ComputePrecision.fp16_overflow`` asks, for every op, whether an fp32 constant input
-    would overflow fp16, by building ``abs(value)`` and a boolean-indexed copy of it: for the
-    three functions of SmolLM2's cached decoder that was 22 s of their 125 s conversion
-    (py-spy). A constant within [-65504, 65504] cannot overflow, so an op whose constants all
-    are gets False at once; any other op (one value out of range, an inf mask, a NaN) is
-    answered by coremltools' own check, so every answer is the one it gives.
-    """
-    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
-
-    original = FP16ComputePrecision.__dict__["fp16_overflow"]
-    exact = FP16ComputePrecision.fp16_overflow
-
-    def fp16_overflow(op: Any) -> bool:
-        for inputs in op.inputs.values():
-            for var in inputs if isinstance(inputs, list | tuple) else [inputs]:
-                if (
-                    var.op is not None
-                    and var.op.op_type == "const"
-                    and var.is_tensor_or_scalar_of(dtype="fp32")
-                    and not _in_fp16_range(var.op.val.val)
-                ):
-                    return bool(exact(op))
-        return False
-
-    FP16ComputePrecision.fp16_overflow = staticmethod(fp16_overflow)
-    try:
-        yield
-    finally:
-        FP16ComputePrecision.fp16_overflow = original
 
 
 # coremltools' ML Program backend folds mul(x, sigmoid(x)) into one silu op; it cannot be
@@ -258,7 +189,8 @@ def combine_functions(packages: dict[str, Path], package: Path, default: str) ->
     with (
         warnings_to_log("ct.utils.save_multifunction"),
         loads_sharing_equal_constants(),
-        _validated_once(),  # half of the combine's time went to validating after every pass
+        validated_once(),  # half of the combine's time went to validating after every pass
+        same_arrays_compared_once(),
     ):
         ct.utils.save_multifunction(descriptor, str(package))
     release_memory()  # the loaded programs are cyclic garbage: gone only when collected

@@ -1,5 +1,5 @@
 """coremltools' whole-program validation runs once per conversion, after its pass pipeline
-(converter.coreml._validated_once), and still refuses an invalid program."""
+(converter.coreml_fast.validated_once), and still refuses an invalid program."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil.block import InvalidBlockStateError
 from coremltools.converters.mil.mil.program import Program
 
-from converter.coreml import _validated_once
+from converter.coreml_fast import validated_once
 
 
 def _program() -> Any:
@@ -25,7 +25,7 @@ def test_each_program_is_checked_once_at_the_end(monkeypatch: pytest.MonkeyPatch
     checked: list[Any] = []
     monkeypatch.setattr(Program, "validate", lambda self, **_: checked.append(self))
     first, second = _program(), _program()
-    with _validated_once():
+    with validated_once():
         for prog in (first, second, first, first):  # what a pass pipeline does after each pass
             prog.validate()
         assert checked == []
@@ -35,11 +35,11 @@ def test_each_program_is_checked_once_at_the_end(monkeypatch: pytest.MonkeyPatch
 def test_an_invalid_program_is_still_refused() -> None:
     prog = _program()
     refused = pytest.raises(InvalidBlockStateError, match="should be consumed by op relu")
-    with refused, _validated_once():
+    with refused, validated_once():
         prog.validate()  # deferred
         transpose, relu = list(prog.functions["main"].operations)[1:]
         transpose.outputs[0]._child_ops.append(relu)  # a pass that broke a link
     real = Program.validate
-    with _validated_once():
+    with validated_once():
         pass
     assert Program.validate is real
