@@ -6,7 +6,7 @@ window at a time, norms over a few hundred channels). Measured on SmolLM2 on the
 with other work running: one BC1L fp32 forward took 1.1 s wall and 0.28 s CPU with one torch
 thread, 15.2 s wall and 4.8 s CPU with two, the second thread's spin-waiting burning more than
 it computes; fp16: 3.4 s against 12.0 s. The evaluator limits BLAS the same way
-(``parity.mil.evaluator.blas_threads``).
+(``parity.mil.evaluator.BlasThreads``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,14 @@ import pytest
 import torch
 from mil_ops import rand, run1
 
-from parity.mil.numerics import Arithmetic, has_fp16_subnormal, round_fp16
+from parity.mil.numerics import (
+    TORCH_FROM,
+    Arithmetic,
+    has_fp16_subnormal,
+    round_fp16,
+    to_fp16,
+    widen_fp16,
+)
 from parity.mil.profiles import FP16, FP16_ACC, FP32
 
 
@@ -25,6 +32,18 @@ def test_round_fp16_is_ieee_round_to_nearest_even() -> None:
     np.testing.assert_array_equal(round_fp16(x[::-3]), want[::-3])  # negative strides
     # fp64 rounds to fp16 directly: through fp32 first, 1 + 2^-11 + 2^-40 would tie to 1.
     assert round_fp16(np.array([1 + 2.0**-11 + 2.0**-40]))[0] == np.float32(1 + 2.0**-10)
+
+
+def test_small_and_large_arrays_round_and_widen_alike() -> None:
+    """Below TORCH_FROM values numpy converts, from it torch: the same bits either way."""
+    edges = [65504.0, 65519.99, 65520.0, -65520.0, 1e-7, -6e-8, 2.0**-25, 3 * 2.0**-25, 0.0]
+    x = np.concatenate([rand(3 * TORCH_FROM, seed=71) * 1e3, edges * 40]).astype(np.float32)
+    whole = round_fp16(x)  # torch
+    pieces = np.concatenate([round_fp16(x[i : i + 100]) for i in range(0, x.size, 100)])
+    np.testing.assert_array_equal(whole.view(np.uint32), pieces.view(np.uint32))
+    half = to_fp16(x)
+    widened = np.concatenate([widen_fp16(half[i : i + 100]) for i in range(0, x.size, 100)])
+    np.testing.assert_array_equal(widen_fp16(half).view(np.uint32), widened.view(np.uint32))
 
 
 def test_fp16_storage_overflows_between_ops_but_not_inside_one() -> None:

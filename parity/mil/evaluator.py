@@ -79,23 +79,28 @@ class Evaluation:
     non_finite: list[str] = field(default_factory=list)
 
 
-@contextmanager
-def blas_threads(count: int | None) -> Iterator[None]:
-    """Limit BLAS to ``count`` threads inside the block (None: leave it as it is).
+class BlasThreads:
+    """Limits BLAS to ``count`` threads inside ``with limit():`` (None: leaves it as it is).
 
     The evaluator issues thousands of small products; on 2 shared cores OpenBLAS's threads
-    made them 10 to 25 times slower than one thread (measured on SmolLM2's shapes).
+    made them 10 to 25 times slower than one thread (measured on SmolLM2's shapes). The BLAS
+    libraries are found once, here: threadpoolctl's search on every run was 1.5 s of SmolLM2
+    KV's cache parity (py-spy).
     """
-    if count is None:
-        yield
-        return
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional: without it BLAS keeps its own setting
-        yield
-        return
-    with threadpool_limits(limits=count, user_api="blas"):
-        yield
+
+    def __init__(self, count: int | None) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self.count = count
+        self._controller = ThreadpoolController() if count is not None else None
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self._controller is None:
+            yield
+            return
+        with self._controller.limit(limits=self.count, user_api="blas"):
+            yield
 
 
 def _is_state(var: Any) -> bool:
@@ -170,6 +175,7 @@ class Evaluator:
         """
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         self.threads = threads
+        self._blas = BlasThreads(threads)
         self.arith = Arithmetic(self.profile)
         self.perturbation: Perturbation | None = None
         self.reseed(seed)
@@ -204,6 +210,7 @@ class Evaluator:
         self._like = like if usable else None
         self._prepare()
         self._like = None
+        self._names = frozenset(self.var_names()) | set(self.inputs)  # what run may capture
 
     # ----------------------------------------------------------------------------------
     # preparation
@@ -351,14 +358,14 @@ class Evaluator:
         time). Each input goes through the same kernels on the same values as alone, so each
         result has the bits of its own `run`; every input's live values exist at once."""
         wanted = set(capture)
-        unknown = wanted - set(self.var_names()) - set(self.inputs)
+        unknown = wanted - self._names
         if unknown:
             raise MILError(f"cannot capture {sorted(unknown)}: no such values in the function")
         given = list(states) if states is not None else [None] * len(feeds)
         runs = [
             self._begin(inputs, state, wanted) for inputs, state in zip(feeds, given, strict=True)
         ]
-        with blas_threads(self.threads):
+        with self._blas():
             for step in self._steps:
                 shared = self._constant_inputs(step)
                 for env, _, captured, non_finite in runs:
@@ -435,8 +442,9 @@ class Evaluator:
             value = np.asarray(states[name])
             if shape is not None and value.shape != shape:
                 raise MILError(f"state {name!r}: shape {value.shape}, expected {shape}")
-            if dtype == "fp16":
+            if dtype == "fp16" and not self.profile.fp16_storage:
                 value = round_fp16(value.astype(np.float32))  # the runtime holds fp16
+            # (under fp16 storage ``coerce`` rounds it, once)
             slots[name] = StateSlot(name, coerce(value, dtype, self.arith))
         extra = set(states) - set(self.states)
         if extra:
@@ -459,7 +467,8 @@ class Evaluator:
             else:
                 values[name] = ref
         try:
-            result = step.spec.fn(Call(op, values, self.arith))
+            call = Call(op, values, self.arith)
+            result = step.spec.fn(call)
         except MILError:
             raise
         except Exception as e:  # a kernel bug or a value the kernel rejects: name the op
@@ -473,9 +482,11 @@ class Evaluator:
         for (name, dtype, shape), value in zip(step.outputs, results, strict=True):
             # The one place a profile's deviations reach a result: after the kernel, before
             # the profile stores it (so a deviation is rounded like any result).
+            exact = step.spec.exact or call.exact
             if perturb is not None and dtype in FLOAT_TYPES and perturb.applies_to(op.op_type):
                 value = perturb.apply(op, values, np.asarray(value, dtype=np.float32))
-            if step.spec.exact and dtype in FLOAT_TYPES:
+                exact = step.spec.exact
+            if exact and dtype in FLOAT_TYPES:
                 value = np.asarray(value, dtype=np.float32)  # stored values, moved: no rounding
             else:
                 value = coerce(value, dtype, self.arith)

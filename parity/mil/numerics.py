@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 FP16_MIN_NORMAL = 2.0**-14
+# Arrays of at least this many values are converted by torch (faster there); smaller by numpy.
+TORCH_FROM = 1024
 
 
 def round_fp16(x: np.ndarray, flush: bool = False) -> np.ndarray:
@@ -37,10 +39,11 @@ def to_fp16(x: np.ndarray) -> np.ndarray:
 
     An fp32 array goes through torch's conversion: on this machine's CPU 16x faster than
     numpy's (4M values: 1.4 ms against 22.8 ms), and bit-identical to it for every fp32
-    value but NaN payloads (checked over all 2^32 bit patterns). Any other dtype is rounded
-    by numpy directly, never through fp32 first, which could round twice."""
+    value but NaN payloads (checked over all 2^32 bit patterns). Below ``TORCH_FROM`` values
+    numpy is the faster (576 values: 3.1 us against 5.6), as for any other dtype, which numpy
+    rounds directly, never through fp32 first, which could round twice."""
     x = np.asarray(x)
-    if _torch_readable(x, np.float32):
+    if x.size >= TORCH_FROM and _torch_readable(x, np.float32):
         return _as_torch(x).half().numpy()
     with np.errstate(over="ignore"):
         return x.astype(np.float16)
@@ -50,7 +53,7 @@ def widen_fp16(half: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """An fp16 array as fp32 (exact), as a new array or into ``out`` (fp32, same shape);
     torch's conversion where it can read the arrays (4M values: 8 ms against numpy's 11)."""
     if out is None:
-        if _torch_readable(half, np.float16):
+        if half.size >= TORCH_FROM and _torch_readable(half, np.float16):
             return _as_torch(half).float().numpy()
         return half.astype(np.float32)
     if _torch_readable(half, np.float16) and _torch_readable(out, np.float32):

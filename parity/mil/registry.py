@@ -29,6 +29,9 @@ class Call:
         self.op = op
         self.values = values
         self.arith = arith
+        # Set by a kernel whose result this time holds only values already stored (a product
+        # with a 0 / 1 mask): the evaluator then skips rounding it, which could not change it.
+        self.exact = False
 
     def __getitem__(self, name: str) -> Any:
         value = self.values.get(name)

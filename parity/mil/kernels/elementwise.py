@@ -36,12 +36,27 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
 }
 
 
+# A mul operand of at most this many values is checked for being a 0 / 1 mask.
+MASK_CHECKED_UP_TO = 65536
+
+
 @kernel(*_BINARY)
 def binary(call: Call) -> np.ndarray:
     """``f(x, y)`` with broadcasting."""
     x, y = np.asarray(call["x"]), np.asarray(call["y"])
+    if call.op.op_type == "mul":
+        # x * 1 is x and x * 0 is a zero: a product with a 0 / 1 mask (a cache's slot blend)
+        # holds stored values only, so rounding it again is skipped (`Call.exact`).
+        call.exact = _is_mask(x) or _is_mask(y)
     with np.errstate(all="ignore"):  # inf and NaN are results to report, not exceptions
         return np.asarray(_BINARY[call.op.op_type](x, y))
+
+
+def _is_mask(a: np.ndarray) -> bool:
+    """Whether ``a`` is a small float array of zeros and ones only."""
+    if a.dtype.kind != "f" or a.size > MASK_CHECKED_UP_TO:
+        return False
+    return bool(np.all((a == 0) | (a == 1)))
 
 
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {

@@ -1,6 +1,6 @@
-"""A kernel that borrows its weight (`KernelSpec.borrows`: conv, linear) reads a packed fp16
-constant widened into the evaluator's one reused buffer: every result has the bits it has
-with a fresh fp32 copy per op, and no result holds the buffer."""
+"""The MIL evaluator's fast paths keep every bit: a kernel that borrows its weight
+(`KernelSpec.borrows`: conv, linear) reads a packed fp16 constant widened into one reused
+buffer, and a product with a 0 / 1 mask is not rounded again (`Call.exact`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from mil_ops import program, rand
 
 from parity.mil import Evaluator
+from parity.mil.numerics import round_fp16
 from parity.mil.registry import KERNELS
 
 
@@ -61,3 +62,44 @@ def test_no_value_holds_the_buffer() -> None:
         assert not np.shares_memory(value, scratch)
     again = evaluator.run({"x": x}, capture=["first", "second"])
     np.testing.assert_array_equal(again.outputs["out"], result.outputs["out"])
+
+
+def _blend(x: Any) -> Any:
+    from coremltools.converters.mil import Builder as mb
+
+    keep = np.array([1.0, 0.0, 1.0, 1.0], np.float16).reshape(1, 1, 1, 4)  # a slot mask
+    h = mb.cast(x=mb.mul(x=x, y=np.float32(3.1)), dtype="fp16")  # values not all fp16 sums
+    kept = mb.mul(x=h, y=keep, name="kept")
+    scaled = mb.mul(x=h, y=np.float16(0.3), name="scaled")  # a real product: rounded
+    return mb.add(x=kept, y=scaled, name="out")
+
+
+@pytest.mark.parametrize("profile", ["fp16", "fp16-acc", "device-margin"])
+def test_a_product_with_a_mask_is_not_rounded_again_and_keeps_its_bits(
+    profile: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import parity.mil.kernels.elementwise as elementwise
+
+    x = rand(1, 8, 1, 4, seed=6) * 1e3
+    prog = program(_blend, x)
+    names = ["kept", "scaled"]
+    skipped = Evaluator(prog, profile).run({"x": x}, capture=names)
+    monkeypatch.setattr(elementwise, "_is_mask", lambda a: False)
+    rounded = Evaluator(prog, profile).run({"x": x}, capture=names)
+    for name in names:
+        np.testing.assert_array_equal(
+            skipped.captured[name].view(np.uint32), rounded.captured[name].view(np.uint32)
+        )
+    np.testing.assert_array_equal(skipped.outputs["out"], rounded.outputs["out"])
+    for name in names:  # every stored value is an fp16 value, the real product's too
+        value = skipped.captured[name]
+        np.testing.assert_array_equal(round_fp16(value), value)
+
+
+def test_only_a_zero_one_operand_makes_a_product_exact() -> None:
+    from parity.mil.kernels.elementwise import _is_mask
+
+    assert _is_mask(np.array([0.0, 1.0, -0.0], np.float32))
+    assert not _is_mask(np.array([0.0, 1.0, 0.5], np.float32))
+    assert not _is_mask(np.array([1, 0], np.int32))  # integer products are not rounded anyway
+    assert not _is_mask(np.ones(70_000, np.float32))  # large operands are not scanned
