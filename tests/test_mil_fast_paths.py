@@ -55,11 +55,20 @@ def test_borrowed_weights_give_the_bits_of_fresh_copies(
 def test_no_value_holds_the_buffer() -> None:
     x = rand(1, 8, 1, 4, seed=4)
     evaluator = Evaluator(program(_build, x), "fp16")
+    buffers: list[np.ndarray] = []
+    borrowed = evaluator._borrowed
+
+    def seen(value: Any) -> Any:
+        out = borrowed(value)
+        buffers.append(evaluator._scratch)
+        return out
+
+    evaluator._borrowed = seen  # type: ignore[method-assign]
     result = evaluator.run({"x": x}, capture=["first", "second"])
-    scratch = evaluator._scratch
-    assert scratch.size == 48 * 16  # grown to the largest borrowed weight
+    assert max(b.size for b in buffers) == 48 * 16  # grown to the largest borrowed weight
+    assert evaluator._scratch.size == 0  # and let go after the run
     for value in [*result.captured.values(), *result.outputs.values()]:
-        assert not np.shares_memory(value, scratch)
+        assert not any(np.shares_memory(value, b) for b in buffers)
     again = evaluator.run({"x": x}, capture=["first", "second"])
     np.testing.assert_array_equal(again.outputs["out"], result.outputs["out"])
 
@@ -101,5 +110,8 @@ def test_only_a_zero_one_operand_makes_a_product_exact() -> None:
 
     assert _is_mask(np.array([0.0, 1.0, -0.0], np.float32))
     assert not _is_mask(np.array([0.0, 1.0, 0.5], np.float32))
+    assert not _is_mask(np.array([0.5, 0.0, 1.0], np.float32))
+    assert not _is_mask(np.array([np.nan, 1.0], np.float32))
+    assert not _is_mask(np.zeros(0, np.float32))
     assert not _is_mask(np.array([1, 0], np.int32))  # integer products are not rounded anyway
     assert not _is_mask(np.ones(70_000, np.float32))  # large operands are not scanned

@@ -200,7 +200,7 @@ class Evaluator:
         self.output_names = [var.name for var in self.function.outputs]
         self._constants: dict[str, Any] = {}
         self._steps: list[_Step] = []
-        self._scratch = np.empty(0, np.float32)  # `_borrowed`'s buffer
+        self._scratch = np.empty(0, np.float32)  # `_borrowed`'s buffer, during a run
         usable = (
             like is not None
             and like.function is self.function
@@ -365,18 +365,23 @@ class Evaluator:
         runs = [
             self._begin(inputs, state, wanted) for inputs, state in zip(feeds, given, strict=True)
         ]
-        with self._blas():
-            for step in self._steps:
-                shared = self._constant_inputs(step)
-                for env, _, captured, non_finite in runs:
-                    self._execute(step, env, shared)
-                    for name, dtype, _ in step.outputs:
-                        if name in wanted:
-                            captured[name] = env[name]
-                        if dtype in FLOAT_TYPES and not np.isfinite(env[name]).all():
-                            non_finite.append(name)
-                    for name in step.free:
-                        env.pop(name, None)
+        try:
+            with self._blas():
+                for step in self._steps:
+                    shared = self._constant_inputs(step)
+                    for env, _, captured, non_finite in runs:
+                        self._execute(step, env, shared)
+                        for name, dtype, _ in step.outputs:
+                            if name in wanted:
+                                captured[name] = env[name]
+                            if dtype in FLOAT_TYPES and not np.isfinite(env[name]).all():
+                                non_finite.append(name)
+                        for name in step.free:
+                            env.pop(name, None)
+        finally:
+            # Held for one run only: several evaluators each keeping one for their lifetime
+            # raised SmolLM2 KV's cache parity peak by 0.09 GiB.
+            self._scratch = np.empty(0, np.float32)
         results = []
         for (env, slots, captured, non_finite), state in zip(runs, given, strict=True):
             if state is not None:

@@ -54,7 +54,9 @@ def binary(call: Call) -> np.ndarray:
 
 def _is_mask(a: np.ndarray) -> bool:
     """Whether ``a`` is a small float array of zeros and ones only."""
-    if a.dtype.kind != "f" or a.size > MASK_CHECKED_UP_TO:
+    if a.dtype.kind != "f" or a.size == 0 or a.size > MASK_CHECKED_UP_TO:
+        return False
+    if a.flat[0] not in (0.0, 1.0):  # most operands show it at once
         return False
     return bool(np.all((a == 0) | (a == 1)))
 

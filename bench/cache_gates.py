@@ -1,0 +1,67 @@
+"""The cache gates alone, on an emitted cached decoder, in the MIL evaluator: time and peak.
+
+    python bench/cache_gates.py ARTIFACT [--fixtures N]
+
+Rebuilds the artifact's reference continuations from its checkpoint (as ``anec device-check``
+does), then runs `parity.kv_gates.check_kv` through the MIL evaluator's fp16 profile, as the
+conversion's "parity through the cache" step does, without the conversion around it. Prints
+the wall time of the gates, the process's resident memory before them and its largest value
+while they ran (sampled every 50 ms from /proc/self/status, so a shorter spike can be
+missed), and every gate's value: the same values as the artifact's kv_parity.json.
+
+For issue 25 item 5 (the 5-minute SmolLM2 KV conversion): the evaluator's per-call costs,
+measured on the cache gates' own calls, in one process, apart from the conversion's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+
+
+def resident_gib() -> float:
+    """This process's resident memory now (VmRSS), in GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--fixtures", type=int, help="only the first N fixtures")
+    args = parser.parse_args()
+
+    from converter.device.cached import continuations
+    from converter.generate import Runtime, mil_backend
+    from parity.kv_gates import check_kv
+
+    runtime = Runtime.from_artifact(args.artifact)
+    references = continuations(runtime)[: args.fixtures]
+    extend = int(runtime.functions["extend"].shape.tokens)
+    peak, done = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_gib())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    before = resident_gib()
+    sampler.start()
+    start = time.perf_counter()
+    result = check_kv(mil_backend(runtime), references, "prefill", extend, "mil-fp16")
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    print(f"{len(references)} fixtures: {seconds:.1f} s; resident {before:.2f} GiB before, "
+          f"{peak[0]:.2f} GiB at most while the gates ran")  # fmt: skip
+    for g in result.gates:
+        print(f"  {g.text()}")
+
+
+if __name__ == "__main__":
+    main()
