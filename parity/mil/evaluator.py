@@ -28,31 +28,12 @@ from parity.mil.numerics import (
     Arithmetic,
     has_fp16_subnormal,
     round_fp16,
-    to_fp16,
     widen_fp16,
 )
 from parity.mil.profiles import Profile, get_profile
 from parity.mil.program import const_array, dtype_name, is_constant
 from parity.mil.registry import KERNELS, Call, KernelSpec, unsupported
-
-FLOAT_TYPES = frozenset({"fp16", "fp32", "fp64", "bf16"})
-INT_TYPES: dict[str, type[np.generic]] = {
-    "bool": np.bool_,
-    "int4": np.int8,
-    "int8": np.int8,
-    "int16": np.int16,
-    "int32": np.int32,
-    "int64": np.int64,
-    "uint1": np.uint8,
-    "uint2": np.uint8,
-    "uint3": np.uint8,
-    "uint4": np.uint8,
-    "uint6": np.uint8,
-    "uint8": np.uint8,
-    "uint16": np.uint16,
-    "uint32": np.uint32,
-    "uint64": np.uint64,
-}
+from parity.mil.values import FLOAT_TYPES, INT_TYPES, coerce, pack_if_exact, packed_fp16, widen
 
 # Where an op input comes from: a named value, a list of named values, or a fixed value
 # (an optional input left at its default, which has no op of its own).
@@ -114,44 +95,6 @@ def _static_shape(var: Any) -> tuple[int, ...] | None:
     if all(isinstance(d, int | np.integer) for d in shape):
         return tuple(int(d) for d in shape)
     return None
-
-
-def coerce(value: Any, dtype: str, arith: Arithmetic) -> Any:
-    """A kernel result (or constant) in the evaluator's representation of ``dtype``."""
-    if dtype in FLOAT_TYPES:
-        return arith.store(np.asarray(value))
-    if dtype in INT_TYPES:
-        return np.asarray(value).astype(INT_TYPES[dtype], copy=False)
-    return value  # strings and other non-tensor constants
-
-
-def _packed_fp16(value: Any, arith: Arithmetic) -> np.ndarray | None:
-    """An fp16 constant as the evaluator holds it: the program's fp16 array itself, or (a
-    profile that flushes subnormals, and the array holds one) a flushed fp16 copy; None for a
-    value that is not an fp16 array. Its fp32 widening (`_widen`) is exactly what ``coerce``
-    stores for it."""
-    if not isinstance(value, np.ndarray) or value.dtype != np.float16:
-        return None
-    if arith.profile.flush_subnormals and has_fp16_subnormal(value):
-        return to_fp16(arith.store(value))  # flushed fp16 values: exact in fp16
-    return value
-
-
-def _pack_if_exact(value: Any) -> Any:
-    """A decoded (``constexpr_*``) fp16 weight held in fp16 when that is exact: under fp16
-    storage always; under fp32 storage only if every value is an fp16 value."""
-    if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.size == 0:
-        return value
-    packed = to_fp16(value)
-    return packed if np.array_equal(widen_fp16(packed), value) else value
-
-
-def _widen(value: Any) -> Any:
-    """A value as ops read it: a packed fp16 constant as fp32 (exact), anything else as is
-    (no other value the evaluator holds is an fp16 array)."""
-    if isinstance(value, np.ndarray) and value.dtype == np.float16:
-        return widen_fp16(value)
-    return value
 
 
 class Evaluator:
@@ -246,7 +189,7 @@ class Evaluator:
                 self._execute(step, env)
                 for name, dtype, _ in step.outputs:
                     value = env[name]
-                    self._constants[name] = _pack_if_exact(value) if dtype == "fp16" else value
+                    self._constants[name] = pack_if_exact(value) if dtype == "fp16" else value
                 continue
             self._steps.append(step)
         self._plan_frees()
@@ -261,7 +204,7 @@ class Evaluator:
         """
         dtype = dtype_name(var)
         if dtype == "fp16":
-            packed = _packed_fp16(const_array(var), self.arith)
+            packed = packed_fp16(const_array(var), self.arith)
             if packed is not None:
                 return packed
         if self._like is None or var.name not in self._like._constants:
@@ -314,7 +257,7 @@ class Evaluator:
     def constant(self, name: str) -> Any:
         """A constant as an op reads it: decoded (``constexpr_*``) and stored under the
         profile."""
-        return _widen(self._constants[name])
+        return widen(self._constants[name])
 
     def var_names(self) -> list[str]:
         """Names of every value the function computes, in program order."""
@@ -387,7 +330,7 @@ class Evaluator:
             if state is not None:
                 for name, slot in slots.items():
                     state[name] = slot.value
-            outputs = {name: _widen(env[name]) for name in self.output_names}
+            outputs = {name: widen(env[name]) for name in self.output_names}
             results.append(Evaluation(outputs, captured, non_finite))
         return results
 
@@ -415,7 +358,7 @@ class Evaluator:
         return env, slots, captured, []
 
     def _constant_inputs(self, step: _Step) -> dict[str, Any]:
-        """The constants ``step`` reads, by name, as ops read them (`_widen`; into the reused
+        """The constants ``step`` reads, by name, as ops read them (`widen`; into the reused
         buffer for an input the kernel borrows, `_borrowed`)."""
         values: dict[str, Any] = {}
         for name, (kind, ref) in step.inputs.items():
@@ -423,14 +366,14 @@ class Evaluator:
                 if n in self._constants:
                     borrowed = name in step.spec.borrows
                     value = self._constants[n]
-                    values[n] = self._borrowed(value) if borrowed else _widen(value)
+                    values[n] = self._borrowed(value) if borrowed else widen(value)
         return values
 
     def _borrowed(self, value: Any) -> Any:
         """A packed fp16 constant widened into this evaluator's one reused fp32 buffer (valid
         until the next op's): a new fp32 array per op and run made the kernel's memory fresh
         every time, and widening SmolLM2's weights was a quarter of its cache parity (py-spy).
-        The same values as `_widen`, so the same bits from the kernel; anything else as is."""
+        The same values as `widen`, so the same bits from the kernel; anything else as is."""
         if not isinstance(value, np.ndarray) or value.dtype != np.float16:
             return value
         if self._scratch.size < value.size:
@@ -466,9 +409,9 @@ class Evaluator:
         values: dict[str, Any] = {}
         for name, (kind, ref) in step.inputs.items():
             if kind == "var":
-                values[name] = read[ref] if ref in read else _widen(env[ref])
+                values[name] = read[ref] if ref in read else widen(env[ref])
             elif kind == "list":
-                values[name] = [read[r] if r in read else _widen(env[r]) for r in ref]
+                values[name] = [read[r] if r in read else widen(env[r]) for r in ref]
             else:
                 values[name] = ref
         try:
