@@ -20,13 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-
-def resident_gib() -> float:
-    """This process's resident memory now (VmRSS), in GiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 2**20
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+from memory_census import resident_gib
 
 
 def main() -> None:

@@ -62,7 +62,8 @@ def _heap() -> str:
     )
 
 
-def _rss() -> float:
+def resident_gib() -> float:
+    """This process's resident memory now (VmRSS), in GiB; NaN where /proc has none."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) / 2**20
@@ -99,7 +100,7 @@ def census(tag: str) -> None:
                 if ref.nbytes > BIG:
                     big.append(f"numpy {ref.shape} {ref.dtype}")
     print(
-        f"[census] {tag}: rss {_rss():.2f} GiB, torch {torch_bytes / GIB:.2f}, numpy "
+        f"[census] {tag}: rss {resident_gib():.2f} GiB, torch {torch_bytes / GIB:.2f}, numpy "
         f"{numpy_bytes / GIB:.2f}; {_heap()}" + (f"; > 200 MB: {', '.join(big)}" if big else ""),
         file=sys.stderr,
         flush=True,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -33,17 +32,19 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out" / "tiny-kv"
 
 
-def _adapters(loader: StandInLoader) -> Any:
-    return lambda: stand_in_adapters(loader)
+def _use(monkeypatch: pytest.MonkeyPatch, loader: StandInLoader) -> StandInLoader:
+    """Make device-check's Mac adapters the stand-ins around ``loader``; returns it."""
+    import converter.cli.device_check as cli
+
+    monkeypatch.setattr(cli, "mac_adapters", lambda: stand_in_adapters(loader))
+    return loader
 
 
 def _cpu_evidence(
     artifact: Path, out: Path, monkeypatch: pytest.MonkeyPatch, loader: StandInLoader
 ) -> Path:
     """``anec device-check --units CPU_ONLY --no-memory`` against ``loader``; its file."""
-    import converter.cli.device_check as cli
-
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(loader))
+    _use(monkeypatch, loader)
     result = run_anec("device-check", artifact, "--units", "CPU_ONLY", "--no-memory",
                       "--out", out)  # fmt: skip
     assert out.is_file(), result.output
@@ -61,10 +62,7 @@ def test_off_macos_it_stops_before_core_ml_naming_the_reason(artifact: Path) -> 
 def test_every_gate_runs_per_units_with_timing_and_memory(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
-
-    loader = StandInLoader()
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(loader))
+    loader = _use(monkeypatch, StandInLoader())
     out = tmp_path / "evidence.json"
     result = run_anec("device-check", artifact, "--out", out)
     assert result.exit_code == 0, result.output + result.stderr
@@ -95,10 +93,7 @@ def test_a_compressed_variant_is_refused_before_anything_runs(
 ) -> None:
     import shutil
 
-    import converter.cli.device_check as cli
-
-    loader = StandInLoader()
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(loader))
+    loader = _use(monkeypatch, StandInLoader())
     variant = tmp_path / "tiny-kv-int8"
     shutil.copytree(artifact, variant)
     manifest = json.loads((variant / "manifest.json").read_text())
@@ -112,14 +107,12 @@ def test_a_compressed_variant_is_refused_before_anything_runs(
 def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
-
     def drift(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if function != "decode":
             return outputs
         return {k: v + 0.5 if k.startswith("logits") else v for k, v in outputs.items()}
 
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader(drift)))
+    _use(monkeypatch, StandInLoader(drift))
     out = tmp_path / "evidence.json"
     result = run_anec("device-check", artifact, "--units", "CPU_AND_NE", "--no-memory",
                       "--out", out)  # fmt: skip
@@ -218,9 +211,7 @@ def window(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_window_decoder_is_gated_on_its_outputs_per_units(
     window: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
-
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader()))
+    _use(monkeypatch, StandInLoader())
     out = tmp_path / "evidence.json"
     result = run_anec("device-check", window, "--out", out)
     assert result.exit_code == 0, result.output + result.stderr
@@ -238,8 +229,6 @@ def test_a_window_decoder_is_gated_on_its_outputs_per_units(
 def test_a_window_device_that_moves_the_logits_fails_naming_the_gate(
     window: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import converter.cli.device_check as cli
-
     def tilt(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = dict(outputs)
         for name, value in outputs.items():
@@ -247,7 +236,7 @@ def test_a_window_device_that_moves_the_logits_fails_naming_the_gate(
                 out[name] = value + np.arange(value.shape[-1]) % 7  # not a uniform shift
         return out
 
-    monkeypatch.setattr(cli, "mac_adapters", _adapters(StandInLoader(tilt)))
+    _use(monkeypatch, StandInLoader(tilt))
     out = tmp_path / "evidence.json"
     result = run_anec("device-check", window, "--units", "ALL", "--no-memory", "--out", out)
     assert result.exit_code == 1, result.output
