@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 from converter.errors import InputError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
+# The first schema whose cached decoders were judged by the cache rule of 2026-12-05.
+CACHE_RULE_SINCE = 7
 
 # Every change of the I/O contract a runtime sees, newest last; recorded in each manifest.
 IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
@@ -61,6 +63,21 @@ IO_CONTRACT_CHANGES: list[dict[str, Any]] = [
         "before": "schema 5: the head scored every token id",
         "why": "a draft streams fewer weight bytes per decoded token (issue 25)",
         # Older manifests have no trimmed head: index j is token j, as they meant.
+        "older_readable": True,
+    },
+    {
+        "schema_version": 7,
+        "tasks": ["text-generation"],
+        "what": "a cached decoder's gates follow SPEC 4's rule of 2026-12-05: the fp32 cache "
+        "level (fp32_layer_rel_error, fp32_logits_rel_error, kv_fp32_* at level kv-cache: "
+        "every call over each whole continuation against the window module in fp64 with no "
+        "cache) judges the conversion; in fp16 kv_max_abs_dprob <= 0.03, no argmax flip past "
+        "the margin (decode and extend), finite, stale bits; kv_max_abs_logit_error and "
+        "kv_extend_max_abs_diff are retired (reported in kv_parity.json, not gated)",
+        "before": "schema 6: kv_max_abs_logit_error and kv_extend_max_abs_diff <= 0.25 and "
+        "kv_max_abs_dprob <= 0.02, fp16 only; one call per function checked in fp32",
+        "why": "one absolute fp16 logit bound was too loose for cache faults and too tight "
+        "for fp16's own drift on Gemma 3 (issue 40); the I/O contract is unchanged",
         "older_readable": True,
     },
 ]

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from converter.device.evidence import evidence_gates, read_evidence
 from converter.errors import InputError
 from converter.hashing import mlpackage_content_hash
-from converter.manifest import Manifest, check_schema_version
+from converter.manifest import CACHE_RULE_SINCE, Manifest, check_schema_version
 from converter.progress import Steps
 from converter.publish import write_json_atomic, write_text_atomic
 from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
@@ -27,8 +27,9 @@ from converter.steps import run_steps
 from converter.tasks import task_of
 from converter.tasks.base import Job, Program
 from converter.tasks.text_generation import DecoderRun, mil_profiles
-from parity.gate import GateResult, gate
+from parity.gate import GateResult, gate, registered
 from parity.html_report import report_to_html
+from parity.kv_gates import RETIRED, RULE
 from parity.mil.profiles import PROFILES
 from parity.report import gate_line
 from parity.result import ParityReport
@@ -95,6 +96,21 @@ def published_gates(artifact: Path) -> set[GateKey]:
         raise InputError(f"{path}: cannot read the published gates: {e}") from None
 
 
+def cache_rule(manifest: Manifest, published: set[GateKey]) -> tuple[set[GateKey], str | None]:
+    """The gates a cached decoder's re-run is expected to run, and the note saying which rule
+    the artifact was judged by when that was an earlier one than this anec's (manifest schema
+    before `CACHE_RULE_SINCE`): its retired gates are not re-run, the fp32 cache level is."""
+    if manifest.kv_cache is None or manifest.schema_version >= CACHE_RULE_SINCE:
+        return published, None
+    kept = {key for key in published if key[0] not in RETIRED}
+    fp32 = {(g.name, "mil-fp32") for g in registered() if g.level == "kv-cache"
+            and (g.name.startswith("kv_fp32_") or g.name.startswith("fp32_"))}  # fmt: skip
+    note = (f"judged by the cache rule of manifest schema {manifest.schema_version} (an absolute "
+            f"fp16 logit bound: {', '.join(RETIRED)} <= 0.25); re-run by the rule of {RULE}, "
+            "the retired gates reported in kv_parity.json")  # fmt: skip
+    return kept | fp32, note
+
+
 def gate_set_gate(
     published: set[GateKey], rerun: set[GateKey], profiles: tuple[str, ...]
 ) -> GateResult:
@@ -131,6 +147,16 @@ def _add_gate_to_reports(
         report_dir / "parity.txt", text.replace("Parity gates:\n", f"Parity gates:\n{line}\n", 1)
     )
     write_text_atomic(report_dir / "parity.html", report_to_html(doc, title))
+
+
+def _note_rule(report_dir: Path, note: str) -> None:
+    """Say in the re-run's parity.json (``judged_by``) and parity.txt which cache rule the
+    published artifact was judged by."""
+    path = report_dir / "parity.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    write_json_atomic(path, doc | {"judged_by": note})
+    text = (report_dir / "parity.txt").read_text(encoding="utf-8")
+    write_text_atomic(report_dir / "parity.txt", f"{text}\nThe published artifact was {note}.\n")
 
 
 def published_programs(artifact: Path, manifest: Manifest) -> list[Program]:
@@ -183,7 +209,7 @@ def recheck(
         )
     device = read_evidence(device_evidence, artifact) if device_evidence else None
     recipe = recipe_from_manifest(manifest)
-    published = published_gates(artifact)
+    published, rule_note = cache_rule(manifest, published_gates(artifact))
     if recipe.task != manifest.task:
         raise InputError(
             f"{artifact}: manifest recipe: task {recipe.task} disagrees with the manifest's "
@@ -219,6 +245,8 @@ def recheck(
         _add_gate_to_reports(report_dir, report, same_set, f"anec parity report: {recipe.name}")
         for result in evidence_gates(device) if device else []:
             _add_gate_to_reports(report_dir, report, result, f"anec parity report: {recipe.name}")
+    if rule_note is not None and (report_dir / "parity.json").is_file():
+        _note_rule(report_dir, rule_note)
     document = json.loads((report_dir / "parity.json").read_text(encoding="utf-8"))
     document["artifact"] = str(artifact)
     return RecheckResult(report, report_dir, document)

@@ -161,7 +161,7 @@ class WindowKeys:
     ) -> list[torch.Tensor]:
         """Per head: keys transposed once per kv head to (B, L, 1, d), scores
         ``score[b, key, 0, query]``, weighted values."""
-        queries, keys, values = _heads(attn.spec, q, k, v)
+        queries, keys, values = split_heads(attn.spec, q, k, v)
         keys_t = [key.transpose(1, 3) for key in keys]  # (B, L, 1, d)
         outputs = []
         for h, query in enumerate(queries):
@@ -172,7 +172,7 @@ class WindowKeys:
         return outputs
 
 
-def _heads(
+def split_heads(
     s: AttentionSpec, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor
 ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]:
     """Per-head queries, keys and values (B, d, 1, L); queries and keys in one tensor split

@@ -56,24 +56,31 @@ class Call:
     logits: np.ndarray | None  # (m, V): the last chunk's logits
 
 
+def function_markers(
+    program: Any, modules: dict[str, CachedDecoder]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Each function's layer markers in layer order (a chunk before the last: its last
+    layer's output is ``hidden_out``), and a problem per function that lost one."""
+    first = next(iter(modules.values()))
+    marked = first.num_layers - (0 if first.last else 1)
+    handed = [] if first.last else [HIDDEN_OUT]
+    markers: dict[str, list[str]] = {}
+    problems: list[str] = []
+    for name in modules:
+        try:
+            markers[name] = find_markers(program.functions[name], marked, first.start) + handed
+        except MarkerError as e:
+            markers[name] = []
+            problems.append(f"{name}: {e}")
+    return markers, problems
+
+
 class Recorder:
     """Records each call of one chunk's functions (a `parity.kv_session.CallObserver`)."""
 
     def __init__(self, program: Any, modules: dict[str, CachedDecoder]) -> None:
         self.modules = modules
-        first = next(iter(modules.values()))
-        # A chunk before the last returns its last layer's output as hidden_out.
-        marked = first.num_layers - (0 if first.last else 1)
-        handed = [] if first.last else [HIDDEN_OUT]
-        self.markers: dict[str, list[str]] = {}
-        self.problems: list[str] = []
-        for name in modules:
-            try:
-                found = find_markers(program.functions[name], marked, first.start) + handed
-            except MarkerError as e:
-                found = []
-                self.problems.append(f"{name}: {e}")
-            self.markers[name] = found
+        self.markers, self.problems = function_markers(program, modules)
         self.calls: list[Call] = []
         self.session = -1
         self.label = ""
@@ -141,7 +148,7 @@ def record_calls(
             rest = rest[len(take) :]
 
 
-def _piece(
+def layer_piece(
     window: torch.nn.Module, part: torch.nn.Module, precision: str, weights: Weights
 ) -> torch.nn.Module:
     """An fp64 copy of ``part`` (a submodule of ``window``) holding the program's constants:
@@ -177,11 +184,11 @@ def compare(recorder: Recorder, precision: str, worst: Worst, weights: Weights =
     with torch.no_grad():
         embed = None
         if window.embed is not None:
-            embed = _piece(window, window.embed, precision, weights)
+            embed = layer_piece(window, window.embed, precision, weights)
         hs = [_stream_in(c, modules[c.function], embed) for c in calls]
         del embed
         for i, layer in enumerate(some.layers()):
-            piece, index = cast(Block, _piece(window, layer, precision, weights)), start + i
+            piece, index = cast(Block, layer_piece(window, layer, precision, weights)), start + i
             caches: dict[int, torch.Tensor] = {}  # per session: this layer's keys and values
             for b, call in enumerate(calls):
                 shape = (2, *some.cache_shape()[1:])
@@ -219,7 +226,7 @@ def _compare_logits(
         h[:, :, :, -1:] if modules[c.function].io.logits == "last" else h
         for c, h in zip(calls, hs, strict=True)
     ]
-    heads = fp64_head(window, returned, lambda part: _piece(window, part, precision, weights))
+    heads = fp64_head(window, returned, lambda part: layer_piece(window, part, precision, weights))
     for call, logits in zip(calls, heads, strict=True):
         want = logits[0, :, 0, :].T  # (m, V)
         real = call.real[-want.shape[0] :]

@@ -144,14 +144,18 @@ class CacheSession:
 
     def prefill_outputs(self, function: str, ids: list[int]) -> dict[str, np.ndarray]:
         """As `prefill`, returning the last call's named outputs."""
-        t = self.functions[function].shape.tokens
         out = None
-        first = len(ids) % t or t
-        chunks = [ids[:first]] + [ids[i : i + t] for i in range(first, len(ids), t)]
-        for chunk in chunks:
+        for chunk in self.prefill_chunks(function, ids):
             out = self.call_outputs(function, chunk)
         assert out is not None
         return out
+
+    def prefill_chunks(self, function: str, ids: list[int]) -> list[list[int]]:
+        """The calls `prefill` makes of ``ids``: the first takes the remainder (left-padded),
+        every later one ``function``'s T tokens."""
+        t = self.functions[function].shape.tokens
+        first = len(ids) % t or t
+        return [ids[:first]] + [ids[i : i + t] for i in range(first, len(ids), t)]
 
     def rollback(self, position: int) -> None:
         """Forget every token from ``position`` on (rejected drafts): they become stale."""

@@ -41,6 +41,7 @@ class Thresholds:
     fp16_argmax_agreement: float = 1.0
     fp16_max_abs_dprob: float = 0.02
     mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program
+    kv_max_abs_dprob: float = 0.03  # cached decoders, fp16 through the cache
     # Opt-in: None runs no device-margin profile and records no gate.
     device_margin_argmax_agreement: float | None = None
     # encoders

@@ -85,7 +85,15 @@ def test_every_gate_runs_per_units_with_timing_and_memory(
     assert set(plans) == {"CPU_ONLY", "CPU_AND_NE"}
     decode = plans["CPU_AND_NE"]["decode"]
     assert decode["devices"] == {"NE": len(decode["ops"])} and decode["ops"][0][2] == "NE"
-    assert "STAND-IN" in result.output and "kv_max_abs_logit_error" in result.output
+    assert "STAND-IN" in result.output and "kv_max_abs_dprob" in result.output
+
+
+def _favour_one_token(logits: np.ndarray) -> np.ndarray:
+    """A device's drift users see: one token's logit 5 higher (a shift of every logit would
+    change no probability)."""
+    out = np.array(logits, copy=True)
+    out[..., 7] += 5.0
+    return out
 
 
 def test_a_compressed_variant_is_refused_before_anything_runs(
@@ -110,7 +118,8 @@ def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
     def drift(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if function != "decode":
             return outputs
-        return {k: v + 0.5 if k.startswith("logits") else v for k, v in outputs.items()}
+        return {k: _favour_one_token(v) if k.startswith("logits") else v
+                for k, v in outputs.items()}  # fmt: skip
 
     _use(monkeypatch, StandInLoader(drift))
     out = tmp_path / "evidence.json"
@@ -119,10 +128,10 @@ def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
     assert result.exit_code == 1, result.output
     doc = json.loads(out.read_text())
     gates = {g["name"]: g for g in doc["units"]["CPU_AND_NE"]["gates"]}
-    failed = gates["kv_max_abs_logit_error"]
+    failed = gates["kv_max_abs_dprob"]
     assert failed["passed"] is False and failed["attribution"].startswith("device:")
     assert doc["memory"] is None
-    assert "kv_max_abs_logit_error" in result.output and "FAIL" in result.output
+    assert "kv_max_abs_dprob" in result.output and "FAIL" in result.output
 
 
 def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
@@ -174,7 +183,8 @@ def test_anec_parity_adds_the_device_gates_and_refuses_another_artifacts(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def drift(function: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {k: v + 0.5 if k.startswith("logits") else v for k, v in outputs.items()}
+        return {k: _favour_one_token(v) if k.startswith("logits") else v
+                for k, v in outputs.items()}  # fmt: skip
 
     evidence = _cpu_evidence(artifact, tmp_path / "evidence.json", monkeypatch,
                              StandInLoader(drift))  # fmt: skip
@@ -192,9 +202,9 @@ def test_anec_parity_adds_the_device_gates_and_refuses_another_artifacts(
     assert result.exit_code == 1, result.output  # the drifting device's gates failed
     gates = json.loads((out / "parity.json").read_text())["gates"]
     device = {g["name"]: g for g in gates if g["implementation"] == "coreml-cpu-only"}
-    assert not device["kv_max_abs_logit_error"]["passed"]
-    assert "device:" in device["kv_max_abs_logit_error"]["detail"]
-    assert "STAND-IN" in device["kv_max_abs_logit_error"]["detail"]
+    assert not device["kv_max_abs_dprob"]["passed"]
+    assert "device:" in device["kv_max_abs_dprob"]["detail"]
+    assert "STAND-IN" in device["kv_max_abs_dprob"]["detail"]
     same_set = [g for g in gates if g["name"] == "same_gate_set"]
     assert same_set and same_set[0]["passed"]
 

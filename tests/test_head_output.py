@@ -49,7 +49,7 @@ def test_the_cache_gates_ran_on_the_programs_own_logits_and_the_choice_matched(
     assert gates["kv_head_choice_mismatches"]["passed"]
     assert gates["kv_head_choice_mismatches"]["value"] == 0
     assert "positions" in gates["kv_head_choice_mismatches"]["detail"]
-    assert gates["kv_argmax_flips"]["passed"] and gates["kv_max_abs_logit_error"]["passed"]
+    assert gates["kv_argmax_flips"]["passed"] and gates["kv_fp32_max_abs_logit_error"]["passed"]
 
 
 def test_anec_parity_reruns_the_choice_gate(artifact: Path, tmp_path: Path) -> None:

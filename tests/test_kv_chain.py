@@ -16,7 +16,9 @@ import parity.kv_session as kv_session
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import function_calls
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
-from parity.kv_gates import KvParity, check_kv
+from parity.gate import GateResult
+from parity.kv_fp32 import cached_fp32_level, reference
+from parity.kv_gates import check_kv
 from parity.kv_session import CacheSession, session_for, torch_runner
 from parity.reference import continuation
 
@@ -60,16 +62,23 @@ def chained(tiny: Tiny, style: str, split: list[tuple[int, int]]):  # type: igno
     return make
 
 
-def gates(tiny: Tiny, style: str, split: list[tuple[int, int]] = SPLIT) -> KvParity:
+def gates(tiny: Tiny, style: str, split: list[tuple[int, int]] = SPLIT) -> list[GateResult]:
+    """The fp32 cache level's logit gates (no layer captures in torch) and the fp16 gates."""
     conts = [continuation(tiny.model, f, 24) for f in tiny.fixtures[:2]]
-    return check_kv(chained(tiny, style, split), conts, "prefill", 4, "torch-fp32")
+    make, table = chained(tiny, style, split), tiny.embed_table.numpy()
+    whole = cached_functions(tiny.module, style, CACHE, function_calls(8, 4))  # type: ignore[arg-type]
+    fp32 = cached_fp32_level(
+        make, [], conts, lambda c: reference(whole, c, table, "float32", None), 4, (1e-4, 1e-4)
+    )
+    return fp32 + check_kv(make, conts, "prefill", 4, "torch-fp32", 0.03).gates
 
 
 @pytest.mark.parametrize("style", ["state", "io"])
 def test_every_cache_gate_passes_through_the_chain(tiny: Tiny, style: str) -> None:
     result = gates(tiny, style)
-    assert result.passed, [g.text() for g in result.gates if not g.passed]
-    assert result.gates[0].value < 1e-3  # fp32 against fp32
+    assert all(g.passed for g in result), [g.text() for g in result if not g.passed]
+    logits = next(g for g in result if g.name == "kv_fp32_max_abs_logit_error")
+    assert logits.value < 1e-4  # fp32 against fp64
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -95,8 +104,9 @@ def test_a_chunk_fed_its_predecessors_input_fails_naming_the_position(
         return fed.get("hidden_in", returned["hidden_out"])
 
     monkeypatch.setattr(kv_session, "handoff", wrong)
-    bad = {g.name: g.where for g in gates(tiny, "state").gates if not g.passed}
-    assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
+    bad = {g.name: g.where for g in gates(tiny, "state") if not g.passed}
+    assert "kv_fp32_max_abs_logit_error" in bad
+    assert "position" in bad["kv_fp32_max_abs_logit_error"]
 
 
 def test_chunks_called_out_of_order_fail_naming_the_position(
@@ -111,8 +121,9 @@ def test_chunks_called_out_of_order_fail_naming_the_position(
 
     monkeypatch.setattr(kv_session, "chain_runner", swapped)
     result = gates(four, "io", [(0, 1), (1, 2), (2, 3), (3, 4)])
-    bad = {g.name: g.where for g in result.gates if not g.passed}
-    assert "kv_max_abs_logit_error" in bad and "position" in bad["kv_max_abs_logit_error"]
+    bad = {g.name: g.where for g in result if not g.passed}
+    assert "kv_fp32_max_abs_logit_error" in bad
+    assert "position" in bad["kv_fp32_max_abs_logit_error"]
 
 
 def test_a_chain_must_cover_every_layer_in_order(tiny: Tiny) -> None:

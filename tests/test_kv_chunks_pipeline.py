@@ -48,8 +48,8 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_cache_gate_passes_on_the_chain(artifact: Path) -> None:
     parity = json.loads((artifact / "parity.json").read_text())
     gates = {g["name"]: g for g in parity["gates"] if g["level"] == "kv-cache"}
-    assert len(gates) == 8 and all(g["passed"] for g in gates.values()), gates
-    assert gates["kv_max_abs_logit_error"]["value"] <= 0.25
+    assert len(gates) == 11 and all(g["passed"] for g in gates.values()), gates
+    assert gates["kv_fp32_max_abs_logit_error"]["value"] <= 0.01
     detail = json.loads((artifact / "kv_parity.json").read_text())
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64, 64]
     assert len(detail["sizes"]["chunks"]) == 3
@@ -169,12 +169,13 @@ def test_a_chunk_fed_its_predecessors_input_fails_the_rerun_naming_the_position(
         return fed.get("hidden_in", returned["hidden_out"])  # chunk 1's layer skipped
 
     monkeypatch.setattr(kv_session, "handoff", wrong)
-    result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp16")
+    result = run_anec("parity", artifact, "--out", tmp_path / "re", "--profile", "fp32")
     assert result.exit_code == 1, result.output
     gates = json.loads((tmp_path / "re" / "parity.json").read_text())["gates"]
     failed = {g["name"]: g for g in gates if not g["passed"]}
-    assert "kv_max_abs_logit_error" in failed
-    assert "position" in failed["kv_max_abs_logit_error"]["where"]
+    # the fp32 cache level names the first call, the layer that went wrong and its position
+    assert "fp32_layer_rel_error" in failed
+    assert "prefill call 0, layer 2, position" in failed["fp32_layer_rel_error"]["where"]
 
 
 def test_a_compressed_variant_is_chunked_like_its_fp16_artifact(artifact: Path) -> None:
@@ -188,7 +189,8 @@ def test_a_compressed_variant_is_chunked_like_its_fp16_artifact(artifact: Path) 
     failed = [g for g in parity["gates"] if not g["passed"]]
     assert parity["passed"] is True and not failed, failed
     names = {g["name"] for g in parity["gates"]}
-    assert {"kv_weights_identical", "kv_weights_stored_once", "kv_extend_max_abs_diff"} <= names
+    assert {"kv_weights_identical", "kv_weights_stored_once", "kv_extend_argmax_flips"} <= names
+    assert {"fp32_layer_rel_error", "kv_fp32_stale_max_abs_diff"} <= names
     manifest = json.loads((variant / "manifest.json").read_text())
     files = [f"tch-int8.chunk{i}.mlpackage" for i in range(3)]
     kv = manifest["kv_cache"]

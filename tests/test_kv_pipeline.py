@@ -35,13 +35,21 @@ def test_every_cache_gate_ran_and_passed(artifact: Path) -> None:
     parity = json.loads((artifact / "parity.json").read_text())
     gates = {g["name"]: g for g in parity["gates"] if g["level"] == "kv-cache"}
     assert set(gates) == {
-        "kv_max_abs_logit_error", "kv_max_abs_dprob", "kv_finite_outputs", "kv_argmax_flips",
-        "kv_extend_max_abs_diff", "kv_extend_argmax_flips", "kv_stale_max_abs_diff",
-        "kv_weights_stored_once",
+        # the fp32 cache level: the conversion's cache logic, strictly
+        "fp32_layer_rel_error", "fp32_logits_rel_error", "kv_fp32_max_abs_logit_error",
+        "kv_fp32_extend_max_abs_diff", "kv_fp32_stale_max_abs_diff",
+        # fp16, by what a draft's user sees
+        "kv_max_abs_dprob", "kv_finite_outputs", "kv_argmax_flips", "kv_extend_argmax_flips",
+        "kv_stale_max_abs_diff", "kv_weights_stored_once",
     }  # fmt: skip
     assert all(g["passed"] for g in gates.values())
+    assert gates["kv_max_abs_dprob"]["threshold"] == 0.03
     detail = json.loads((artifact / "kv_parity.json").read_text())
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64, 64]
+    # the fp16 logit error is reported, not gated
+    drift = detail["fp16_logit_error"]
+    assert drift["gated"] is False and drift["decode_vs_reference"]["positions"] == 2 * 65
+    assert detail["rule"].startswith("2026-12-05") and parity["kv_cache_rule"] == detail["rule"]
     # the levels table says what ran: each function per layer and the cache level, not a
     # failed torch level
     statuses = {lv["level"]: lv["status"] for lv in parity["levels"]}
@@ -290,7 +298,8 @@ def test_bench_device_extend_drift_runs_the_k_vs_1_comparison(
     row = doc["results"]["mil-fp16"]
     assert row["passed"] and row["finite"] and row["extend_tokens"] == 4
     assert row["prompts"] == 2 and row["positions"] == 2 * 6
-    assert [g["name"] for g in row["gates"]] == ["kv_extend_max_abs_diff", "kv_extend_argmax_flips"]
+    assert [g["name"] for g in row["gates"]] == ["kv_extend_argmax_flips"]
+    assert 0 <= row["max_abs_diff"] < 0.25 and "position" in row["max_abs_diff_at"]
     assert "not a device" in doc["evidence"] and "mil-fp16: passed" in result.output
 
 
@@ -339,3 +348,33 @@ def test_style_none_is_the_window_task(tmp_path: Path) -> None:
     file.write_text(RECIPE.format(target="macOS14") + "cache: {style: none}\n")
     assert task_of(load_recipe(file)).steps[-1].name == "plan (static)"
     assert "convert to ML Program" in [s.name for s in task_of(load_recipe(file)).steps]
+
+
+def test_anec_parity_on_an_artifact_of_the_earlier_cache_rule_says_so(
+    artifact: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from parity.kv_gates import RETIRED
+
+    # As schema 6 published it: the absolute fp16 logit gates, no fp32 cache level.
+    old = tmp_path / "old"
+    shutil.copytree(artifact, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["schema_version"] = 6
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    parity = json.loads((old / "parity.json").read_text())
+    kept = [g for g in parity["gates"] if g["level"] != "kv-cache" or
+            not g["name"].startswith(("fp32_", "kv_fp32_"))]  # fmt: skip
+    retired = [dict(kept[-1], name=name, level="kv-cache") for name in RETIRED]
+    parity["gates"] = kept + retired
+    (old / "parity.json").write_text(json.dumps(parity))
+    result = run_anec("parity", old, "--out", tmp_path / "re")
+    assert result.exit_code == 0, result.output
+    assert "cache rule of manifest schema 6" in result.output
+    doc = json.loads((tmp_path / "re" / "parity.json").read_text())
+    assert "schema 6" in doc["judged_by"] and "2026-12-05" in doc["judged_by"]
+    names = {g["name"]: g for g in doc["gates"]}
+    assert names["same_gate_set"]["passed"] and "kv_fp32_max_abs_logit_error" in names
+    assert not set(RETIRED) & set(names)
+    assert "cache rule of manifest schema 6" in (tmp_path / "re" / "parity.txt").read_text()

@@ -270,7 +270,8 @@ def _fmt(value: Any) -> str:
     "--extend-drift",
     is_flag=True,
     help="A cached decoder: its K-token extend against K single-token decodes on the fixture "
-    "prompts' greedy continuations, per --units (the kv_extend_* gates' thresholds).",
+    "prompts' greedy continuations, per --units (the kv_extend_argmax_flips gate; the "
+    "difference reported).",
 )
 @click.option(
     "--steps",

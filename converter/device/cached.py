@@ -50,13 +50,15 @@ def prepare_cached(artifact: Path) -> Prepared:
     runtime.require_logits("device-check compares logits with the checkpoint's")
     references = continuations(runtime)
     extend = int(runtime.functions["extend"].shape.tokens)
+    # The recipe's bound, as the conversion gated the program (older recipes: the default).
+    dprob = float((runtime.manifest["recipe"].get("gates") or {}).get("kv_max_abs_dprob", 0.03))
 
     def program() -> list[GateResult]:
-        return check_kv(mil_backend(runtime), references, "prefill", extend, PROGRAM).gates
+        return check_kv(mil_backend(runtime), references, "prefill", extend, PROGRAM, dprob).gates
 
     def on_device(unit: str, load: ModelLoader) -> list[GateResult]:
         make = coreml_backend(runtime, unit, load)
-        return check_kv(make, references, "prefill", extend, implementation(unit)).gates
+        return check_kv(make, references, "prefill", extend, implementation(unit), dprob).gates
 
     return Prepared(
         program, on_device, partial(_load_functions, runtime), list(runtime.functions),

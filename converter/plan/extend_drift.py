@@ -1,15 +1,16 @@
 """The K-token extend against K single-token decode steps of a cached decoder, on the runtime
 that runs the package (``anec bench-device ARTIFACT --extend-drift``).
 
-The `kv_extend_*` gates make this comparison on the program as written, in anec's MIL
+The `kv_extend_argmax_flips` gate makes this comparison on the program as written, in anec's MIL
 evaluator. What they cannot see is drift in a device's own fp16 accumulation between the
 batched and the one-token path (CoreML-LLM saw acceptance fall to 0 % from it): this runs the
-same comparison, with the same threshold and margin, through Core ML per compute units.
+same comparison, with the same margin, through Core ML per compute units.
 
 Per prompt: the runtime's own greedy continuation of ``steps`` tokens (so no reference model is
 needed on the device), then the logits of every position decoded one token per call and
 absorbed K tokens per ``extend`` call; the largest |difference| and the argmax flips where the
-decode step's margin exceeds the gate's.
+decode step's margin exceeds the gate's (the difference is
+reported, not gated: SPEC 4).
 
 The Core ML path is NEVER RUN HERE (no macOS on the machine anec is developed on); the MIL
 path runs the identical loop and is what the tests exercise.
@@ -54,7 +55,8 @@ def extend_drift(
     extend_tokens: int,
 ) -> dict[str, Any]:
     """Extend (K tokens per call) against decode (one per call) on every prompt's greedy
-    continuation, judged with the ``kv_extend_*`` gates' thresholds."""
+    continuation: the ``kv_extend_argmax_flips`` gate (the decode step's margin: a device has
+    no reference) and the largest |difference|, reported."""
     worst = Worst(0.0)
     flips: list[str] = []
     positions = 0
@@ -67,20 +69,17 @@ def extend_drift(
         finite &= all(bool(np.isfinite(v).all()) for v in [*single.values(), *batched.values()])
         flips += extend_vs_decode(single, batched, name, worst)
         positions += len(batched)
-    diff_gate, flip_gate = (
-        gate(LEVEL, "kv_extend_max_abs_diff"),
-        gate(LEVEL, "kv_extend_argmax_flips"),
-    )
-    results = [
-        diff_gate.check(worst.value, implementation="runtime", where=worst.where),
-        flip_gate.check(len(flips), implementation="runtime", where=first_few(flips, 2)),
-    ]
+    flip_gate = gate(LEVEL, "kv_extend_argmax_flips")
+    results = [flip_gate.check(len(flips), implementation="runtime", where=first_few(flips, 2))]
     return {
         "prompts": len(prompts),
         "positions": positions,
         "extend_tokens": extend_tokens,
         "margin": MARGIN,
         "finite": finite,
+        # fp16 drift between the two paths: reported, not gated (SPEC 4, "Cached decoders")
+        "max_abs_diff": worst.value,
+        "max_abs_diff_at": worst.where,
         "gates": [r.to_json() for r in results],
         "flips": flips,
         "passed": finite and all(r.passed for r in results),

@@ -82,6 +82,9 @@ class Gates(StrictModel):
     # The emitted program run by the MIL evaluator in fp32 against the BC1L module with the
     # program's constants, per layer: the same function, so only rounding differs.
     mil_fp32_layer_rel_error: float = Field(default=1.0e-5, gt=0, lt=1, strict=True)
+    # Cached decoders, fp16 through the cache over long continuations (SPEC 4, "Cached
+    # decoders"): at most 0.03, which a recipe may tighten, never loosen.
+    kv_max_abs_dprob: float = Field(default=0.03, gt=0, le=0.03, strict=True)
     # Opt-in (decoders without a cache): run the emitted program under the device-margin
     # profile (the per-op errors others report for the NE, parity/mil/deviations.py) and gate
     # its argmax agreement, worst seed per position. None: the profile does not run.

@@ -160,11 +160,12 @@ def write_parity_reports(
     conversion: ConversionReport | None,
     extra: dict[str, Any],
     levels: list[dict[str, Any]] | None = None,
+    notes: str = "",
 ) -> dict[str, Any]:
     """A decoder's parity report files (`parity.report.parity_document`, whose levels
-    table says what ran); returns the JSON document."""
+    table says what ran; ``notes`` close the text); returns the JSON document."""
     doc = parity_document(report, conversion, extra, levels)
-    text = report_to_text(report)
+    text = report_to_text(report) + (f"\n\n{notes}" if notes else "")
     if conversion is not None:
         text += "\n\n" + conversion_to_text(conversion)
     write_parity_files(directory, doc, text)

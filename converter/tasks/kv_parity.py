@@ -1,11 +1,13 @@
 """The KV task's MIL-level gates on emitted cached functions (one package per chunk): the
-per-layer fp32 check of every function (`parity.kv_mil`) and the cache gates through the host
-loop in fp16 (`parity.kv_gates`); also the variants' cache gates (`converter.compress.stateful`).
+per-call fp32 check of every function (`parity.kv_mil`), the fp32 cache level over whole
+continuations (`parity.kv_fp32`) and the fp16 cache gates through the host loop
+(`parity.kv_gates`); also the variants' cache gates (`converter.compress.stateful`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,29 @@ from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
 from parity.gate import GateResult, gate
+from parity.kv_fp32 import PROFILE as FP32_LEVEL
+from parity.kv_fp32 import LayerCapture, cached_fp32_level, reference
 from parity.kv_gates import KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
+from parity.kv_sequence import torch_fp16_errors
 from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
 from parity.mil.program import load_function_set, load_package
 from parity.reference import Continuation
 from parity.report import level_row
+
+
+@dataclass(frozen=True)
+class CacheBounds:
+    """What the cached functions are held to: the program's precision and the recipe's
+    thresholds (fp32: whether the fp32 levels run; ``anec parity --profile`` may leave them
+    out)."""
+
+    precision: str
+    mil_fp32_layer_rel_error: float
+    fp32_layer_rel_error: float
+    fp32_logits_rel_error: float
+    kv_max_abs_dprob: float
+    fp32: bool = True
 
 
 def function_gates(
@@ -31,15 +50,15 @@ def function_gates(
     extend: int,
     table: np.ndarray,
     sizes: list[dict[str, Any]],
-    per_layer: tuple[str, float] | None,
+    bounds: CacheBounds,
     weights: Weights = None,
     advance: Advance = lambda: None,
     function_packages: dict[str, Path] | None = None,
 ) -> tuple[list[GateResult], KvParity]:
-    """Both MIL levels of the cached functions on ``packages`` (one per chunk, call order),
-    each loaded once: the per-layer fp32 gate (``per_layer``: the program's precision and the
-    threshold; None leaves it out) against the module holding ``weights`` where given, and
-    the cache gates. ``function_packages``: the per-function layout's packages, run as one
+    """Every MIL level of the cached functions on ``packages`` (one per chunk, call order),
+    each loaded once: the per-call fp32 gate and the fp32 cache level (unless
+    ``bounds.fp32`` is off) against the module holding ``weights`` where given, and the fp16
+    cache gates. ``function_packages``: the per-function layout's packages, run as one
     program (`parity.mil.program.FunctionSet`: the host's copy of the state between them is
     exact, so one state stands for it)."""
     programs: list[Any] = (
@@ -48,13 +67,59 @@ def function_gates(
         else [load_package(p) for p in packages]
     )
     layers = []
-    if per_layer is not None:
-        precision, threshold = per_layer
+    if bounds.fp32:
         layers = cached_fp32_check(
-            programs, chunks, continuations, table, precision, threshold, advance, weights
-        )
-    return layers, cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
-                               advance)  # fmt: skip
+            programs, chunks, continuations, table, bounds.precision,
+            bounds.mil_fp32_layer_rel_error, advance, weights,
+        )  # fmt: skip
+        layers += cache_fp32_level(programs, chunks, continuations, extend, table, bounds,
+                                   advance, weights)  # fmt: skip
+    kv = cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
+                     bounds.kv_max_abs_dprob, advance)  # fmt: skip
+    if weights is None and kv.drift is not None and kv.drift.over:
+        kv.drift.torch_fp16 = _torch_fp16_at(chunks[0][DEFAULT_FUNCTION], table, continuations,
+                                             kv.drift.over)  # fmt: skip
+    return layers, kv
+
+
+def _torch_fp16_at(
+    module: CachedDecoder,
+    table: np.ndarray,
+    continuations: list[Continuation],
+    over: list[tuple[str, int, float]],
+) -> list[float]:
+    """The torch-fp16 module's |logit error| with no cache at each of the positions
+    ``over`` lists (fixture, position, ...), for the fp16-sensitive positions' report."""
+    out = []
+    for c in continuations:
+        positions = [p for name, p, _ in over if name == c.name]
+        if positions:
+            out += torch_fp16_errors(module.window, table, c, positions)
+    return out
+
+
+def cache_fp32_level(
+    programs: list[Any],
+    chunks: list[dict[str, CachedDecoder]],
+    continuations: list[Continuation],
+    extend: int,
+    table: np.ndarray,
+    bounds: CacheBounds,
+    advance: Advance = lambda: None,
+    weights: Weights = None,
+) -> list[GateResult]:
+    """The fp32 cache level (`parity.kv_fp32`) on ``programs`` (one per chunk)."""
+    captures = [LayerCapture(p, c) for p, c in zip(programs, chunks, strict=True)]
+    mil = _mil_functions(programs, chunks, FP32_LEVEL, captures)
+    functions = chunks[0]
+
+    def reference_of(c: Continuation) -> Any:
+        return reference(functions, c, table, bounds.precision, weights)
+
+    return cached_fp32_level(
+        _sessions(mil, functions, table, advance), captures, continuations, reference_of,
+        extend, (bounds.fp32_layer_rel_error, bounds.fp32_logits_rel_error),
+    )  # fmt: skip
 
 
 def cache_gates(
@@ -65,14 +130,15 @@ def cache_gates(
     extend: int,
     table: np.ndarray,
     sizes: list[dict[str, Any]],
+    max_dprob: float,
     advance: Advance = lambda: None,
 ) -> KvParity:
-    """Every cache gate on the multifunction ``packages`` (one per chunk, in call order, run
-    as one chain; ``programs``: them loaded) in the MIL evaluator's fp16 profile, and whether
-    each stores its weights once (``sizes`` from `combine_measured`, per chunk)."""
+    """Every fp16 cache gate on the multifunction ``packages`` (one per chunk, in call order,
+    run as one chain; ``programs``: them loaded) in the MIL evaluator's fp16 profile, and
+    whether each stores its weights once (``sizes`` from `combine_measured`, per chunk)."""
     mil = _mil_functions(programs, chunks, "fp16")
     kv = check_kv(_sessions(mil, chunks[0], table, advance), continuations, "prefill", extend,
-                  "mil-fp16")  # fmt: skip
+                  "mil-fp16", max_dprob)  # fmt: skip
     if mil.check is not None:
         kv.gates.append(
             gate("kv-cache", "kv_head_choice_mismatches").check(
@@ -101,7 +167,7 @@ def _mil_functions(
     programs: list[Any],
     chunks: list[dict[str, CachedDecoder]],
     profile: str,
-    observers: list[Recorder] | None = None,
+    observers: list[Any] | None = None,
 ) -> MilFunctions | MilChain:
     """The package's functions (one package per chunk, run as one chain) in the MIL
     evaluator under ``profile``."""
@@ -157,6 +223,12 @@ KV_LEVELS = [
         "mil-fp32",
         "mil-fp32",
         "the cached module with the program's constants in fp64, per call and layer",
+    ),
+    level_row(
+        "kv-cache",
+        "mil-fp32",
+        "the window module with the program's constants in fp64 over the whole sequence, no "
+        "cache (every call of every function over each whole continuation)",
     ),
     level_row("kv-cache", "mil-fp16", "reference (the original model's full recompute, fp32)"),
 ]

@@ -57,10 +57,10 @@ from converter.tasks.kv_layout import (
     publish_singles,
     resident_predicted,
 )
-from converter.tasks.kv_parity import KV_LEVELS, PROFILE, function_gates
+from converter.tasks.kv_parity import KV_LEVELS, PROFILE, CacheBounds, function_gates
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate import GateResult
-from parity.kv_gates import KvParity
+from parity.kv_gates import RULE, KvParity
 from parity.kv_session import rope_rows
 from parity.memory import release_memory
 from parity.reference import Continuation, continuation, originals
@@ -290,38 +290,47 @@ def published_functions(run: KvRun, advance: Advance) -> None:
 
 
 def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
-    """Every function per layer (MIL fp32) and the cache gates (MIL fp16) on the emitted
-    packages."""
+    """Every function per call (MIL fp32), the fp32 cache level and the fp16 cache gates on
+    the emitted packages."""
     rw, report = need(run.rewrite, "the rewrite"), need(run.report, "the torch report")
-    per_layer = PROFILE in run.profiles  # `anec parity --profile` may leave it out
+    fp32 = PROFILE in run.profiles  # `anec parity --profile` may leave it out
     layers, run.kv = function_gates(
         [p.path for p in run.programs], run.chunks, run.continuations, run.cache.extend,
-        rw.embed_table.numpy(), run.chunk_sizes, _per_layer(run) if per_layer else None,
-        advance=advance, function_packages=run.function_packages,
+        rw.embed_table.numpy(), run.chunk_sizes, _bounds(run, fp32), advance=advance,
+        function_packages=run.function_packages,
     )  # fmt: skip
     report.gates += layers + run.kv.gates
-    if per_layer:
+    if fp32:
         report.implementations["mil-fp32"] = (
             "anec MIL evaluator, fp32 profile, each call of each cached function"
         )
     report.implementations["mil-fp16"] = "anec MIL evaluator, fp16 profile, through the cache"
+    drift = need(run.kv.drift, "the fp16 drift")
     write_json_atomic(
         run.job.directory / "kv_parity.json",
         {
+            "rule": RULE,
             "gates": [g.to_json() for g in run.kv.gates],
             "flips": run.kv.flips,
             "fixtures": run.kv.rows,
+            "fp16_logit_error": drift.to_json(),
             "sizes": run.sizes if len(run.chunk_sizes) == 1 else {"chunks": run.chunk_sizes},
         },
     )
-    levels = KV_LEVELS if per_layer else KV_LEVELS[1:]
-    write_parity_reports(run.job.directory, report, None, {"recipe": run.recipe.name}, levels)
+    levels = KV_LEVELS if fp32 else KV_LEVELS[2:]
+    write_parity_reports(run.job.directory, report, None,
+                         {"recipe": run.recipe.name, "kv_cache_rule": RULE}, levels,
+                         drift.text())  # fmt: skip
     return None if report.passed else Stop("kv-cache", run.kv.flips[:10])
 
 
-def _per_layer(run: KvRun) -> tuple[str, float]:
-    """The per-layer fp32 gate's program precision and threshold."""
-    return run.recipe.precision, run.recipe.gates.mil_fp32_layer_rel_error
+def _bounds(run: KvRun, fp32: bool = True) -> CacheBounds:
+    """What the cached functions are held to, from the recipe."""
+    g = run.recipe.gates
+    return CacheBounds(
+        run.recipe.precision, g.mil_fp32_layer_rel_error, g.fp32_layer_rel_error,
+        g.fp32_logits_rel_error, g.kv_max_abs_dprob, fp32,
+    )  # fmt: skip
 
 
 def manifest(run: KvRun, advance: Advance) -> None:
@@ -433,7 +442,7 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
     ) -> tuple[list[GateResult], KvParity]:
         return function_gates(
             packages, run.chunks, run.continuations, run.cache.extend, table, sizes,
-            _per_layer(run), weights,
+            _bounds(run), weights,
         )  # fmt: skip
 
     build = KvBuild(
@@ -470,7 +479,7 @@ CONVERT_STEPS: tuple[Step[KvRun], ...] = (
     Step("split into packages (weight budget)", split_packages),
     Step("convert prefill, decode, extend", convert_functions, lambda run: 3 * len(run.split)),
     Step("parity through the cache (MIL evaluator)", with_parity_torch(kv_parity),
-         lambda run: (3 + (PROFILE in run.profiles)) * _continuation_count(run)),
+         lambda run: (3 + 4 * (PROFILE in run.profiles)) * _continuation_count(run)),
     Step("write manifest", manifest),
     Step("plan (static)", plan),
 )  # fmt: skip

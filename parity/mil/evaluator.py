@@ -348,7 +348,7 @@ class Evaluator:
             value = np.asarray(inputs[name])
             if shape is not None and value.shape != shape:
                 raise MILError(f"input {name!r}: shape {value.shape}, expected {shape}")
-            if dtype == "fp16":
+            if dtype == "fp16" and self.profile.fp16_inputs:
                 value = round_fp16(value.astype(np.float32))  # the runtime receives fp16
             env[name] = coerce(value, dtype, self.arith)
         extra = set(inputs) - set(self.inputs)
@@ -390,7 +390,7 @@ class Evaluator:
             value = np.asarray(states[name])
             if shape is not None and value.shape != shape:
                 raise MILError(f"state {name!r}: shape {value.shape}, expected {shape}")
-            if dtype == "fp16" and not self.profile.fp16_storage:
+            if dtype == "fp16" and not self.profile.fp16_storage and self.profile.fp16_inputs:
                 value = round_fp16(value.astype(np.float32))  # the runtime holds fp16
             # (under fp16 storage ``coerce`` rounds it, once)
             slots[name] = StateSlot(name, coerce(value, dtype, self.arith))

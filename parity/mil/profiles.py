@@ -45,6 +45,9 @@ class Profile:
     description: str
     # Reported per-op errors added to results before storing (`parity.mil.deviations`).
     deviations: tuple[Deviation, ...] = ()
+    # Inputs and states the program declares fp16 are rounded to fp16 on the way in, as the
+    # runtime receives and holds them (off: held as given, `FP32_HELD`).
+    fp16_inputs: bool = True
 
 
 FP32 = Profile(
@@ -86,11 +89,21 @@ DEVICE_MARGIN = replace(
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (FP32, FP16, FP16_ACC, DEVICE_MARGIN)}
 GATED = FP16.name
+# The fp32 cache level's run (`parity.kv_fp32`): the program's function alone, in fp32, its
+# fp16 inputs and cache taken as given. Holding the cache in fp16 makes a key one fp16 ulp
+# apart from an exact computation's wherever the two fp32 values straddle a rounding point, so
+# no exact reference could be held to a tight bound; the fp16 levels judge that storage.
+FP32_HELD = replace(
+    FP32,
+    name="fp32-held",
+    description="every value and every operation in fp32, fp16 inputs and states held in fp32",
+    fp16_inputs=False,
+)
 
 
 def get_profile(name: str) -> Profile:
     """The profile called ``name``; a KeyError lists the known names."""
     try:
-        return PROFILES[name]
+        return PROFILES[name] if name != FP32_HELD.name else FP32_HELD
     except KeyError:
         raise KeyError(f"unknown numeric profile {name!r}; known: {', '.join(PROFILES)}") from None
