@@ -42,6 +42,9 @@ class Acceptance:
     cycles: int = 0
     target_calls: int = 0
     tokens: int = 0
+    # One run's cycles in order: (continuation index the cycle starts at, drafts accepted);
+    # `add` sums counts, not traces.
+    trace: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0] * self.k
@@ -91,6 +94,7 @@ def replay(agree: list[bool], new_tokens: int, k: int, stats: Acceptance) -> Non
             accepted += 1
         stats.cycles += 1
         stats.target_calls += 1
+        stats.trace.append((t, accepted))
         for i in range(min(accepted + 1, k)):
             stats.reached[i] += 1
         for i in range(accepted):
@@ -165,6 +169,7 @@ def speculate(
         accepted = 0
         while accepted < k and drafted[accepted] == verified[accepted]:
             accepted += 1
+        stats.trace.append((start - len(prompt), accepted))
         for i in range(k):
             if i <= accepted:
                 stats.reached[i] += 1

@@ -7,7 +7,10 @@ fp32 on each fixture without padding:
 * ``torch-fp16``: the same module cast to fp16 and run by torch on the CPU - storage and
   arithmetic in fp16 between ops, as the emitted fp16 program stores them. Gated on argmax
   agreement, max |dp|, finiteness and bitwise determinism; the argmax certificate and the
-  per-layer max |h| are reported.
+  per-layer max |h| are reported. It catches nothing the emitted program's own fp16 level
+  does not (the program is what ships), so a conversion runs it on demand: when an fp16 gate
+  of the program fails, to say whether the rewrite's fp16 arithmetic already fails or only
+  the program does (``gates.torch_fp16: always`` runs it every time; `ON_DEMAND`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from parity.result import (
     rel_error,
 )
 from parity.torch_settings import TORCH_CPU
+
+ON_DEMAND = (
+    "not run: on demand, when an fp16 gate of the emitted program fails (it judges the "
+    "fp16 arithmetic of the program that ships; gates.torch_fp16: always runs this level too)"
+)
 
 
 def module_inputs(
@@ -79,12 +87,15 @@ def check_decoder(
     embed_table: torch.Tensor,
     thresholds: Thresholds,
     progress: Callable[[], None] = lambda: None,
+    fp16: bool = True,
 ) -> ParityReport:
     """Run every gate of SPEC section 4 for a decoder; ``progress`` is called per batch and
-    level (twice per batch)."""
+    level (twice per batch; once without ``fp16``, which leaves the torch-fp16 level out:
+    its layer columns NaN, no fixture rows)."""
     length = module.io.length
     layers = [LayerRow(i) for i in range(len(module.layers))]
     logit_errors: list[float] = []  # torch fp32, per fixture in batch order
+    named: list[tuple[float, str]] = []  # the same, with each fixture's name
     fixtures: list[FixtureRow] = []
 
     def rows(state: torch.Tensor, r: int, n: int) -> torch.Tensor:  # `StateRows`
@@ -97,6 +108,7 @@ def check_decoder(
     def score32(fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
         ref = references[fixture.name]
         logit_errors.append(rel_error(logits_of(fixture, r, out), ref.logits))
+        named.append((logit_errors[-1], fixture.name))
         return ref.hidden
 
     def score16(fixture: Fixture, r: int, out: Outputs) -> list[torch.Tensor]:
@@ -107,33 +119,46 @@ def check_decoder(
 
     runner32 = decoder_runner(module, embed_table, torch.float32)
     m32 = measure(runner32, batches, score32, rows, layers, True, progress)
+    implementations = {
+        "reference": "transformers, fp32, each fixture unpadded at positions 0..n-1",
+        "torch-fp32": "anec BC1L module, torch fp32 on the CPU, left-padded window",
+        "torch-fp16": "anec BC1L module cast to fp16 (fp16 storage between ops), " + TORCH_CPU,
+    }
+    if not fp16:
+        for row in layers:
+            row.fp16_rel_error = row.fp16_max_abs = math.nan
+        return ParityReport(
+            gates=_gates(m32, None, fixtures, thresholds, named), layers=layers, fixtures=[],
+            first_diverging_layer=first_diverging(layers, thresholds, fp16=False),
+            implementations=implementations, torch_fp16=ON_DEMAND,
+        )  # fmt: skip
     runner16 = decoder_runner(cast_copy(module, torch.float16), embed_table, torch.float16)
     m16 = measure(runner16, batches, score16, rows, layers, False, progress)
     return ParityReport(
-        gates=_gates(m32, m16, fixtures, thresholds),
+        gates=_gates(m32, m16, fixtures, thresholds, named),
         layers=layers,
         fixtures=fixtures,
         first_diverging_layer=first_diverging(layers, thresholds),
-        implementations={
-            "reference": "transformers, fp32, each fixture unpadded at positions 0..n-1",
-            "torch-fp32": "anec BC1L module, torch fp32 on the CPU, left-padded window",
-            "torch-fp16": "anec BC1L module cast to fp16 (fp16 storage between ops), " + TORCH_CPU,
-        },
+        implementations=implementations,
     )
 
 
-def _gates(m32: Measured, m16: Measured, rows: list[FixtureRow], thresholds: Thresholds
-           ) -> list[GateResult]:  # fmt: skip
-    """The torch-fp32 and torch-fp16 gates on what the two levels measured."""
+def _gates(m32: Measured, m16: Measured | None, rows: list[FixtureRow], thresholds: Thresholds,
+           logit_errors: list[tuple[float, str]]) -> list[GateResult]:  # fmt: skip
+    """The torch-fp32 and (``m16`` given) torch-fp16 gates on what the levels measured
+    (``logit_errors``: torch fp32's per fixture, with its name)."""
+    fp32 = [
+        worst_gate("torch-fp32", "fp32_layer_rel_error", thresholds, m32.worst_layer,
+                   detail="max over layers and fixtures of ||h'-h||/||h|| at real positions"),
+        worst_gate("torch-fp32", "fp32_logits_rel_error", thresholds, worst_of(logit_errors)),
+    ]  # fmt: skip
+    if m16 is None:
+        return fp32
     kept = [round(row.fp16_argmax_agreement * row.tokens) for row in rows]
     agree, total = sum(kept), sum(row.tokens for row in rows)
     flipped = [row.name for row, k in zip(rows, kept, strict=True) if k < row.tokens]
-    logits = worst_of((row.fp32_logits_rel_error, row.name) for row in rows)
     dprob = worst_of((row.fp16_max_abs_dprob, row.name) for row in rows)
-    return [
-        worst_gate("torch-fp32", "fp32_layer_rel_error", thresholds, m32.worst_layer,
-                   detail="max over layers and fixtures of ||h'-h||/||h|| at real positions"),
-        worst_gate("torch-fp32", "fp32_logits_rel_error", thresholds, logits),
+    return fp32 + [
         gate("torch-fp16", "fp16_argmax_agreement").check(
             agree / total if total else math.nan,
             thresholds.fp16_argmax_agreement,

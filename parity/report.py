@@ -54,6 +54,8 @@ def report_to_text(report: ParityReport) -> str:
     if report.first_diverging_layer is not None:
         lines.append(f"  first diverging layer: {report.first_diverging_layer}")
     lines.append("")
+    if report.torch_fp16 != "run":
+        lines.append(f"  torch-fp16: {report.torch_fp16}")
     lines.append("layer  fp32 rel err  fp16 rel err  fp16 max|h|  overflow margin")
     for row in report.layers:
         lines.append(
@@ -251,7 +253,11 @@ def parity_document(
     cached decoder's cache level); without either, the conversion level says why it did not
     run (a torch gate failed, or it has not run yet)."""
     doc = report_to_json(report, extra)
-    table = [level_row("rewrite", name, "reference") for name in ("torch-fp32", "torch-fp16")]
+    table = [
+        level_row("rewrite", "torch-fp32", "reference"),
+        level_row("rewrite", "torch-fp16", "reference", report.torch_fp16,
+                  gated=report.torch_fp16 == "run"),
+    ]  # fmt: skip
     if conversion is not None:
         conv = conversion_to_json(conversion)
         table += conv.pop("levels")

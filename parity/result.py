@@ -97,6 +97,8 @@ class ParityReport(Gated):
     implementations: dict[str, str] = field(default_factory=dict)
     # Decoders: the measured ranges and the power-of-two scales chosen from them.
     stream: StreamScaling | None = None
+    # The torch-fp16 level's row of the levels table: "run", or why it did not run.
+    torch_fp16: str = "run"
 
 
 def rel_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import ast
 import math
+import typing
 from pathlib import Path
 
 import pytest
 
 from converter.gate_table import markdown_table, recipe_field
 from converter.recipe import Gates
-from parity.gate import REGISTRY, Comparison, Worst, gate, registered
+from parity.gate import REGISTRY, Comparison, Level, Worst, gate, registered
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def test_every_threshold_is_set_by_a_recipe_key_that_exists() -> None:
 
 def test_every_gates_field_names_a_registered_gate() -> None:
     keyed = {g.recipe_key for g in registered()}
-    for field in Gates.model_fields:
+    for field in set(Gates.model_fields) - set(Gates.SWITCHES):
         assert f"gates.{field}" in keyed, f"recipe gates.{field} sets no registered gate"
 
 
@@ -122,3 +123,11 @@ def test_registry_keys_are_unique_level_and_name() -> None:
         "plan",
         "recheck",
     }
+
+
+def test_the_readme_says_what_each_registered_level_is_the_first_to_catch() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### What each level is the first to catch", 1)[1].split("###", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    assert rows == set(typing.get_args(Level))

@@ -52,8 +52,10 @@ def test_every_cache_gate_ran_and_passed(artifact: Path) -> None:
     assert detail["rule"].startswith("2026-12-05") and parity["kv_cache_rule"] == detail["rule"]
     # the levels table says what ran: each function per layer and the cache level, not a
     # failed torch level
-    statuses = {lv["level"]: lv["status"] for lv in parity["levels"]}
-    assert statuses == {"rewrite": "run", "mil-fp32": "run", "kv-cache": "run"}, statuses
+    statuses = {(lv["level"], lv["implementation"]): lv["status"] for lv in parity["levels"]}
+    assert statuses.pop(("rewrite", "torch-fp16")).startswith("not run: on demand"), statuses
+    assert set(statuses.values()) == {"run"}, statuses
+    assert {level for level, _ in statuses} == {"rewrite", "mil-fp32", "kv-cache"}, statuses
     per_layer = {g["name"]: g for g in parity["gates"] if g["level"] == "mil-fp32"}
     assert set(per_layer) == {"layer_markers_present", "mil_fp32_layer_rel_error"}
     assert all(g["passed"] for g in per_layer.values())
@@ -234,16 +236,21 @@ def test_the_torch_backend_drafts_as_the_program_does(artifact: Path) -> None:
     target = tiny_hf_model("llama", seed=3)  # another model: acceptance is not all or none
     verify = partial(target_tokens, target)
     prompts = [[7, 8, 9, 10], [20, 21, 22]]
-    stats = Acceptance(3)
+    stats, texts = Acceptance(3), []
     for prompt in prompts:
         one = Acceptance(3)
         new = speculate(torch_backend(runtime), verify, prompt, 3, 16, one)
         assert new == greedy_ids(target, tuple(prompt), 16)
+        assert sum(a for _, a in one.trace) == sum(one.accepted) and len(one.trace) == one.cycles
         stats.add(one)
+        texts.append(one)
     assert stats.tokens == 32 and 0 < stats.mean_accepted < 3
-    check = mil_check(mil_backend(runtime), verify, prompts, 3, 16, stats)
+    check = mil_check(mil_backend(runtime), verify, prompts, 3, 16, texts)
     assert check["texts"] == 2 and check["backend_mean_accepted"] == round(stats.mean_accepted, 4)
     assert check["relative_difference"] <= 0.01, check
+    # the same cycles: no difference, an interval at zero, no parting cycle
+    assert check["cycle_difference"] == 0 and check["interval_covers_zero"]
+    assert check["first_difference"] is None
 
 
 def test_the_replayed_sweep_counts_what_the_cycles_count(artifact: Path) -> None:
@@ -378,3 +385,20 @@ def test_anec_parity_on_an_artifact_of_the_earlier_cache_rule_says_so(
     assert names["same_gate_set"]["passed"] and "kv_fp32_max_abs_logit_error" in names
     assert not set(RETIRED) & set(names)
     assert "cache rule of manifest schema 6" in (tmp_path / "re" / "parity.txt").read_text()
+
+
+def test_the_mil_check_names_the_first_cycle_where_the_two_loops_part() -> None:
+    from converter.cli.speculate import _first_difference
+    from converter.speculate import Acceptance, replay
+
+    same = [True] * 9
+    parted = [True, True, False] + [True] * 6  # the draft misses continuation index 2
+    a, b, c = Acceptance(4), Acceptance(4), Acceptance(4)
+    replay(same, 6, 4, a)
+    replay(same, 6, 4, b)
+    replay(parted, 6, 4, c)
+    assert _first_difference([a], [b]) is None
+    assert _first_difference([a, a], [b, c]) == {
+        "text": 1, "continuation_index": 0, "backend_accepted": 4, "mil_accepted": 2,
+    }  # fmt: skip
+    assert c.trace[:2] == [(0, 2), (3, 4)]  # k = 4 caps the second cycle

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from real_configs import build_causal_lm
-from tiny_models import run_anec
+from tiny_models import DEFAULT_KV_GATES, run_anec
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def test_real_width_converts_statefully_with_every_cache_gate(name: str, tmp_pat
     parity = json.loads((artifact / "parity.json").read_text())
     failed = [g for g in parity["gates"] if not g["passed"]]
     assert result.exit_code == 0 and not failed, (result.output[-2000:], failed)
-    assert len([g for g in parity["gates"] if g["level"] == "kv-cache"]) == 8
+    assert {g["name"] for g in parity["gates"] if g["level"] == "kv-cache"} == DEFAULT_KV_GATES
     detail = json.loads((artifact / "kv_parity.json").read_text())
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64]
     # The flip gate had positions to judge (reference margin above 0.5).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_models import run_anec
+from tiny_models import DEFAULT_KV_GATES, run_anec
 
 from converter.recipe import locate_recipe
 
@@ -53,7 +53,8 @@ def kv_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_gate_passes_and_weights_are_stored_once(kv_artifact: Path) -> None:
     parity = json.loads((kv_artifact / "parity.json").read_text())
     kv = [g for g in parity["gates"] if g["level"] == "kv-cache"]
-    assert len(kv) == 8 and all(g["passed"] for g in parity["gates"])
+    assert {g["name"] for g in kv} == DEFAULT_KV_GATES
+    assert all(g["passed"] for g in parity["gates"])
     detail = json.loads((kv_artifact / "kv_parity.json").read_text())
     assert [row["decode_steps"] for row in detail["fixtures"]] == [64] * PROMPTS
     sizes = json.loads((kv_artifact / "manifest.json").read_text())["kv_cache"]["sizes"]

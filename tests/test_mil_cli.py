@@ -50,9 +50,11 @@ def test_published_parity_covers_every_level(artifact: Path) -> None:
     doc = json.loads((artifact / "parity.json").read_text())
     assert doc["passed"] is True
     levels = {(lv["level"], lv["implementation"]): lv["status"] for lv in doc["levels"]}
+    # the torch-fp16 level only localizes what the program's own fp16 level finds: on demand
+    assert levels[("rewrite", "torch-fp16")].startswith("not run: on demand")
+    assert not any(g["level"] == "torch-fp16" for g in doc["gates"])
     for key in [
         ("rewrite", "torch-fp32"),
-        ("rewrite", "torch-fp16"),
         ("conversion", "mil-fp32"),
         ("conversion", "mil-fp16"),
         ("conversion", "mil-fp16-acc"),
@@ -85,6 +87,38 @@ def test_a_failed_mil_gate_publishes_nothing(root: Path) -> None:
     gates = _gates(doc)
     assert not gates[("mil_fp32_layer_rel_error", "mil-fp32")]["passed"]
     assert gates[("fp32_layer_rel_error", "torch-fp32")]["passed"]
+
+
+def test_a_failed_fp16_gate_of_the_program_runs_the_torch_fp16_level_to_say_where(
+    root: Path,
+) -> None:
+    # max |dp| <= 1e-9 fails in the program's fp16 level, and in the module's fp16 too
+    recipe = write_tiny_recipe(root / "dp.yaml", root / "ckpt", "dp",
+                               gates={"fp16_max_abs_dprob": 1e-9})  # fmt: skip
+    out = root / "dp-out"
+    result = run_anec("convert", recipe, "--out", out, "--json")
+    assert result.exit_code == 1, result.output
+    doc = json.loads((out / "dp.failed" / "parity.json").read_text())
+    gates = _gates(doc)
+    assert not gates[("fp16_max_abs_dprob", "mil-fp16")]["passed"]
+    assert not gates[("fp16_max_abs_dprob", "torch-fp16")]["passed"]
+    levels = {(lv["level"], lv["implementation"]): lv["status"] for lv in doc["levels"]}
+    status = levels[("rewrite", "torch-fp16")]
+    assert status.startswith("run because fp16_max_abs_dprob (mil-fp16) failed")
+    assert "the rewrite's own fp16 arithmetic fails too" in status
+
+
+def test_torch_fp16_always_runs_the_level_every_time(root: Path) -> None:
+    recipe = write_tiny_recipe(root / "always.yaml", root / "ckpt", "always",
+                               gates={"torch_fp16": "always"})  # fmt: skip
+    result = run_anec("convert", recipe, "--out", root / "always-out", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads((root / "always-out" / "always" / "parity.json").read_text())
+    levels = {(lv["level"], lv["implementation"]): lv["status"] for lv in doc["levels"]}
+    assert levels[("rewrite", "torch-fp16")] == "run"
+    assert {"fp16_argmax_agreement", "deterministic"} <= {
+        g["name"] for g in doc["gates"] if g["level"] == "torch-fp16"
+    }
 
 
 def test_anec_parity_reruns_the_gates_on_the_artifact(artifact: Path, root: Path) -> None:

@@ -28,6 +28,7 @@ from graph_passes.spec import CanonicalModel
 from parity.conversion import ConversionReport, check_conversion
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
+from parity.gate import registered
 from parity.reference import ReferenceRun, run_reference
 from parity.result import Thresholds
 
@@ -327,6 +328,13 @@ def build_tiny(
 
 
 # ---- comparing a module with transformers -------------------------------------------------
+
+# The cache level's gates a plain cached decoder runs: every registered one but the head
+# choice's (io.output argmax / topk) and a compressed variant's weights gate.
+DEFAULT_KV_GATES = {g.name for g in registered() if g.level == "kv-cache"} - {
+    "kv_head_choice_mismatches",
+    "kv_weights_identical",
+}
 
 MATCH_TOLERANCE = 1e-5
 

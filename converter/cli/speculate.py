@@ -57,24 +57,68 @@ def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
     return ckpt.model.float().eval(), False, str(target)
 
 
+BOOTSTRAP = 2000  # resamples of the texts for the MIL check's interval (seeded)
+
+
 def mil_check(
     make: Any, verify: Any, prompts: list[list[int]], k: int, max_new_tokens: int,
-    backend: Any,
+    backend: list[Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """The same texts with the draft in the MIL evaluator: both backends' mean accepted per
-    cycle and the relative difference (``backend``: the other backend's figures on them)."""
+    """The same texts with the draft in the MIL evaluator against ``backend`` (the other
+    backend's `Acceptance` per text): both mean accepted per cycle, the difference in cycles
+    and as a share with its 95 % interval (a paired bootstrap over the texts), and the first
+    cycle where the two loops part (text, continuation index, drafts each accepted)."""
+    import numpy as np
+
     from converter.speculate import Acceptance, speculate
 
-    mil = Acceptance(k)
+    mil = []
     for prompt in prompts:
-        speculate(make, verify, prompt, k, max_new_tokens, mil)
-    base = mil.mean_accepted
+        one = Acceptance(k)
+        speculate(make, verify, prompt, k, max_new_tokens, one)
+        mil.append(one)
+    ours, theirs = _summed(backend, k), _summed(mil, k)
+    base = theirs.mean_accepted
+    rng = np.random.default_rng(0)
+    shares = []
+    for _ in range(BOOTSTRAP):
+        pick = rng.integers(0, len(mil), len(mil))
+        a, b = _summed([backend[i] for i in pick], k), _summed([mil[i] for i in pick], k)
+        if b.mean_accepted:
+            shares.append((a.mean_accepted - b.mean_accepted) / b.mean_accepted)
+    low, high = (float(np.percentile(shares, q)) for q in (2.5, 97.5)) if shares else (0.0, 0.0)
     return {
         "texts": len(prompts),
-        "backend_mean_accepted": round(backend.mean_accepted, 4),
+        "backend_mean_accepted": round(ours.mean_accepted, 4),
         "mil_mean_accepted": round(base, 4),
-        "relative_difference": abs(backend.mean_accepted - base) / base if base else 0.0,
+        "relative_difference": abs(ours.mean_accepted - base) / base if base else 0.0,
+        "backend_cycles": ours.cycles,
+        "mil_cycles": theirs.cycles,
+        "cycle_difference": ours.cycles - theirs.cycles,
+        "relative_difference_95": [round(low, 4), round(high, 4)],
+        "interval_covers_zero": low <= 0.0 <= high,
+        "first_difference": _first_difference(backend, mil),
     }
+
+
+def _summed(texts: list[Any], k: int) -> Any:
+    """One `Acceptance` summing ``texts``'."""
+    from converter.speculate import Acceptance
+
+    total = Acceptance(k)
+    for one in texts:
+        total.add(one)
+    return total
+
+
+def _first_difference(backend: list[Any], mil: list[Any]) -> dict[str, int] | None:
+    """The first cycle, text by text, where the two loops accepted differently."""
+    for i, (a, b) in enumerate(zip(backend, mil, strict=True)):
+        for (start, mine), (other_start, theirs) in zip(a.trace, b.trace, strict=False):
+            if (start, mine) != (other_start, theirs):
+                return {"text": i, "continuation_index": start, "backend_accepted": mine,
+                        "mil_accepted": theirs}  # fmt: skip
+    return None
 
 
 def replay_agreements(
@@ -94,12 +138,12 @@ def replay_agreements(
 def depth_counts(
     make: Any, verify: Any, prompts: list[list[int]], k: int, max_new_tokens: int,
     agreements: list[list[bool]] | None, check_mil: int,
-) -> tuple[Any, Any]:  # fmt: skip
-    """Depth ``k``'s counts over every text, and over the first ``check_mil`` texts alone:
+) -> tuple[Any, list[Any]]:  # fmt: skip
+    """Depth ``k``'s counts over every text, and each of the first ``check_mil`` texts' own:
     replayed from ``agreements`` (`replay_agreements`), or by running the cycles."""
     from converter.speculate import Acceptance, replay, speculate
 
-    stats, subset = Acceptance(k), Acceptance(k)
+    stats, subset = Acceptance(k), []
     for i, prompt in enumerate(prompts):
         one = Acceptance(k)
         if agreements is None:
@@ -108,7 +152,7 @@ def depth_counts(
             replay(agreements[i], max_new_tokens, k, one)
         stats.add(one)
         if i < check_mil:
-            subset.add(one)
+            subset.append(one)
     return stats, subset
 
 
@@ -126,8 +170,15 @@ def row_text(row: dict[str, Any], backend: str) -> str:
         text += (
             f"\n  MIL check on {c['texts']} text(s): mean accepted {backend} "
             f"{c['backend_mean_accepted']:.4f}, mil {c['mil_mean_accepted']:.4f} "
-            f"(relative difference {c['relative_difference']:.2%})"
+            f"(relative difference {c['relative_difference']:.2%}; cycles {c['backend_cycles']}"
+            f" / {c['mil_cycles']}; 95 % interval of the difference "
+            f"[{c['relative_difference_95'][0]:.2%}, {c['relative_difference_95'][1]:.2%}])"
         )
+        if c["first_difference"] is not None:
+            d = c["first_difference"]
+            text += (f"\n  first parting cycle: text {d['text']}, continuation index "
+                     f"{d['continuation_index']}: {backend} accepted {d['backend_accepted']}, "
+                     f"mil {d['mil_accepted']}")  # fmt: skip
     return text
 
 

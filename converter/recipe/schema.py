@@ -20,6 +20,7 @@ from converter.errors import InputError
 from converter.recipe.cache import CacheSpec, cache_problems
 from converter.recipe.compression import Compression, compression_problems
 from converter.recipe.sections import (
+    KV_MAX_ABS_DPROB,
     MAX_AXIS,
     DecisionOptions,
     DType,
@@ -207,6 +208,12 @@ class DecoderRecipe(RecipeBase):
                 "applies to a decoder without a cache (cache.style none): the device-margin "
                 "profile runs on the window program, which a cached decoder does not gate; "
                 "remove it"
+            )))  # fmt: skip
+        # (by value: a written-out window recipe carries the default, which changes nothing)
+        if self.cache.style == "none" and self.gates.kv_max_abs_dprob != KV_MAX_ABS_DPROB:
+            problems.append((("gates", "kv_max_abs_dprob"), (
+                "applies to a cached decoder (cache.style state or io): a window decoder's "
+                "probabilities are gated by gates.fp16_max_abs_dprob; remove it"
             )))  # fmt: skip
         raise_rules("Recipe", problems)
         return self

@@ -79,6 +79,16 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         DECODER_TASKS,
         "the opt-in device-margin profile's argmax gate",
     ),
+    TaskKey(
+        ("gates", "torch_fp16"),
+        DECODER_TASKS,
+        "when a decoder's torch-fp16 level runs (encoders always run theirs)",
+    ),
+    TaskKey(
+        ("gates", "kv_max_abs_dprob"),
+        DECODER_TASKS,
+        "the fp16 probability gate of a cached decoder's continuations",
+    ),
     TaskKey(("encoder",), ENCODER_TASKS, "partition and pooling of an encoder"),
     TaskKey(("encoder", "pooling"), ("sentence-similarity",), "how tokens become a sentence"),
     TaskKey(("encoder", "normalize"), ("sentence-similarity",), "L2 normalisation of a sentence"),

@@ -227,11 +227,13 @@ def references(run: DecoderRun, advance: Advance) -> None:
 
 
 def torch_parity(run: DecoderRun, advance: Advance) -> Stop | None:
-    """The BC1L module in fp32 (per layer, logits) and fp16 against the reference."""
+    """The BC1L module in fp32 (per layer, logits) against the reference, and in fp16 where
+    the recipe asks for it every time (``gates.torch_fp16``; else `diagnose_fp16`)."""
     rw = need(run.rewrite, "the rewrite")
     run.report = check_decoder(
-        rw.module, rw.batches, run.references, rw.embed_table, thresholds(run.recipe), advance
-    )
+        rw.module, rw.batches, run.references, rw.embed_table, thresholds(run.recipe), advance,
+        fp16=run.recipe.gates.torch_fp16 == "always",
+    )  # fmt: skip
     if run.vocabulary is not None:
         run.report.gates.insert(0, run.vocabulary.gate)
     run.report.stream = rw.scaling
@@ -270,8 +272,31 @@ def mil_parity(run: DecoderRun, advance: Advance) -> Stop | None:
     )
     report.gates += run.conversion.gates  # the conversion level joins the torch report
     report.implementations.update(run.conversion.implementations)
+    diagnose_fp16(run)
     write_parity_reports(run.job.directory, report, run.conversion, {"recipe": run.recipe.name})
     return None if report.passed else Stop("MIL-level")
+
+
+def diagnose_fp16(run: DecoderRun) -> None:
+    """An fp16 gate of the emitted program failed and the torch-fp16 level has not run: run
+    it now, to say where the failure comes from. Its gates join the report (the run has
+    failed already); its verdict names the rewrite (the module's own fp16 arithmetic fails
+    too) or the conversion (only the program fails)."""
+    report = need(run.report, "the torch report")
+    failed = [g for g in report.gates if g.implementation == "mil-fp16" and not g.passed]
+    if report.torch_fp16 == "run" or not failed:
+        return
+    rw = need(run.rewrite, "the rewrite")
+    full = check_decoder(rw.module, rw.batches, run.references, rw.embed_table,
+                         thresholds(run.recipe))  # fmt: skip
+    fp16 = [g for g in full.gates if g.level == "torch-fp16"]
+    at = max(i for i, g in enumerate(report.gates) if g.level == "torch-fp32") + 1
+    report.gates[at:at] = fp16
+    report.layers, report.fixtures = full.layers, full.fixtures
+    report.first_diverging_layer = full.first_diverging_layer
+    where = "the rewrite's own fp16 arithmetic fails too" if not all(g.passed for g in fp16) \
+        else "the rewrite passes in fp16: the failure is the conversion's"  # fmt: skip
+    report.torch_fp16 = f"run because {failed[0].name} ({failed[0].level}) failed: {where}"
 
 
 def manifest(run: DecoderRun, advance: Advance) -> None:
@@ -345,12 +370,17 @@ VOCABULARY_STEP: Step[Any] = Step(
 )
 
 
+def _torch_batches(run: DecoderRun) -> int:
+    """The torch parity step's progress: each batch per level it runs."""
+    return (1 + (run.recipe.gates.torch_fp16 == "always")) * _batches(run)
+
+
 CONVERT_STEPS: tuple[Step[DecoderRun], ...] = (
     Step("load checkpoint", load),
     Step("rewrite to BC1L", with_parity_torch(rewrite)),
     VOCABULARY_STEP,
     Step("reference (original model)", with_parity_torch(references), _fixture_count),
-    Step("parity (torch fp32, fp16)", with_parity_torch(torch_parity), lambda r: 2 * _batches(r)),
+    Step("parity (torch fp32)", with_parity_torch(torch_parity), _torch_batches),
     Step("convert to ML Program", convert),
     Step(
         "parity (MIL evaluator)",

@@ -300,6 +300,7 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
         function_packages=run.function_packages,
     )  # fmt: skip
     report.gates += layers + run.kv.gates
+    window_task.diagnose_fp16(run)
     if fp32:
         report.implementations["mil-fp32"] = (
             "anec MIL evaluator, fp32 profile, each call of each cached function"
@@ -474,8 +475,8 @@ CONVERT_STEPS: tuple[Step[KvRun], ...] = (
          _continuation_count),
     Step("reference (original model)", with_parity_torch(window_task.references),
          window_task._fixture_count),
-    Step("parity (torch fp32, fp16)", with_parity_torch(window_task.torch_parity),
-         lambda run: 2 * window_task._batches(run)),  # check_decoder: per batch and level
+    Step("parity (torch fp32)", with_parity_torch(window_task.torch_parity),
+         window_task._torch_batches),
     Step("split into packages (weight budget)", split_packages),
     Step("convert prefill, decode, extend", convert_functions, lambda run: 3 * len(run.split)),
     Step("parity through the cache (MIL evaluator)", with_parity_torch(kv_parity),
