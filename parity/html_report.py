@@ -49,7 +49,9 @@ def _layer_series(doc: dict[str, Any]) -> dict[str, list[float]]:
     layers = doc.get("layers", [])
     if layers:
         series["torch-fp32 vs reference"] = [float(r["fp32_rel_error"]) for r in layers]
-        series["torch-fp16 vs reference"] = [float(r["fp16_rel_error"]) for r in layers]
+        fp16 = [float(r["fp16_rel_error"]) for r in layers]
+        if not all(math.isnan(v) for v in fp16):  # NaN: the level ran on demand only
+            series["torch-fp16 vs reference"] = fp16
     for run in doc.get("conversion", {}).get("runs", []):
         if run.get("layer_rel_error"):
             label = f"{run['implementation']} vs " + (

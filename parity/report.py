@@ -54,14 +54,16 @@ def report_to_text(report: ParityReport) -> str:
     if report.first_diverging_layer is not None:
         lines.append(f"  first diverging layer: {report.first_diverging_layer}")
     lines.append("")
-    if report.torch_fp16 != "run":
-        lines.append(f"  torch-fp16: {report.torch_fp16}")
-    lines.append("layer  fp32 rel err  fp16 rel err  fp16 max|h|  overflow margin")
-    for row in report.layers:
-        lines.append(
+    if report.torch_fp16 == "run":
+        lines.append("layer  fp32 rel err  fp16 rel err  fp16 max|h|  overflow margin")
+        lines += [
             f"{row.layer:>5}  {row.fp32_rel_error:>12.3g}  {row.fp16_rel_error:>12.3g}  "
             f"{row.fp16_max_abs:>11.1f}  {row.fp16_overflow_margin:>14.1f}x"
-        )
+            for row in report.layers
+        ]
+    else:  # the fp16 columns are the torch-fp16 level's
+        lines += [f"  torch-fp16: {report.torch_fp16}", "layer  fp32 rel err"]
+        lines += [f"{row.layer:>5}  {row.fp32_rel_error:>12.3g}" for row in report.layers]
     if report.stream is not None:
         lines += ["", stream_to_text(report.stream)]
     if not report.fixtures:

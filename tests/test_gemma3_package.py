@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from tiny_models import run_anec
+from tiny_models import DEFAULT_KV_GATES, run_anec
 
 from converter.errors import InputError
 from converter.recipe import load_recipe, locate_recipe
@@ -134,16 +134,15 @@ def test_method_grid_refuses_the_k_quants_by_name(cache: Path, tmp_path: Path) -
     assert "Q4_K, Q6_K" in result.output
 
 
-@pytest.fixture(scope="module")
-def cut_artifact(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The window recipe on the packaged checkpoint's layers 0 and 5, converted once."""
+def cut_checkpoint(root: Path, sliding_window: int | None = None) -> Path:
+    """The packaged checkpoint's layers 0 and 5 saved as an HF folder (``sliding_window``:
+    the local layers' window in the saved config, cut too, so a short continuation crosses
+    it)."""
     from torch import nn
 
     from converter.checkpoint import load_checkpoint
 
-    root = tmp_path_factory.mktemp("gemma3-cut")
-    shipped = locate_recipe("gemma-3-270m-draft")
-    recipe = load_recipe(shipped)
+    recipe = load_recipe(locate_recipe("gemma-3-270m-draft"))
     ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
     model, config = ckpt.model, ckpt.config
     kept = [model.model.layers[i] for i in LAYERS]
@@ -152,21 +151,38 @@ def cut_artifact(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.model.layers = nn.ModuleList(kept)
     config.layer_types = [config.layer_types[i] for i in LAYERS]
     config.num_hidden_layers = len(LAYERS)
+    if sliding_window is not None:
+        config.sliding_window = sliding_window
     model.save_pretrained(root / "ckpt", safe_serialization=True)
     ckpt.tokenizer.save_pretrained(root / "ckpt")
-    data = yaml.safe_load(shipped.read_text(encoding="utf-8"))
-    data["name"] = "gemma3-2-layers"
+    return root / "ckpt"
+
+
+def convert_cut(root: Path, shipped: str, name: str, **overrides: object) -> Path:
+    """``shipped``'s recipe on the cut checkpoint in ``root``, converted; its artifact."""
+    data = yaml.safe_load(locate_recipe(shipped).read_text(encoding="utf-8"))
+    data["name"] = name
     data["source"] = {"kind": "hf-dir", "path": str(root / "ckpt")}
     data["fixtures"]["prompts"] = data["fixtures"]["prompts"][:PROMPTS]
-    # A two-layer cut is another model, with near ties of its own in the prompts repeated to
-    # fill the window (measured: fp16 argmax 0.986, max |dp| 0.0206 on those variants); the
-    # prompts themselves are gated as shipped. Full depth keeps every variant (bench/README.md).
-    data["fixtures"]["padded_variants"] = False
-    file = root / "recipe.yaml"
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    file = root / f"{name}.yaml"
     file.write_text(yaml.safe_dump(data), encoding="utf-8")
     result = run_anec("convert", file, "--out", root / "out")
     assert result.exit_code == 0, result.output
-    return root / "out" / data["name"]
+    return root / "out" / name
+
+
+@pytest.fixture(scope="module")
+def cut_artifact(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The window recipe on the packaged checkpoint's layers 0 and 5, converted once."""
+    root = tmp_path_factory.mktemp("gemma3-cut")
+    cut_checkpoint(root)
+    # A two-layer cut is another model, with near ties of its own in the prompts repeated to
+    # fill the window (measured: fp16 argmax 0.986, max |dp| 0.0206 on those variants); the
+    # prompts themselves are gated as shipped. Full depth keeps every variant (bench/README.md).
+    return convert_cut(root, "gemma-3-270m-draft", "gemma3-2-layers",
+                       fixtures={"padded_variants": False})  # fmt: skip
 
 
 def test_two_real_layers_convert_with_every_gate(cut_artifact: Path) -> None:
@@ -175,3 +191,21 @@ def test_two_real_layers_convert_with_every_gate(cut_artifact: Path) -> None:
     manifest = json.loads((cut_artifact / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["architecture"] == "gemma3"
     assert manifest["rope_theta"] == [10000.0, 1000000.0]  # the local and the global base
+
+
+def test_two_real_layers_through_the_state_cache_pass_every_cache_gate(
+    cache: Path, tmp_path: Path
+) -> None:
+    # The KV recipe on the cut, its local window cut to 32 so that 48 decode steps cross it
+    # (full depth, 512 steps past the 512-token window: bench/README.md).
+    cut_checkpoint(tmp_path, sliding_window=32)
+    artifact = convert_cut(
+        tmp_path, "gemma-3-270m-draft-kv", "gemma3-kv-2-layers",
+        cache={"length": 128, "decode_steps": 48}, fixtures={"padded_variants": False},
+    )  # fmt: skip
+    parity = json.loads((artifact / "parity.json").read_text(encoding="utf-8"))
+    assert parity["gates"] and all(g["passed"] for g in parity["gates"])
+    kv = {g["name"] for g in parity["gates"] if g["level"] == "kv-cache"}
+    assert kv == DEFAULT_KV_GATES
+    manifest = json.loads((artifact / "manifest.json").read_text(encoding="utf-8"))
+    assert 32 in manifest["kv_cache"]["windows"], manifest["kv_cache"]  # the local layers'
