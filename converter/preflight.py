@@ -60,7 +60,8 @@ def preflight(
         size = sum(f.stat().st_size for f in files)
         n_parameters = size // _PICKLE_BYTES_PER_PARAMETER
     variants = recipe.compression is not None and bool(recipe.compression.variants)
-    memory = estimate_peak_memory(n_parameters, variants, table_elements(tables))
+    memory = estimate_peak_memory(n_parameters, variants, table_elements(tables),
+                                  cache_logits(recipe, tables))  # fmt: skip
     check_memory(memory, recipe.name)
     artifact = artifact_bytes(tables, n_parameters)
     needs, purpose = disk_needs(recipe, out_dir, artifact)
@@ -74,6 +75,18 @@ def table_elements(tables: list[WeightTable]) -> int:
     sizes = [t.n_elements for table in tables for name, t in table.tensors.items()
              if "emb" in name and "position" not in name]  # fmt: skip
     return max(sizes, default=0)
+
+
+def cache_logits(recipe: Recipe, tables: list[WeightTable]) -> int:
+    """A cached decoder's logits of one continuation, (decode steps + 1) x vocabulary (the
+    embedding table's longer side); 0 without a cache or a table."""
+    cache = getattr(recipe, "cache", None)
+    if cache is None or cache.style == "none":
+        return 0
+    shapes = [t.shape for table in tables for name, t in table.tensors.items()
+              if "emb" in name and "position" not in name]  # fmt: skip
+    vocab = max((max(shape) for shape in shapes if shape), default=0)
+    return (cache.decode_steps + 1) * vocab
 
 
 def disk_needs(recipe: Recipe, out_dir: Path, artifact: int) -> tuple[dict[Path, int], str]:

@@ -14,15 +14,15 @@ vocabulary-wide logits and softmaxes of every parity level). Peaks measured with
 
     MiniLM-L6            1.08 GiB   0.085 / 0.044
     SmolLM2-135M         1.86 GiB   0.501 / 0.105   (2.30 with a state cache)
-    Gemma 3 270M         3.75 GiB   0.999 / 0.625   (3.73 with a state cache)
+    Gemma 3 270M         3.75 GiB   0.999 / 0.625   (4.76 with a state cache: CACHE_LOGITS_MULTIPLE)
     Qwen2.5-0.5B shape   4.71 GiB   1.840 / 0.507
     Llama-3.2-1B shape  10.54 GiB   4.604 / 0.979   (9.44 with a state cache)
 
 1.25 GiB + 2.0 x weights + 1.4 x table lies above each (1.48, 2.40, 4.12, 5.64, 11.83 GiB),
 so a 1B model's conversion is let through under a 12 GiB limit. The base is above MiniLM's
-peak by what SmolLM2's state-cache recipe needs, the one peak the weights and table do not
-account for (its convert and cache-parity steps reach 2.26 and 2.30 GiB). The table term is
-there for Gemma, whose table is 63 % of its weights.
+peak by what SmolLM2's state-cache recipe needs (its convert and cache-parity steps reached
+2.26 and 2.30 GiB); a cached decoder's continuation logits have their own term below. The
+table term is there for Gemma, whose table is 63 % of its weights.
 """
 
 from __future__ import annotations
@@ -53,6 +53,13 @@ TABLE_MULTIPLE = 1.4
 # MiniLM's lut8 1.15 (+0). 2.0 more per fp32 byte lies above each (3.40, 3.40, 9.32, 1.65 GiB);
 # it was 4.0 while variants added up to 2.61 GiB, before the variant cuts of 2026-12-02.
 VARIANT_MULTIPLE = 2.0
+# More for a cached decoder, whose cache levels (SPEC 4, "Cached decoders") hold logit rows
+# of whole continuations: bytes per fp32 element of one continuation's logits ((decode
+# steps + 1) x vocabulary). Gemma 3 270M KV (513 x 262,144 elements, 0.50 GiB) peaked at
+# 4.76 GiB under the cache rule of 2026-12-05, 0.64 GiB above the estimate without this term
+# (1.27 x); 1.5 x lies above it (4.87 GiB). Measured before the fp32 cache level stopped
+# holding its extend rows (2026-12-06), so an upper figure.
+CACHE_LOGITS_MULTIPLE = 1.5
 MEMORY_LIMIT_ENV = "ANEC_MEMORY_LIMIT"
 _UNLIMITED = 1 << 60  # cgroup files report "no limit" as a huge number
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -66,6 +73,7 @@ class MemoryEstimate:
     n_parameters: int
     variants: bool = False  # compressed variants after the fp16 artifact
     table_elements: int = 0  # the token embedding table's (vocab x hidden)
+    cache_logits: int = 0  # a cached decoder's: one continuation's logits, (steps + 1) x vocab
 
     @property
     def fp32_bytes(self) -> int:
@@ -81,7 +89,8 @@ class MemoryEstimate:
     def peak_bytes(self) -> int:
         """The estimated peak."""
         table = TABLE_MULTIPLE * 4 * self.table_elements
-        return BASE_BYTES + int(self.multiple * self.fp32_bytes + table)
+        rows = CACHE_LOGITS_MULTIPLE * 4 * self.cache_logits
+        return BASE_BYTES + int(self.multiple * self.fp32_bytes + table + rows)
 
     def describe(self) -> str:
         """One sentence that shows where the figure comes from."""
@@ -90,7 +99,13 @@ class MemoryEstimate:
             f"embedding table {gib(4 * self.table_elements)}) need about "
             f"{gib(self.peak_bytes)} at the peak ({gib(BASE_BYTES)} + {self.multiple:g} x the "
             f"fp32 weights + {TABLE_MULTIPLE:g} x the table"
-            + (", compressed variants included)" if self.variants else ")")
+            + (", compressed variants included" if self.variants else "")
+            + (
+                f" + {CACHE_LOGITS_MULTIPLE:g} x a continuation's logits"
+                if self.cache_logits
+                else ""
+            )
+            + ")"
         )
 
 
@@ -100,12 +115,12 @@ def gib(n: float) -> str:
 
 
 def estimate_peak_memory(
-    n_parameters: int, variants: bool = False, table_elements: int = 0
+    n_parameters: int, variants: bool = False, table_elements: int = 0, cache_logits: int = 0
 ) -> MemoryEstimate:
     """The estimated peak resident memory of ``anec convert`` for a checkpoint of this size
     (and this many embedding-table elements), with or without compressed variants after the
-    fp16 artifact."""
-    return MemoryEstimate(n_parameters, variants, table_elements)
+    fp16 artifact; ``cache_logits``: a cached decoder's (decode steps + 1) x vocabulary."""
+    return MemoryEstimate(n_parameters, variants, table_elements, cache_logits)
 
 
 def parse_size(text: str) -> int:

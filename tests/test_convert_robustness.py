@@ -456,18 +456,19 @@ def _readme_peaks() -> dict[str, float]:
     return {name: float(gib) for name, gib in rows}
 
 
-def _readme_estimates() -> tuple[float, float, float, list[float]]:
-    """The README's estimate formula (base GiB, fp32 weight and table multiples) and the two
-    figures it gives."""
+def _readme_estimates() -> tuple[float, float, float, float, list[float]]:
+    """The README's estimate formula (base GiB, fp32 weight, table and cached decoders'
+    logit multiples) and the two figures it gives."""
     text = " ".join((REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
     match = re.search(
         r"estimates the peak as ([0-9.]+) GiB \+ ([0-9.]+) x the fp32 weights \+ ([0-9.]+) x "
-        r"the fp32 embedding table \(([0-9.]+) and ([0-9.]+) GiB for the first two[;)]",
+        r"the fp32 embedding table \(([0-9.]+) and ([0-9.]+) GiB for the first two[;)].*?"
+        r"a cached decoder adds ([0-9.]+) x the bytes of one continuation's fp32 logits",
         text,
     )
     assert match, "README: the sentence giving the memory estimate's formula is missing"
-    base, multiple, table, *figures = (float(g) for g in match.groups())
-    return base, multiple, table, figures
+    base, multiple, table, first, second, logits = (float(g) for g in match.groups())
+    return base, multiple, table, logits, [first, second]
 
 
 # The README's table is the source of truth for measured peaks: when a change moves a peak
@@ -481,6 +482,12 @@ _MEASURED_SHAPES = {
     "smollm2-135m-draft-kv.yaml": (SMOLLM2_PARAMETERS, 49_152 * 576),
     "gemma-3-270m-draft-kv.yaml": (268_098_176, 262_144 * 640),
 }
+# The cached recipes' logits of one continuation, (decode steps + 1) x vocabulary, as the
+# preflight reads them (`converter.preflight.cache_logits`).
+_CACHE_LOGITS = {
+    "smollm2-135m-draft-kv.yaml": 65 * 49_152,
+    "gemma-3-270m-draft-kv.yaml": 513 * 262_144,
+}
 
 
 def test_memory_estimate_covers_the_peaks_the_readme_records() -> None:
@@ -488,11 +495,13 @@ def test_memory_estimate_covers_the_peaks_the_readme_records() -> None:
     preflight lets through has the room; and the README's formula and figures are the code's."""
     peaks = _readme_peaks()
     assert set(_MEASURED_SHAPES) <= set(peaks), f"README recipe table peaks: {peaks}"
-    base, multiple, table, figures = _readme_estimates()
+    base, multiple, table, logits, figures = _readme_estimates()
     for recipe, (parameters, elements) in _MEASURED_SHAPES.items():
-        estimate = estimate_peak_memory(parameters, table_elements=elements).peak_bytes
+        rows = _CACHE_LOGITS.get(recipe, 0)
+        estimate = estimate_peak_memory(parameters, table_elements=elements,
+                                        cache_logits=rows).peak_bytes  # fmt: skip
         assert estimate >= peaks[recipe] * GIB, recipe
-        formula = base + (multiple * parameters + table * elements) * 4 / GIB
+        formula = base + (multiple * parameters + table * elements + logits * rows) * 4 / GIB
         assert estimate / GIB == pytest.approx(formula, abs=0.01), recipe
     for (parameters, elements), stated in zip(_MEASURED_SHAPES.values(), figures, strict=False):
         estimate = estimate_peak_memory(parameters, table_elements=elements).peak_bytes
@@ -594,3 +603,16 @@ def test_a_cached_decoder_needs_room_for_its_single_function_packages(
     if os.stat(tmp_path).st_dev == os.stat(tmp).st_dev:  # one filesystem: 5,000 together
         with pytest.raises(InputError, match="tiny: not enough disk space in .*single-function"):
             check_disk(needs, "tiny", purpose)
+
+
+def test_the_preflight_counts_a_cached_decoders_continuation_logits() -> None:
+    from converter.preflight import cache_logits
+    from converter.recipe import load_recipe, locate_recipe
+    from converter.weightfiles import TensorInfo, WeightTable
+
+    # GGUF lists the table as (hidden, vocab): the vocabulary is its longer side
+    table = TensorInfo("token_embd.weight", (576, 49_152), "F16", 576 * 49_152 * 2)
+    tables = [WeightTable(Path("m.gguf"), "gguf", {table.name: table})]
+    cached = load_recipe(locate_recipe("smollm2-135m-draft-kv"))
+    assert cache_logits(cached, tables) == (cached.cache.decode_steps + 1) * 49_152
+    assert cache_logits(load_recipe(locate_recipe("smollm2-135m-draft")), tables) == 0
