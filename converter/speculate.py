@@ -9,17 +9,30 @@ convention) and absorbs the accepted tokens and the target's token with ``extend
 output is exactly the target's greedy continuation.
 
 Figures: acceptance per draft position (accepted / reached), mean accepted drafts per cycle,
-tokens per target call. The speed-up is `predicted` from stated inputs only (see `speedup`).
+tokens per target call. The loop's speed is predicted apart (`converter.loop_model`).
+
+Under sampling at temperature T > 0 (speculative sampling: Leviathan et al. 2023, Chen et al.
+2023) a drafted token is accepted with probability ``alpha = sum_x min(p_T(x), q_T(x))``, one
+minus the total-variation distance of the target's and the draft's distributions at that
+position, which the logits give exactly (`acceptance_probability`). The estimator
+(`expected_replay`): per text, the target's own continuation sampled at T (`sampled_ids`,
+seeded); alpha at each of its positions from the draft's logits after the same prefix
+(teacher-forced, `draft_logits`); then the expected counts of the cycles, a cycle at index t
+accepting its j-th draft with probability ``alpha_t * ... * alpha_(t+j-1)`` (each acceptance
+judged at the target's sampled context, not at the accepted draft's: an approximation the
+tests compare with real speculative sampling). At T = 0 it is `replay`, exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
+from graph_passes.logits_layout import chunk_names, join_logits
 from parity.kv_session import CacheSession
 
 # Held-out, human-written text (not the recipes' fixtures or held-out sets): prompts whose
@@ -29,6 +42,10 @@ TEXTS = (
     "When the bakery on the corner closed for good, the neighbours gathered outside to",
     "To repot a houseplant, first water it the day before, then gently loosen the roots and",
     "The museum's new exhibition traces the history of printing from woodblocks to",
+    "My grandmother kept every letter she ever received in a tin box under her bed, and when",
+    "The train was forty minutes late, so the passengers on the cold platform began to",
+    "Before you paint a wooden fence, scrape off the loose flakes, wash the boards and let",
+    "Nobody in the village could remember who had planted the enormous oak tree by the river,",
 )
 
 
@@ -37,11 +54,12 @@ class Acceptance:
     """What a speculative run measured for one depth K."""
 
     k: int
-    reached: list[int] = field(default_factory=list)  # cycles that reached draft position i
-    accepted: list[int] = field(default_factory=list)  # of those, cycles that accepted it
-    cycles: int = 0
-    target_calls: int = 0
-    tokens: int = 0
+    # Counts; expected counts (floats) under sampling (`expected_replay`).
+    reached: list[float] = field(default_factory=list)  # cycles that reached draft position i
+    accepted: list[float] = field(default_factory=list)  # of those, cycles that accepted it
+    cycles: float = 0
+    target_calls: float = 0
+    tokens: float = 0
     # One run's cycles in order: (continuation index the cycle starts at, drafts accepted);
     # `add` sums counts, not traces.
     trace: list[tuple[int, int]] = field(default_factory=list)
@@ -101,6 +119,114 @@ def replay(agree: list[bool], new_tokens: int, k: int, stats: Acceptance) -> Non
             stats.accepted[i] += 1
         stats.tokens += min(accepted + 1, new_tokens - t)
         t += accepted + 1
+
+
+def expected_replay(alpha: Sequence[float], new_tokens: int, k: int, stats: Acceptance) -> None:
+    """`replay` under sampling: the expected counts of speculative cycles with depth ``k``
+    over a continuation whose draft at index i is accepted with probability ``alpha[i]``
+    (`acceptance_probability`), added to ``stats``. A cycle starts at index t with the
+    probability ``start[t]`` the cycles before it give; it reaches draft j when drafts
+    t..t+j-1 were accepted (the product of their alphas) and ends after A accepted drafts and
+    the target's token, so the next starts at t + A + 1. With every alpha 0 or 1 these are
+    `replay`'s counts, exactly."""
+    if len(alpha) < new_tokens + k - 1:
+        raise ValueError(f"alpha covers {len(alpha)} indices, need {new_tokens + k - 1}")
+    start = [0.0] * (new_tokens + k + 1)
+    start[0] = 1.0
+    for t in range(new_tokens):
+        w = start[t]
+        if w == 0.0:
+            continue
+        stats.cycles += w
+        stats.target_calls += w
+        survive = 1.0  # P(A >= j)
+        for j in range(k + 1):
+            beyond = survive * alpha[t + j] if j < k else 0.0  # P(A >= j + 1)
+            if j < k:
+                stats.reached[j] += w * survive
+                stats.accepted[j] += w * beyond
+            ends = w * (survive - beyond)  # P(A = j)
+            stats.tokens += ends * min(j + 1, new_tokens - t)
+            start[t + j + 1] += ends
+            survive = beyond
+
+
+def acceptance_probability(
+    draft: np.ndarray, target: np.ndarray, temperature: float, head_ids: np.ndarray | None = None
+) -> float:
+    """``sum_x min(p_T(x), q_T(x))``: the probability that speculative sampling at
+    ``temperature`` (> 0) accepts the draft's token, from the draft's logits (its head's rows;
+    ``head_ids``: a trimmed head's token id per row, else row j is token j) and the target's
+    (every token id). Ids the draft cannot propose have draft mass 0, so the target's mass on
+    them is rejection; ids beyond the target's vocabulary, target mass 0."""
+    if not temperature > 0:
+        raise ValueError(f"temperature {temperature}: sampling acceptance needs T > 0")
+    p = _softmax(target, temperature)
+    q = _softmax(draft, temperature)
+    ids = np.arange(q.size) if head_ids is None else np.asarray(head_ids)
+    inside = ids < p.size
+    return float(np.minimum(p[ids[inside]], q[inside]).sum())
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+@torch.no_grad()
+def sampled_ids(
+    model: nn.Module, prompt: list[int], steps: int, temperature: float, seed: int
+) -> list[int]:
+    """The target's continuation of ``prompt`` sampled at ``temperature`` (plain softmax
+    sampling, no top-k or top-p), from its own torch generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    new: list[int] = []
+    for i in range(steps):
+        probs = torch.softmax(out.logits[0, -1].double() / temperature, dim=-1)
+        new.append(int(torch.multinomial(probs, 1, generator=generator)))
+        if i < steps - 1:
+            out = model(input_ids=torch.tensor([[new[-1]]]), cache=out.cache, use_cache=True)
+    return new
+
+
+def draft_logits(session: CacheSession, prompt: list[int], cont: list[int]) -> Iterator[np.ndarray]:
+    """The draft's logits (its head's rows) after ``prompt + cont[:i]`` for every i, from a
+    fresh ``session``: the prompt prefilled, then ``cont`` decoded one token at a time
+    (teacher-forced). A draft whose head returns its choice instead of logits (argmax, top-k)
+    cannot say its distribution: ValueError."""
+    outputs = session.prefill_outputs("prefill", prompt)
+    for i in range(len(cont)):
+        if not chunk_names(outputs):
+            raise ValueError(
+                "the draft returns " + ", ".join(sorted(outputs)) + ", not logits: sampling "
+                "acceptance needs the draft's distribution (convert with io.output: logits)"
+            )
+        yield join_logits(outputs)[0, -1]
+        if i < len(cont) - 1:
+            outputs = session.call_outputs("decode", [cont[i]])
+
+
+@torch.no_grad()
+def sampling_alphas(
+    make_session: Callable[[], CacheSession],
+    target: nn.Module,
+    prompt: list[int],
+    steps: int,
+    temperature: float,
+    seed: int,
+) -> list[float]:
+    """The acceptance probability at each of ``steps`` indices of the target's continuation
+    sampled at ``temperature`` (`sampled_ids`): the estimator's input (module docstring)."""
+    cont = sampled_ids(target, prompt, steps, temperature, seed)
+    logits = target(input_ids=torch.tensor([prompt + cont]), use_cache=False).logits[0]
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + steps].float().numpy()
+    session = make_session()
+    return [
+        acceptance_probability(d, t, temperature, session.head_ids)
+        for d, t in zip(draft_logits(session, prompt, cont), rows, strict=True)
+    ]
 
 
 def draft_agreement(
@@ -183,20 +309,3 @@ def speculate(
         session.rollback(start)  # the rejected drafts become stale slots
         token = absorb(session, produced, session.functions["extend"].shape.tokens)
     return new
-
-
-def speedup(
-    mean_accepted: float, k: int, draft_ms: float, verify_ms: float, target_ms: float
-) -> dict[str, float]:
-    """Predicted speed-up over the target alone from stated inputs: draft time per token
-    ``draft_ms``, target time to verify K tokens ``verify_ms``, target time per token alone
-    ``target_ms``. A cycle yields ``mean_accepted + 1`` tokens; sequential cycle time
-    ``k * draft_ms + verify_ms``; pipelined (the next cycle's drafting overlaps verification)
-    ``max(k * draft_ms, verify_ms)``."""
-    tokens = mean_accepted + 1.0
-    sequential = k * draft_ms + verify_ms
-    pipelined = max(k * draft_ms, verify_ms)
-    return {
-        "sequential": tokens * target_ms / sequential,
-        "pipelined": tokens * target_ms / pipelined,
-    }

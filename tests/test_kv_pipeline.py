@@ -277,6 +277,72 @@ def test_the_replayed_sweep_counts_what_the_cycles_count(artifact: Path) -> None
         assert (replayed.cycles, replayed.tokens) == (looped.cycles, looped.tokens)
 
 
+def test_speculate_compares_drafts_greedy_and_sampled_with_the_loop_model(
+    artifact: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from converter.speculate import TEXTS
+
+    # The tiny checkpoint has no tokenizer: one id per word of the built-in texts (< 300).
+    draft = tmp_path / "draft"
+    shutil.copytree(artifact, draft)
+    split = pre_tokenizers.Whitespace()
+    words = sorted({w for t in TEXTS for w, _ in split.pre_tokenize_str(t)})
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", *words])},
+                                           unk_token="<unk>"))  # fmt: skip
+    tokenizer.pre_tokenizer = split
+    tokenizer.save(str(draft / "tokenizer.json"))
+    manifest = json.loads((draft / "manifest.json").read_text())
+    manifest["tokenizer"] = {"file": "tokenizer.json"}
+    (draft / "manifest.json").write_text(json.dumps(manifest))
+    twin = tmp_path / "twin"
+    shutil.copytree(draft, twin)
+    common = ("--k", "1,2", "--texts", "2", "--max-new-tokens", "8", "--json")
+    alone = run_anec("speculate", "--draft", draft, "--temperature", "0", *common)
+    assert alone.exit_code == 0, alone.output
+    greedy = json.loads(alone.output[alone.output.index('{"draft"') :])
+    result = run_anec(
+        "speculate", "--draft", draft, "--draft", twin, "--temperature", "0",
+        "--temperature", "1.0", "--verify-ms", "10", "--out", tmp_path / "report", *common,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index('{"evidence"') :])
+    assert report["evidence"]["loop"] == "predicted"
+    first, second = report["drafts"]
+    for row, alone_row in zip(first["rows"], greedy["rows"], strict=True):
+        # T = 0 is the greedy sweep, unchanged by the sampled temperatures beside it
+        assert row["mean_accepted_per_cycle"] == alone_row["mean_accepted_per_cycle"]
+        low, high = row["sampling"]["1.0"]["mean_accepted_95"]
+        assert 0 <= low <= row["sampling"]["1.0"]["mean_accepted_per_cycle"] <= high <= row["k"]
+    assert first["rows"] == second["rows"]  # the same draft twice: the same figures
+    for chip, per_t in report["ranking"].items():
+        assert set(per_t) == {"0", "1.0"}, chip
+        assert [r["pipelined_speedup"] for r in per_t["1.0"]] == sorted(
+            (r["pipelined_speedup"] for r in per_t["1.0"]), reverse=True
+        )
+        for loop in first["loop_model"][chip]["by_temperature"]["0"]:
+            assert loop["evidence"] == "predicted"
+    html = (tmp_path / "report" / "speculate.html").read_text()
+    assert "<svg" in html and "predicted" in html
+    assert "T=1.0" in (tmp_path / "report" / "speculate.txt").read_text()
+
+
+def test_speculate_refuses_a_draft_whose_gates_failed(artifact: Path, tmp_path: Path) -> None:
+    import shutil
+
+    failed = tmp_path / "failed-draft"
+    shutil.copytree(artifact, failed)
+    doc = json.loads((failed / "parity.json").read_text())
+    (failed / "parity.json").write_text(json.dumps({**doc, "passed": False}))
+    result = run_anec("speculate", "--draft", artifact, "--draft", failed, "--k", "1",
+                      "--texts", "1", "--max-new-tokens", "4")  # fmt: skip
+    assert result.exit_code != 0
+    assert "failed-draft" in result.output and "gates failed" in result.output
+
+
 def test_the_torch_backend_refuses_a_compressed_variant(artifact: Path, tmp_path: Path) -> None:
     import shutil
 

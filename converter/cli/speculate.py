@@ -137,13 +137,13 @@ def replay_agreements(
 
 def depth_counts(
     make: Any, verify: Any, prompts: list[list[int]], k: int, max_new_tokens: int,
-    agreements: list[list[bool]] | None, check_mil: int,
+    agreements: list[list[bool]] | None,
 ) -> tuple[Any, list[Any]]:  # fmt: skip
-    """Depth ``k``'s counts over every text, and each of the first ``check_mil`` texts' own:
-    replayed from ``agreements`` (`replay_agreements`), or by running the cycles."""
+    """Depth ``k``'s counts over every text, and each text's own: replayed from
+    ``agreements`` (`replay_agreements`), or by running the cycles."""
     from converter.speculate import Acceptance, replay, speculate
 
-    stats, subset = Acceptance(k), []
+    stats, texts = Acceptance(k), []
     for i, prompt in enumerate(prompts):
         one = Acceptance(k)
         if agreements is None:
@@ -151,58 +151,182 @@ def depth_counts(
         else:
             replay(agreements[i], max_new_tokens, k, one)
         stats.add(one)
-        if i < check_mil:
-            subset.append(one)
-    return stats, subset
+        texts.append(one)
+    return stats, texts
 
 
-def row_text(row: dict[str, Any], backend: str) -> str:
-    """One K's row of the sweep as text (and its MIL check, when one ran)."""
-    rates = " ".join(f"{r:.2f}" for r in row["acceptance_per_position"])
-    text = (
-        f"K={row['k']}: acceptance per position [{rates}]  mean accepted "
-        f"{row['mean_accepted_per_cycle']:.2f}  tokens/target call "
-        f"{row['tokens_per_target_call']:.2f}"
-        + (f"  predicted {row['predicted_speedup']}" if "predicted_speedup" in row else "")
-    )
-    if "mil_check" in row:
-        c = row["mil_check"]
-        text += (
-            f"\n  MIL check on {c['texts']} text(s): mean accepted {backend} "
-            f"{c['backend_mean_accepted']:.4f}, mil {c['mil_mean_accepted']:.4f} "
-            f"(relative difference {c['relative_difference']:.2%}; cycles {c['backend_cycles']}"
-            f" / {c['mil_cycles']}; 95 % interval of the difference "
-            f"[{c['relative_difference_95'][0]:.2%}, {c['relative_difference_95'][1]:.2%}])"
+def interval(texts: list[Any], k: int) -> list[float]:
+    """The 95 % interval of mean accepted per cycle, by a bootstrap over the texts (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    means = [_summed([texts[i] for i in rng.integers(0, len(texts), len(texts))], k).mean_accepted
+             for _ in range(BOOTSTRAP)]  # fmt: skip
+    return [round(float(np.percentile(means, q)), 4) for q in (2.5, 97.5)]
+
+
+def sampled_rows(alphas: list[list[float]], k: int, max_new_tokens: int) -> dict[str, Any]:
+    """Depth ``k`` under sampling from each text's acceptance probabilities (`sampling_alphas`):
+    expected acceptance per position and mean accepted per cycle, with its interval."""
+    from converter.speculate import Acceptance, expected_replay
+
+    texts = []
+    for alpha in alphas:
+        one = Acceptance(k)
+        expected_replay(alpha, max_new_tokens, k, one)
+        texts.append(one)
+    total = _summed(texts, k)
+    return {
+        "acceptance_per_position": [round(total.rate(i), 4) for i in range(k)],
+        "mean_accepted_per_cycle": round(total.mean_accepted, 4),
+        "mean_accepted_95": interval(texts, k),
+        "tokens_per_target_call": round(total.tokens_per_call, 4),
+    }
+
+
+TEMPERATURES = (0.0, 0.7, 1.0)  # the default sweep when the draft returns logits
+
+
+def parse_temperatures(
+    values: tuple[float, ...], manifest: dict[str, Any], name: str
+) -> list[float]:
+    """The temperatures to measure: the given ones, else `TEMPERATURES` (0 alone for a draft
+    whose head returns its choice, not logits); T > 0 for such a draft is an InputError."""
+    choice = (manifest.get("head_output") or {}).get("choice", "logits")
+    if any(t < 0 for t in values):
+        raise InputError(f"--temperature {min(values)}: expected 0 (greedy) or more")
+    if not values:
+        return list(TEMPERATURES) if choice == "logits" else [0.0]
+    if choice != "logits" and any(t > 0 for t in values):
+        raise InputError(
+            f"{name}: its head returns {choice}, not logits: sampling acceptance (T > 0) needs "
+            "the draft's distribution (convert with io.output: logits)"
         )
-        if c["first_difference"] is not None:
-            d = c["first_difference"]
-            text += (f"\n  first parting cycle: text {d['text']}, continuation index "
-                     f"{d['continuation_index']}: {backend} accepted {d['backend_accepted']}, "
-                     f"mil {d['mil_accepted']}")  # fmt: skip
-    return text
+    return sorted(set(values))
+
+
+def refuse_failed(directory: Path) -> None:
+    """A draft whose gates failed (or that has no parity report) is refused by name."""
+    from converter.publish import FAILED_SUFFIX
+
+    report = directory / "parity.json"
+    if directory.name.endswith(FAILED_SUFFIX):
+        raise InputError(
+            f"{directory}: a failed conversion ({FAILED_SUFFIX}); its gates did not pass"
+        )
+    if not report.is_file():
+        raise InputError(f"{directory}: no parity.json: the draft's gates cannot be checked")
+    if not json.loads(report.read_text(encoding="utf-8")).get("passed", False):
+        raise InputError(f"{directory}: its parity gates failed (parity.json): not compared")
+
+
+def measure_draft(
+    draft_dir: Path, target_dir: Path | None, ks: list[int], max_new_tokens: int,
+    texts: int | None, draft_backend: str, check_mil: int, cycles: bool,
+    temperatures: tuple[float, ...], echo: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One draft's acceptance sweep (every K, every temperature); ``echo`` gets each K's
+    lines as they are measured."""
+    from converter.draft_comparison import row_text
+    from converter.generate import Runtime, coreml_backend, mil_backend, torch_backend
+    from converter.speculate import TEXTS, sampling_alphas, target_tokens
+
+    draft = Runtime.from_artifact(draft_dir)
+    if draft.tokenizer is None:
+        raise InputError(f"{draft_dir}: the draft ships no tokenizer.json")
+    temps = parse_temperatures(temperatures, draft.manifest, str(draft_dir))
+    model, own, target_name = load_target(draft, target_dir)
+    if draft_backend == "auto":  # a compressed variant's weights are the program's alone
+        draft_backend = "mil" if draft.manifest.get("compression") else "torch"
+    backends = {"torch": torch_backend, "mil": mil_backend, "coreml": coreml_backend}
+    make = backends[draft_backend](draft)
+    check = mil_backend(draft) if check_mil and draft_backend != "mil" else None
+    prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[:texts]]
+    verify = partial(target_tokens, model)
+    steps = max_new_tokens + max(ks) - 1  # the last cycle drafts past the end
+    capacity = int(draft.kv["cache_length"])
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + steps > capacity:
+            raise InputError(
+                f"{draft_dir}: text {i} ({len(prompt)} tokens) and {steps} tokens of "
+                f"continuation exceed the {capacity}-slot cache: lower --max-new-tokens"
+            )
+    agreements = None
+    if draft_backend == "torch" and not cycles:
+        agreements = replay_agreements(make, model, prompts, steps)
+    # Per temperature, per text: the acceptance probability along the target's sampled
+    # continuation (seeded by the text's index), shared by every K.
+    alphas = {t: [sampling_alphas(make, model, p, steps, t, seed) for seed, p in enumerate(prompts)]
+              for t in temps if t > 0}  # fmt: skip
+    rows = []
+    for k in ks:
+        stats, per_text = depth_counts(make, verify, prompts, k, max_new_tokens, agreements)
+        row: dict[str, Any] = {
+            "k": k,
+            "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
+            "mean_accepted_per_cycle": round(stats.mean_accepted, 4),
+            "mean_accepted_95": interval(per_text, k),
+            "tokens_per_target_call": round(stats.tokens_per_call, 4),
+            "cycles": stats.cycles,
+        }
+        if alphas:
+            row["sampling"] = {
+                str(t): sampled_rows(a, k, max_new_tokens) for t, a in alphas.items()
+            }
+        if check is not None:
+            row["mil_check"] = mil_check(check, verify, prompts[:check_mil], k,
+                                         max_new_tokens, per_text[:check_mil])  # fmt: skip
+        rows.append(row)
+        echo(row_text(row, draft_backend))
+    label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
+    return {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
+            "own_target": own, "label": label, "rows": rows, "texts": len(prompts),
+            "max_new_tokens": max_new_tokens, "positions": len(prompts) * max_new_tokens,
+            "temperatures": temps, "estimator": ESTIMATOR,
+            "loop": "cycles" if agreements is None else "replay",
+            "package": str(draft.package)}  # fmt: skip
+
+
+ESTIMATOR = (
+    "T = 0: greedy cycles over the target's greedy continuation (replayed from the draft's "
+    "greedy tokens, or run); T > 0: per text, the target's continuation sampled at T (seeded "
+    "by the text's index), the exact acceptance probability sum_x min(p_T, q_T) at each of "
+    "its positions from the draft's logits after the same prefix, and the expected counts of "
+    "the cycles, a cycle accepting its j-th draft with the product of the first j "
+    "probabilities (converter.speculate.expected_replay); 95 % intervals by a bootstrap over "
+    "the texts"
+)
 
 
 @click.command("speculate")
-@click.option("--draft", "draft_dir", required=True,
-              type=click.Path(path_type=Path, exists=True, file_okay=False))  # fmt: skip
+@click.option("--draft", "draft_dirs", required=True, multiple=True,
+              type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="A cached draft artifact; repeat to compare drafts (one report).")  # fmt: skip
 @click.option("--target", "target_dir", default=None,
               type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="A Hugging Face checkpoint directory (default: the draft's own checkpoint: "
               "self-acceptance, a fidelity measure).")  # fmt: skip
 @click.option("--k", "depths", default="1..8", show_default=True, help="Draft depths.")
 @click.option("--max-new-tokens", type=click.IntRange(1, 1024), default=48, show_default=True)
-@click.option("--texts", type=int, default=None, help="Use the first N built-in texts.")
-@click.option("--draft-ms", type=float, default=None, help="Draft time per token (ms).")
-@click.option("--verify-ms", type=float, default=None, help="Target time to verify K tokens.")
-@click.option("--target-ms", type=float, default=None, help="Target time per token alone.")
+@click.option("--texts", type=click.IntRange(1), default=None,
+              help="Use the first N built-in texts.")  # fmt: skip
+@click.option("--temperature", "temperatures", type=float, multiple=True,
+              help="Sampling temperature, repeatable; 0 is greedy [0, 0.7 and 1.0 for a draft "
+              "returning logits, else 0].")  # fmt: skip
+@click.option("--verify-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="The target's time for one merged verify call of K + 1 positions (ms), on "
+              "its own device: turns on the predicted loop model per chip.")  # fmt: skip
+@click.option("--target-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="The target's time per token alone (ms) [--verify-ms].")  # fmt: skip
 @click.option(
     "--draft-backend",
-    type=click.Choice(["torch", "mil", "coreml"]),
-    default="torch",
+    type=click.Choice(["auto", "torch", "mil", "coreml"]),
+    default="auto",
     show_default=True,
     help="torch: the fp16 torch module the draft's program was converted from (the gates hold "
     "both to one reference; many times faster); mil: the emitted program in anec's MIL "
-    "evaluator (fp16 profile); coreml: Core ML on macOS (never run here).",
+    "evaluator (fp16 profile); coreml: Core ML on macOS (never run here); auto: torch, or mil "
+    "for a compressed variant (its weights are the program's).",
 )
 @click.option(
     "--check-mil",
@@ -220,76 +344,52 @@ def row_text(row: dict[str, Any], backend: str) -> str:
     "target continuation once and the cycles of every K are counted from its greedy tokens "
     "(exact for greedy verification; mil and coreml always run the cycles).",
 )
+@click.option("--out", "out_dir", default=None, type=click.Path(path_type=Path, file_okay=False),
+              help="Write speculate.txt, speculate.json and speculate.html here.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 def speculate_command(
-    draft_dir: Path,
+    draft_dirs: tuple[Path, ...],
     target_dir: Path | None,
     depths: str,
     max_new_tokens: int,
     texts: int | None,
-    draft_ms: float | None,
+    temperatures: tuple[float, ...],
     verify_ms: float | None,
     target_ms: float | None,
     draft_backend: str,
     check_mil: int,
     cycles: bool,
+    out_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """Greedy speculative decoding on held-out human-written text: the draft (a cached
-    decoder artifact, run by --draft-backend), the target by transformers in fp32. Prints
-    acceptance per draft position, mean accepted drafts per cycle and tokens per target call
-    for each K; with --draft-ms, --verify-ms and --target-ms, a predicted speed-up (never for
-    the draft's own checkpoint, whose figure is self-acceptance)."""
-    from converter.generate import Runtime, coreml_backend, mil_backend, torch_backend
-    from converter.speculate import TEXTS, speedup, target_tokens
+    """Speculative decoding on held-out human-written text: each draft (a cached decoder
+    artifact, run by --draft-backend) against the target (transformers, fp32). Per K:
+    acceptance per draft position and mean accepted drafts per cycle, greedy (T = 0) and
+    under speculative sampling at each --temperature (the exact acceptance probability per
+    position, measured), with 95 % intervals over the texts. With --verify-ms: the loop model
+    per chip (the draft's step costs from the cost model, predicted), sequential and
+    pipelined, and the drafts ranked by predicted speed-up."""
+    from converter.draft_comparison import comparison, write_reports
 
-    draft = Runtime.from_artifact(draft_dir)
-    if draft.tokenizer is None:
-        raise InputError(f"{draft_dir}: the draft ships no tokenizer.json")
-    model, own, target_name = load_target(draft, target_dir)
-    backends = {"torch": torch_backend, "mil": mil_backend, "coreml": coreml_backend}
-    make = backends[draft_backend](draft)
-    check = mil_backend(draft) if check_mil and draft_backend != "mil" else None
-    prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[:texts]]
-    verify = partial(target_tokens, model)
     ks = parse_depths(depths)
-    agreements = None
-    if draft_backend == "torch" and not cycles:
-        agreements = replay_agreements(make, model, prompts, max_new_tokens + max(ks) - 1)
-    rows = []
-    for k in ks:
-        stats, subset = depth_counts(make, verify, prompts, k, max_new_tokens, agreements,
-                                     check_mil)  # fmt: skip
-        row: dict[str, Any] = {
-            "k": k,
-            "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
-            "mean_accepted_per_cycle": round(stats.mean_accepted, 4),
-            "tokens_per_target_call": round(stats.tokens_per_call, 4),
-            "cycles": stats.cycles,
-        }
-        if check is not None:
-            row["mil_check"] = mil_check(check, verify, prompts[:check_mil], k,
-                                         max_new_tokens, subset)  # fmt: skip
-        if not own and None not in (draft_ms, verify_ms, target_ms):
-            assert draft_ms is not None and verify_ms is not None and target_ms is not None
-            row["predicted_speedup"] = speedup(
-                stats.mean_accepted, k, draft_ms, verify_ms, target_ms
-            )
-        rows.append(row)
-        if not as_json:
-            click.echo(row_text(row, draft_backend))
-    label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
-    doc = {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
-           "label": label, "rows": rows, "texts": len(prompts),
-           "max_new_tokens": max_new_tokens,
-           "loop": "cycles" if agreements is None else "replay"}  # fmt: skip
+    echo = (lambda _: None) if as_json else click.echo
+    for directory in draft_dirs:  # before any measuring: a failed one stops the comparison
+        refuse_failed(directory)
+    docs = []
+    for directory in draft_dirs:
+        echo(f"== {directory}")
+        doc = measure_draft(directory, target_dir, ks, max_new_tokens, texts, draft_backend,
+                            check_mil, cycles, temperatures, echo)  # fmt: skip
+        docs.append(doc)
+        echo(f"{doc['label']}; target {doc['target']}; {doc['texts']} texts x "
+             f"{max_new_tokens} tokens ({doc['positions']} positions)")  # fmt: skip
+    report = comparison(docs, verify_ms, target_ms)
+    if out_dir is not None:
+        for path in write_reports(report, out_dir):
+            echo(f"wrote {path}")
     if as_json:
-        click.echo(json.dumps(doc))
-    else:
-        click.echo(f"{label}; target {target_name}; {len(prompts)} texts x {max_new_tokens} tokens")
-        if not own:
-            click.echo(
-                "predicted speed-up: sequential = (mean accepted + 1) * target_ms / "
-                "(K * draft_ms + verify_ms); pipelined = (mean accepted + 1) * target_ms / "
-                "max(K * draft_ms, verify_ms)"
-            )
+        click.echo(json.dumps(report if len(docs) > 1 or verify_ms is not None else docs[0]))
+    elif report.get("ranking"):
+        from converter.draft_comparison import ranking_text
+
+        click.echo(ranking_text(report))
