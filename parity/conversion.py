@@ -48,7 +48,7 @@ from parity.mil.program import dtype_name
 from parity.model_copies import program_constants
 from parity.profile_run import ProfileRun, device_margin_run
 from parity.reference import ReferenceRun
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ import torch
 
 from parity.fixtures import Batch, Fixture
 from parity.gate import GateResult, Level, Worst, gate
-from parity.result import LayerRow, Outputs, Runner, Thresholds, rel_error
+from parity.result import LayerRow, Outputs, Runner, rel_error
+from parity.thresholds import Thresholds
 
 
 @dataclass

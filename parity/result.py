@@ -1,8 +1,7 @@
 """One threshold type and one result type for every model kind's parity run.
 
-`Thresholds` holds every parity gate's threshold under its gate's name (the recipe's
-``gates:`` and ``decision:`` keys), fixed before anything is measured; a model kind reads the
-ones its gates check. `ParityReport` is what a torch- or MIL-level run
+`parity.thresholds.Thresholds` holds every parity gate's threshold (re-exported here);
+`ParityReport` is what a torch- or MIL-level run
 measured: its gates, the per-layer rows and, for decoders, the per-fixture rows.
 """
 
@@ -16,6 +15,7 @@ import torch
 from graph_passes.stream_scale import FP16_MAX, StreamScaling
 from parity.fixtures import Batch
 from parity.gate import Gated, GateResult, json_number
+from parity.thresholds import Thresholds
 
 # Outputs by name: an encoder's task output under `OUTPUT`, a decision model's tail outputs
 # under graph_passes.decision.OUTPUT_NAMES.
@@ -29,31 +29,6 @@ Runner = Callable[[Batch], tuple[list[torch.Tensor] | None, Outputs]]
 # Diagnostic only (names the layer where an fp16 failure starts; gates are in the recipe):
 # fp16 storage alone gives relative errors around 1e-3, so 1e-2 marks a real divergence.
 FP16_DIVERGENCE = 1e-2
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Gate thresholds by gate name, fixed in the recipe before anything is measured (the
-    defaults are the recipe's)."""
-
-    fp32_layer_rel_error: float = 1.0e-4
-    fp32_logits_rel_error: float = 1.0e-4  # decoders: logits; encoders, decisions: outputs
-    fp16_argmax_agreement: float = 1.0
-    fp16_max_abs_dprob: float = 0.02
-    mil_fp32_layer_rel_error: float = 1.0e-5  # the emitted program
-    kv_max_abs_dprob: float = 0.03  # cached decoders, fp16 through the cache
-    # Opt-in: None runs no device-margin profile and records no gate.
-    device_margin_argmax_agreement: float | None = None
-    # encoders
-    fp32_min_cosine: float = 0.99999
-    fp16_min_cosine: float = 0.9995
-    # decision models
-    fp32_marker_rows_rel_error: float = 1.0e-4
-    candidate_argmax_agreement: float = 1.0
-    action_argmax_agreement: float = 1.0
-    max_abs_dprob_calibrated: float = 0.02
-    max_abs_dprob_action: float = 0.02
-    narrow_margin: float = 1.0  # scorer logits: top1 - top2 below this is the narrow slice
 
 
 @dataclass

@@ -33,7 +33,8 @@ from parity.decision_reference import (
     run_decision_reference,
 )
 from parity.fixtures import Batch, build_fixtures
-from parity.result import ParityReport, Thresholds
+from parity.result import ParityReport
+from parity.thresholds import Thresholds
 
 MARKER = 7
 K = 4

@@ -33,7 +33,7 @@ from parity.encoder_gates import (
     run_encoder_reference,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 
 VOCAB = 300
 PAD_ID = 0

@@ -35,7 +35,7 @@ from graph_passes.spec import CanonicalModel
 from parity.decoder_gates import check_decoder, module_inputs
 from parity.fixtures import Batch, build_fixtures, make_batches
 from parity.reference import run_reference
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 
 TOLERANCE = 1e-5
 

@@ -24,7 +24,7 @@ from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from converter.tasks.text_generation import reference_runs, rewrite_decoder
 from parity.decoder_gates import check_decoder
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 
 pytestmark = pytest.mark.slow
 LAYERS = 2

@@ -14,7 +14,7 @@ from converter.recipe import load_recipe, locate_recipe
 from converter.tasks.text_generation import Rewrite, reference_runs, rewrite_decoder
 from parity.decoder_gates import check_decoder
 from parity.reference import ReferenceRun
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 
 pytestmark = pytest.mark.slow
 

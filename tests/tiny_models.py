@@ -30,7 +30,7 @@ from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
 from parity.gate import registered
 from parity.reference import ReferenceRun, run_reference
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 
 VOCAB = 300
 LENGTH = 16

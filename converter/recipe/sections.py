@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from converter.recipe.yaml_errors import Loc, StrictModel, got, raise_rules, rule
+from parity.thresholds import DEFAULTS
 
 MAX_AXIS = 16384  # the Neural Engine's per-axis limit
 
@@ -72,19 +73,27 @@ class EncoderIOSpec(StrictModel):
     dtype: DType = "float16"
 
 
-KV_MAX_ABS_DPROB = 0.03  # SPEC 4, "Cached decoders": at most, over long continuations
+KV_MAX_ABS_DPROB = DEFAULTS.kv_max_abs_dprob  # SPEC 4, "Cached decoders": at most
 
 
 class Gates(StrictModel):
     """Parity thresholds, fixed before measuring (SPEC section 4)."""
 
-    fp32_layer_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
-    fp32_logits_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
-    fp16_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
-    fp16_max_abs_dprob: float = Field(default=0.02, gt=0, le=1, strict=True)
+    fp32_layer_rel_error: float = Field(
+        default=DEFAULTS.fp32_layer_rel_error, gt=0, lt=1, strict=True
+    )
+    fp32_logits_rel_error: float = Field(
+        default=DEFAULTS.fp32_logits_rel_error, gt=0, lt=1, strict=True
+    )
+    fp16_argmax_agreement: float = Field(
+        default=DEFAULTS.fp16_argmax_agreement, gt=0, le=1, strict=True
+    )
+    fp16_max_abs_dprob: float = Field(default=DEFAULTS.fp16_max_abs_dprob, gt=0, le=1, strict=True)
     # The emitted program run by the MIL evaluator in fp32 against the BC1L module with the
     # program's constants, per layer: the same function, so only rounding differs.
-    mil_fp32_layer_rel_error: float = Field(default=1.0e-5, gt=0, lt=1, strict=True)
+    mil_fp32_layer_rel_error: float = Field(
+        default=DEFAULTS.mil_fp32_layer_rel_error, gt=0, lt=1, strict=True
+    )
     # Cached decoders, fp16 through the cache over long continuations (SPEC 4, "Cached
     # decoders"): at most 0.03, which a recipe may tighten, never loosen.
     kv_max_abs_dprob: float = Field(
@@ -106,8 +115,8 @@ class Gates(StrictModel):
     plan_max_ne_segments: int | None = Field(default=None, ge=1, strict=True)
     # Encoders: cosine to the original's sentence embeddings (fp32) and, in fp16, to its
     # sentence embeddings or per-token hidden states.
-    fp32_min_cosine: float = Field(default=0.99999, gt=0, le=1, strict=True)
-    fp16_min_cosine: float = Field(default=0.9995, gt=0, le=1, strict=True)
+    fp32_min_cosine: float = Field(default=DEFAULTS.fp32_min_cosine, gt=0, le=1, strict=True)
+    fp16_min_cosine: float = Field(default=DEFAULTS.fp16_min_cosine, gt=0, le=1, strict=True)
 
     def parity_thresholds(self) -> dict[str, float]:
         """The parity gates alone (keyword arguments of ``parity.result.Thresholds``)."""
@@ -182,14 +191,24 @@ class DecisionOptions(StrictModel):
     # Ship the token table already normalised (ModernBERT's norm reads the token row alone).
     prenormalize_embeddings: bool = Field(default=True, strict=True)
     # Gates (SPEC section 4), fixed here before anything is measured.
-    fp32_marker_rows_rel_error: float = Field(default=1.0e-4, gt=0, lt=1, strict=True)
-    candidate_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
-    action_argmax_agreement: float = Field(default=1.0, gt=0, le=1, strict=True)
-    max_abs_dprob_calibrated: float = Field(default=0.02, gt=0, le=1, strict=True)
-    max_abs_dprob_action: float = Field(default=0.02, gt=0, le=1, strict=True)
+    fp32_marker_rows_rel_error: float = Field(
+        default=DEFAULTS.fp32_marker_rows_rel_error, gt=0, lt=1, strict=True
+    )
+    candidate_argmax_agreement: float = Field(
+        default=DEFAULTS.candidate_argmax_agreement, gt=0, le=1, strict=True
+    )
+    action_argmax_agreement: float = Field(
+        default=DEFAULTS.action_argmax_agreement, gt=0, le=1, strict=True
+    )
+    max_abs_dprob_calibrated: float = Field(
+        default=DEFAULTS.max_abs_dprob_calibrated, gt=0, le=1, strict=True
+    )
+    max_abs_dprob_action: float = Field(
+        default=DEFAULTS.max_abs_dprob_action, gt=0, le=1, strict=True
+    )
     # Requests whose reference scorer logits have top1 - top2 below this form the
     # narrow-margin slice (reported per slice).
-    narrow_margin: float = Field(default=1.0, gt=0, strict=True)
+    narrow_margin: float = Field(default=DEFAULTS.narrow_margin, gt=0, strict=True)
 
     @field_validator("head_dir")
     @classmethod

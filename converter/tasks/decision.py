@@ -57,7 +57,8 @@ from parity.encoder_mil import (
 )
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
 from parity.gate import GateResult, gate
-from parity.result import Runner, Thresholds
+from parity.result import Runner
+from parity.thresholds import Thresholds
 from parity.torch_settings import with_parity_torch
 
 PARTITIONED = "partitioned-fp16"

@@ -59,7 +59,8 @@ from parity.encoder_gates import (
 from parity.encoder_mil import ProgramLevel, layer_level, output_runner, program_level
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.gate import GateResult
-from parity.result import OUTPUT, ParityReport, Runner, Thresholds, merge_rows
+from parity.result import OUTPUT, ParityReport, Runner, merge_rows
+from parity.thresholds import Thresholds
 from parity.torch_settings import with_parity_torch
 
 OUTPUTS: dict[str, EncoderOutput] = {

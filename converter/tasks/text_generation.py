@@ -52,7 +52,7 @@ from parity.memory import release_memory
 from parity.mil.profiles import DEVICE_MARGIN
 from parity.profile_run import evaluator_passes
 from parity.reference import ReferenceRun, run_reference
-from parity.result import Thresholds
+from parity.thresholds import Thresholds
 from parity.torch_settings import with_parity_torch
 
 MIL_PROFILES = DEFAULT_PROFILES  # fp32 per layer, fp16 gated, fp16-acc reported
