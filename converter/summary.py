@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.console import Console
@@ -73,11 +74,16 @@ def print_summary(result: ConvertResult, console: Console) -> None:
             console.print(Text(f"{g.name} [{g.implementation}]: worst at {g.where}", style="red"))
     if result.parity.first_diverging_layer is not None:
         console.print(f"first diverging layer: {result.parity.first_diverging_layer}")
-    worst = max(result.parity.layers, key=lambda row: row.fp16_max_abs)
-    console.print(
-        f"largest fp16 |h|: {worst.fp16_max_abs:.0f} at layer {worst.layer} "
-        f"(overflow margin {worst.fp16_overflow_margin:.1f}x)"
-    )
+    # NaN where no fp16 level measured |h| (the torch-fp16 level runs on demand).
+    measured = [row for row in result.parity.layers if math.isfinite(row.fp16_max_abs)]
+    if measured:
+        worst = max(measured, key=lambda row: row.fp16_max_abs)
+        console.print(
+            f"largest fp16 |h|: {worst.fp16_max_abs:.0f} at layer {worst.layer} "
+            f"(overflow margin {worst.fp16_overflow_margin:.1f}x)"
+        )
+    elif result.parity.layers:
+        console.print("largest fp16 |h|: not measured (no fp16 level recorded it in this run)")
     if result.artifact_dir:
         console.print(f"artifact: {result.artifact_dir}")
         console.print(
