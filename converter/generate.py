@@ -201,21 +201,17 @@ def artifact_checkpoint(directory: Path) -> Any:
 def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
     """Sessions run by the fp16 torch module the artifact's program was converted from: the
     manifest's recipe rewritten again from its checkpoint (hash checked), every layer in one
-    host loop whatever the chunking. A compressed variant's weights are not the module's:
-    refused (InputError naming the artifact)."""
+    host loop whatever the chunking. A compressed variant's module holds the program's own
+    weights, decoded by the MIL evaluator (`variant_weights`), as its cache gates' reference
+    does."""
     import torch
 
     from converter.recipe import recipe_from_dict
     from converter.tasks.text_generation import rewrite_decoder
     from graph_passes.cached_decoder import cached_functions
     from parity.kv_session import session_for, torch_runner
-    from parity.model_copies import cast_copy
+    from parity.model_copies import cast_copy, set_weights
 
-    if runtime.manifest.get("compression"):
-        raise InputError(
-            f"{runtime.directory}: a compressed variant; its weights are the program's, not "
-            "the torch module's: run it with the mil (or coreml) backend"
-        )
     ckpt = artifact_checkpoint(runtime.directory)
     window = rewrite_decoder(recipe_from_dict(runtime.manifest["recipe"]), ckpt).module  # type: ignore[arg-type]
     del ckpt
@@ -225,6 +221,8 @@ def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
     calls = {name: (f.shape.tokens, f.logits) for name, f in runtime.functions.items()}
     kv = runtime.kv
     half = cast_copy(window, torch.float16)
+    if runtime.manifest.get("compression"):
+        set_weights(half, variant_weights(runtime, [name for name, _ in half.named_parameters()]))
     modules = cached_functions(half, kv["style"], kv["cache_length"], calls)
     if kv["style"] == "state":  # one fp16 state, shared by the functions
         state = modules["decode"].kv_cache.half()
@@ -239,6 +237,40 @@ def torch_backend(runtime: Runtime) -> Callable[[], CacheSession]:
         return session_for(modules, torch_runner(modules, torch.float16), None, embed, head_ids)
 
     return make
+
+
+def variant_weights(runtime: Runtime, names: list[str]) -> dict[str, np.ndarray]:
+    """A compressed variant's decoded weights by window-module parameter name (fp16): each
+    package's compressed constants as the MIL evaluator decodes them when it prepares the
+    default function (a constexpr output is ``window_<name, dots as _>_to_fp16_<kind>``).
+    InputError naming one that matches no parameter: the module could not stand for the
+    program."""
+    from parity.mil import Evaluator
+    from parity.mil.program import load_package
+
+    default = runtime.kv["default_function"]
+    # Every function of a package holds the same weights: one function is decoded per package.
+    packages = runtime.packages or [runtime.function_packages.get(default, runtime.package)]
+    by_mangled = {"window_" + n.replace(".", "_"): n for n in names}
+    weights: dict[str, np.ndarray] = {}
+    for package in packages:
+        program = load_package(package)
+        function = default if default in program.functions else "main"
+        evaluator = Evaluator(program, "fp16", function)
+        for out_name in evaluator.constant_names():
+            head, sep, kind = out_name.rpartition("_to_fp16_")
+            if not sep or kind not in ("quantized", "palettized"):
+                continue
+            if head not in by_mangled:
+                raise InputError(
+                    f"{package}: compressed weight {out_name} matches no parameter of the "
+                    "module: run this variant with the mil (or coreml) backend"
+                )
+            weights[by_mangled[head]] = np.asarray(evaluator.constant(out_name), np.float16)
+        del evaluator, program
+    if not weights:
+        raise InputError(f"{runtime.directory}: a compressed variant without compressed weights")
+    return weights
 
 
 def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:

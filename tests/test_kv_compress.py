@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import Result
 from tiny_models import (
@@ -172,6 +173,28 @@ cache: {style: state}
 compression:
   held_out: [[1, 2, 3, 4]]
 """
+
+
+@pytest.mark.parametrize("suffix", ["int8", "lut4"])
+def test_the_torch_draft_of_a_variant_holds_the_programs_weights(
+    run: tuple[Result, Path], suffix: str
+) -> None:
+    # anec speculate's torch backend: the fp16 module with the variant's decoded weights
+    # computes what the program computes (fp16 rounding apart), not what the fp16 module does.
+    from converter.generate import Runtime, mil_backend, torch_backend
+
+    _, out = run
+    variant = Runtime.from_artifact(out / f"tkv-{suffix}")
+    module, program = torch_backend(variant)(), mil_backend(variant)()
+    plain = torch_backend(Runtime.from_artifact(out / "tkv"))()
+    prompt = [20, 21, 22, 23, 24, 25]
+    mine, theirs, unquantized = (s.prefill("prefill", prompt) for s in (module, program, plain))
+    for token in (5, 6, 7):
+        mine = np.vstack([mine, module.call("decode", [token])[:, -1]])
+        theirs = np.vstack([theirs, program.call("decode", [token])[:, -1]])
+        unquantized = np.vstack([unquantized, plain.call("decode", [token])[:, -1]])
+    assert (mine.argmax(-1) == theirs.argmax(-1)).all()
+    assert np.abs(mine - theirs).max() < np.abs(unquantized - theirs).max() / 3
 
 
 @pytest.mark.parametrize("method", ["w8a8", "outliers", "scaled"])

@@ -236,8 +236,6 @@ def measure_draft(
         raise InputError(f"{draft_dir}: the draft ships no tokenizer.json")
     temps = parse_temperatures(temperatures, draft.manifest, str(draft_dir))
     model, own, target_name = load_target(draft, target_dir)
-    if draft_backend == "auto":  # a compressed variant's weights are the program's alone
-        draft_backend = "mil" if draft.manifest.get("compression") else "torch"
     backends = {"torch": torch_backend, "mil": mil_backend, "coreml": coreml_backend}
     make = backends[draft_backend](draft)
     check = mil_backend(draft) if check_mil and draft_backend != "mil" else None
@@ -320,13 +318,13 @@ ESTIMATOR = (
               help="The target's time per token alone (ms) [--verify-ms].")  # fmt: skip
 @click.option(
     "--draft-backend",
-    type=click.Choice(["auto", "torch", "mil", "coreml"]),
-    default="auto",
+    type=click.Choice(["torch", "mil", "coreml"]),
+    default="torch",
     show_default=True,
-    help="torch: the fp16 torch module the draft's program was converted from (the gates hold "
-    "both to one reference; many times faster); mil: the emitted program in anec's MIL "
-    "evaluator (fp16 profile); coreml: Core ML on macOS (never run here); auto: torch, or mil "
-    "for a compressed variant (its weights are the program's).",
+    help="torch: the fp16 torch module the draft's program was converted from, holding a "
+    "compressed variant's decoded weights (the gates hold both to one reference; many times "
+    "faster); mil: the emitted program in anec's MIL evaluator (fp16 profile); coreml: Core "
+    "ML on macOS (never run here).",
 )
 @click.option(
     "--check-mil",

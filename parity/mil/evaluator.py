@@ -259,6 +259,10 @@ class Evaluator:
         profile."""
         return widen(self._constants[name])
 
+    def constant_names(self) -> list[str]:
+        """Names of every constant, decoded ``constexpr_*`` outputs included."""
+        return list(self._constants)
+
     def var_names(self) -> list[str]:
         """Names of every value the function computes, in program order."""
         return [name for step in self._steps for name, _, _ in step.outputs]
