@@ -37,7 +37,8 @@ def comparison(
     ranking: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for doc in drafts:
         extend_tokens = _extend_tokens(doc)
-        costs = draft_costs(Path(doc["package"]))
+        costs = draft_costs([Path(p) for p in doc["packages"]],
+                            {f: Path(p) for f, p in doc["function_packages"].items()})  # fmt: skip
         doc["streamed_bytes_per_token"] = next(
             (c.streamed_bytes_per_token for c in costs.values()), None
         )

@@ -117,24 +117,46 @@ class DraftCost:
     streamed_bytes_per_token: float | None
 
 
-def draft_costs(package: Path) -> dict[str, DraftCost]:
-    """Per chip, the cost model's floors of the package's ``decode`` and ``extend`` functions
+def draft_costs(
+    packages: Sequence[Path], per_function: dict[str, Path] | None = None
+) -> dict[str, DraftCost]:
+    """Per chip, the cost model's floors of the draft's decode and extend calls
     (`converter.plan.inspect.inspect_package`, predicted) and the weight bytes one decode
-    call reads (its streamed section); InputError for a package without both functions."""
+    call reads (the streamed section), summed over a chunked decoder's ``packages`` (a call
+    runs every chunk); ``per_function``: the per-function layout's package of each function
+    (its ``main``). InputError naming a package without the function it needs."""
+    if per_function:
+        missing = {"decode", "extend"} - set(per_function)
+        if missing:
+            raise InputError(f"per-function packages: no {', '.join(sorted(missing))} package")
+        calls = [(per_function["decode"], {"decode": "main"}),
+                 (per_function["extend"], {"extend": "main"})]  # fmt: skip
+    else:
+        calls = [(p, {"decode": "decode", "extend": "extend"}) for p in packages]
+    ms: dict[str, dict[str, float]] = {}
+    streamed: float | None = 0.0
+    for package, names in calls:
+        predicted = _predicted(package, set(names.values()))
+        for f in predicted["floors"]:
+            for call, function in names.items():
+                if f["function"] == function:
+                    by = ms.setdefault(f["chip"], {"decode": 0.0, "extend": 0.0})
+                    by[call] += float(f["ms"])
+        if "decode" in names:
+            read = predicted["streamed"]["functions"][names["decode"]]["weight_bytes_read_per_call"]
+            streamed = None if streamed is None or read is None else streamed + float(read)
+    return {chip: DraftCost(chip, by["decode"], by["extend"], streamed) for chip, by in ms.items()}
+
+
+def _predicted(package: Path, functions: set[str]) -> dict[str, Any]:
+    """The package's ``predicted`` section; InputError when it lacks one of ``functions``."""
     from converter.plan.inspect import inspect_package
 
     predicted = inspect_package(package).predicted
-    floors: dict[str, dict[str, float]] = {}
-    for f in predicted["floors"]:
-        floors.setdefault(f["chip"], {})[f["function"]] = float(f["ms"])
-    functions = sorted({name for by in floors.values() for name in by})
-    if not {"decode", "extend"} <= set(functions):
+    have = {f["function"] for f in predicted["floors"]}
+    if not functions <= have:
         raise InputError(
-            f"{package}: a draft loop needs decode and extend functions; it has "
-            f"{', '.join(functions) or 'none'}"
+            f"{package}: a draft loop needs its {', '.join(sorted(functions))} function(s); "
+            f"it has {', '.join(sorted(have)) or 'none'}"
         )
-    streamed = predicted.get("streamed", {}).get("functions", {}).get("decode", {})
-    per_token = streamed.get("weight_bytes_read_per_call")
-    return {
-        chip: DraftCost(chip, by["decode"], by["extend"], per_token) for chip, by in floors.items()
-    }
+    return dict(predicted)

@@ -276,13 +276,16 @@ def measure_draft(
                                          max_new_tokens, per_text[:check_mil])  # fmt: skip
         rows.append(row)
         echo(row_text(row, draft_backend))
-    label = "self-acceptance (fidelity; no speed-up)" if own else "acceptance"
+    label = "self-acceptance (the draft against its own checkpoint in fp32: a fidelity figure)" \
+        if own else "acceptance"  # fmt: skip
     return {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
             "own_target": own, "label": label, "rows": rows, "texts": len(prompts),
             "max_new_tokens": max_new_tokens, "positions": len(prompts) * max_new_tokens,
             "temperatures": temps, "estimator": ESTIMATOR,
             "loop": "cycles" if agreements is None else "replay",
-            "package": str(draft.package)}  # fmt: skip
+            "packages": [str(p) for p in draft.packages or [draft.package]],
+            "function_packages": {f: str(p) for f, p in draft.function_packages.items()},
+            }  # fmt: skip
 
 
 ESTIMATOR = (
