@@ -9,7 +9,6 @@ HTML (a plot of acceptance against streamed bytes per token, the ranking tables)
 
 from __future__ import annotations
 
-import json
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ def comparison(
     report["verify_ms"], report["target_ms"] = verify_ms, target
     ranking: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for doc in drafts:
-        extend_tokens = _extend_tokens(doc)
         costs = draft_costs([Path(p) for p in doc["packages"]],
                             {f: Path(p) for f, p in doc["function_packages"].items()})  # fmt: skip
         doc["streamed_bytes_per_token"] = next(
@@ -44,7 +42,9 @@ def comparison(
         )
         doc["loop_model"] = {}
         for chip, cost in costs.items():
-            loop = LoopCosts(cost.decode_ms, cost.extend_ms, extend_tokens, verify_ms, target)
+            loop = LoopCosts(
+                cost.decode_ms, cost.extend_ms, doc["extend_tokens"], verify_ms, target
+            )
             per_t: dict[str, Any] = {}
             for t, accepted_at in _accepted_by_temperature(doc).items():
                 predictions = [predict(k, accepted, loop) for k, accepted in accepted_at]
@@ -65,12 +65,6 @@ def comparison(
     return report
 
 
-def _extend_tokens(doc: dict[str, Any]) -> int:
-    """Tokens per extend call of the draft's package (its manifest)."""
-    manifest = json.loads((Path(doc["draft"]) / "manifest.json").read_text(encoding="utf-8"))
-    return int(manifest["kv_cache"]["functions"]["extend"]["tokens"])
-
-
 def _accepted_by_temperature(doc: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     """(K, mean accepted per cycle) per temperature ("0" greedy, then the sampled ones)."""
     out: dict[str, list[tuple[int, float]]] = {"0": []}
@@ -89,7 +83,6 @@ def row_text(row: dict[str, Any], backend: str) -> str:
         f"K={row['k']}: T=0 acceptance per position [{rates}]  mean accepted "
         f"{row['mean_accepted_per_cycle']:.2f} [{low:.2f}, {high:.2f}]  tokens/target call "
         f"{row['tokens_per_target_call']:.2f}"
-        + (f"  predicted {row['predicted_speedup']}" if "predicted_speedup" in row else "")
     )
     for t, r in row.get("sampling", {}).items():
         rates = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])

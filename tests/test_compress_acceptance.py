@@ -4,11 +4,8 @@ to the target is accepted everywhere, and a perturbed draft measurably less."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
-from tiny_models import build_tiny
+from tiny_models import build_tiny, perturbed_copy
 
 from converter.compress.acceptance import (
     AcceptanceSetup,
@@ -28,20 +25,10 @@ def tiny():  # type: ignore[no-untyped-def]
     return build_tiny("llama", batch=1)
 
 
-def _perturbed(module: torch.nn.Module, scale: float) -> torch.nn.Module:
-    other = copy.deepcopy(module)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in other.named_parameters():
-            if "layers" in name and p.ndim == 4:
-                p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return other
-
-
 @pytest.mark.parametrize("scale", [0.0, 0.5])
 def test_speculation_reproduces_the_target_greedy_continuation(tiny, scale: float) -> None:  # type: ignore[no-untyped-def]
     setup = AcceptanceSetup([3], PROMPTS, 12)
-    draft = _perturbed(tiny.module, scale)
+    draft = perturbed_copy(tiny.module, scale)
     for prompt in PROMPTS:
         stats = Acceptance(3)
         verifier = SessionVerifier(session(tiny.module, setup, tiny.embed_table, 4))
@@ -58,7 +45,7 @@ def test_acceptance_is_measured_per_position(tiny) -> None:  # type: ignore[no-u
     assert all(s.rate(i) == 1.0 for s in same for i in range(s.k))
     # every draft accepted: 5 tokens per cycle, 16 per prompt in ceil(16 / 5) = 4 cycles
     assert same[1].cycles == 8 and same[1].tokens_per_call == 4.0
-    worse = draft_acceptance(_perturbed(tiny.module, 0.5), tiny.module, tiny.embed_table, setup)
+    worse = draft_acceptance(perturbed_copy(tiny.module, 0.5), tiny.module, tiny.embed_table, setup)
     assert worse[1].mean_accepted < same[1].mean_accepted
     doc = acceptance_json(worse, setup)
     assert doc["prompts"] == 2 and [d["k"] for d in doc["depths"]] == [1, 4]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_tiny
+from tiny_models import build_tiny, perturbed_copy
 
 from converter.compress.acceptance import AcceptanceSetup, SessionVerifier, session
 from converter.errors import InputError
@@ -35,21 +35,11 @@ def tiny():  # type: ignore[no-untyped-def]
     return build_tiny("llama", batch=1, length=32)
 
 
-def _perturbed(module: torch.nn.Module, scale: float) -> torch.nn.Module:
-    other = copy.deepcopy(module)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in other.named_parameters():
-            if "layers" in name and p.ndim == 4:
-                p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return other
-
-
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_replay_counts_what_the_cycle_loop_counts(tiny, k: int) -> None:  # type: ignore[no-untyped-def]
     # A draft that agrees sometimes: every count of the cycle loop (`speculate`, the draft's
     # cache rolled back and extended) equals the replay's from one teacher-forced pass.
-    draft = _perturbed(tiny.module, 0.3)
+    draft = perturbed_copy(tiny.module, 0.3)
     setup = AcceptanceSetup([k], PROMPTS, NEW)
     looped, replayed = Acceptance(k), Acceptance(k)
     for prompt in PROMPTS:

@@ -9,6 +9,7 @@ share `save_tiny_llama`, `tiny_recipe` / `write_tiny_recipe`, `write_tiny_gguf` 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,18 @@ def perturb_(model: nn.Module, scale: float = 0.1, norm_scale: float = 0.2) -> N
             p.copy_(1.0 + norm_scale * torch.randn_like(p))
         else:
             p.add_(torch.randn_like(p) * scale)
+
+
+def perturbed_copy(module: nn.Module, scale: float, seed: int = 3) -> nn.Module:
+    """A copy of a BC1L module whose layers' conv weights carry seeded noise of ``scale``
+    times their spread: a draft that agrees with the original sometimes."""
+    other = copy.deepcopy(module)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if "layers" in name and p.ndim == 4:
+                p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return other
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:

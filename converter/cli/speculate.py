@@ -283,6 +283,7 @@ def measure_draft(
             "max_new_tokens": max_new_tokens, "positions": len(prompts) * max_new_tokens,
             "temperatures": temps, "estimator": ESTIMATOR,
             "loop": "cycles" if agreements is None else "replay",
+            "extend_tokens": draft.functions["extend"].shape.tokens,
             "packages": [str(p) for p in draft.packages or [draft.package]],
             "function_packages": {f: str(p) for f, p in draft.function_packages.items()},
             }  # fmt: skip
