@@ -506,8 +506,10 @@ CHILD = textwrap.dedent(
     try:
         with signals_as_interrupts(), stage_artifact(out, "m", force=True) as stage:
             (stage.path / "new_weight.bin").write_bytes(b"new" * 1000)
-            marker.write_text(str(stage.path))
-            time.sleep(60)
+            # Written aside and renamed, so the parent never reads a half-written path.
+            marker.with_suffix(".tmp").write_text(str(stage.path))
+            marker.with_suffix(".tmp").rename(marker)
+            time.sleep(600)
             stage.commit()
     except Interrupted as e:
         sys.exit(e.exit_code)
@@ -526,7 +528,7 @@ def test_real_sigterm_in_subprocess(tmp_path: Path) -> None:
     }
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out), str(marker)], env=env)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 180
         while not marker.exists():
             assert proc.poll() is None, "child exited before staging"
             assert time.monotonic() < deadline, "child never started staging"
@@ -534,7 +536,9 @@ def test_real_sigterm_in_subprocess(tmp_path: Path) -> None:
         stage_path = Path(marker.read_text())
         assert stage_path.is_dir()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=30)
+        # Generous: removing the stage syncs the disk, which can take long when other
+        # tests write packages beside it. A lost signal still fails (the child sleeps 600 s).
+        rc = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
