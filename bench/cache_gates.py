@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("--fixtures", type=int, help="only the first N fixtures")
     args = parser.parse_args()
 
-    from converter.device.cached import continuations
-    from converter.generate import Runtime, mil_backend
+    from converter.device.cached_check import continuations
+    from converter.drafts.host_loop import Runtime, mil_backend
     from parity.kv_gates import check_kv
 
     runtime = Runtime.from_artifact(args.artifact)

@@ -10,7 +10,7 @@ checkpoint (MiniLM). Full-size runs live here, not in CI.
 
 ``weights`` builds an fp16 ML Program holding the projection weights of the named model shape
 (random normal weights, std 0.02, in the BC1L 1x1-conv form; the LM head stays fp16 as in the
-recipes) and compresses every weight with one scheme through ``converter.compress.schemes``, in a
+recipes) and compresses every weight with one scheme through ``converter.compression.schemes``, in a
 fresh subprocess per case so its peak RSS (``ru_maxrss``) is its own. Times are wall clock on a
 shared machine: read them as approximate. Storage ratios are not latency ratios.
 """
@@ -89,7 +89,7 @@ def shape_program(shape: str, directory: Path) -> tuple[Any, list[Any]]:
         compute_precision=ct.precision.FLOAT16,
         skip_model_load=True,
     )
-    from converter.compress.sites import weight_sites
+    from converter.compression.sites import weight_sites
 
     # The names are already in the mangled form, so each site is named after its constant.
     sites = weight_sites(model._mil_program.functions["main"], [n for n, _ in names])
@@ -98,7 +98,7 @@ def shape_program(shape: str, directory: Path) -> tuple[Any, list[Any]]:
 
 def weights_case(shape: str, method: str) -> dict[str, Any]:
     """Build the shape's program and compress all of it with ``method`` (in this process)."""
-    from converter.compress.schemes import Scheme, apply_plan
+    from converter.compression.schemes import Scheme, apply_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -177,9 +177,9 @@ MINILM_VARIANTS: dict[str, dict[str, Any]] = {
 def cmd_minilm(args: argparse.Namespace) -> None:
     """``recipes/minilm-l6-embed-compressed.yaml`` through the conversion pipeline with the
     int8, lut8, lut6 and lut4 variants; figures from each variant's parity.json."""
-    from converter.pipeline import convert
+    from converter.pipeline.run import convert
     from converter.recipe import load_recipe, locate_recipe
-    from converter.recipe.compression import Variant
+    from converter.recipe.compression_section import Variant
 
     recipe = load_recipe(locate_recipe("minilm-l6-embed-compressed"))
     assert recipe.compression is not None

@@ -13,7 +13,8 @@ without a tokenizer, so the recipe's held-out and calibration slices are token-i
 ``pydoc_data`` corpus needs the checkpoint's tokenizer): fixed pseudo-random ids, disjoint.
 
 For each case a recipe holding the fp16 artifact plus ONE variant is converted by anec's CLI
-(``converter.cli``'s ``main``, as ``python -m converter.cli convert RECIPE --json`` runs it,
+(``converter.commands``'s ``main``, as ``python -m converter.commands convert RECIPE --json`` runs
+it,
 with one more handler copying the pipeline's step lines to stderr) in a fresh process;
 ``fp16`` is the same recipe without a compression section, so a method's marginal cost is
 visible. Per case: the step times the pipeline records (``timings_s`` of the --json summary,
@@ -53,7 +54,7 @@ CALIBRATION_TEXTS = 2
 # is not the question, and a variant's gates never stop the measurement.
 VARIANT_GATES = {"min_top1_agreement": 0.5, "max_mean_kl": 1.0}
 
-# One variant per case: every method in converter/compress/methods/ that applies to
+# One variant per case: every method in converter/compression/methods/ that applies to
 # text-generation. ``None``: the fp16 artifact alone (the baseline).
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "fp16": None,
@@ -156,7 +157,7 @@ def token_texts(vocab: int) -> dict[str, list[list[int]]]:
 
 def recipe_text(case: str, checkpoint: Path, vocab: int) -> str:
     """The recipe of ``case``: the fp16 artifact and, unless ``fp16``, one variant."""
-    from converter.compress import methods
+    from converter.compression import methods
 
     texts = token_texts(vocab)
     recipe: dict[str, Any] = {
@@ -197,7 +198,7 @@ def _rss_gib(pid: int) -> float:
     return 0.0
 
 
-# The child is ``anec``'s own CLI (converter.cli's main, what ``python -m converter.cli``
+# The child is ``anec``'s own CLI (converter.commands's main, what ``python -m converter.commands``
 # runs) with one more handler on the pipeline's step log: each step's start and end reach
 # stderr with a timestamp, so the sampled memory can be laid over the steps (--json keeps the
 # progress display quiet, and a killed run writes no convert.log).
@@ -206,8 +207,8 @@ CHILD = f"""\
 import logging, sys
 handler = logging.StreamHandler(sys.stderr)
 handler.setFormatter(logging.Formatter("{STEP_MARK} %(created).3f %(message)s"))
-logging.getLogger("converter.progress").addHandler(handler)
-from converter.cli import main
+logging.getLogger("converter.pipeline.progress").addHandler(handler)
+from converter.commands import main
 sys.argv[0] = "anec"
 main()
 """
@@ -320,7 +321,7 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
 # ---- the table -------------------------------------------------------------------------------
 
 
-# emit's own steps for every variant (converter/compress/emit.py), named "<suffix>: <step>"
+# emit's own steps for every variant (converter/compression/emit.py), named "<suffix>: <step>"
 EMIT_STEPS = ("compress", "records and size", "parity (torch, MIL)")
 # Methods whose own step (GPTQ, sensitive k-means) runs in their ``prepare``, inside emit's
 # compress step: counted once. The others' (find grids, search) run before it.

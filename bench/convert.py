@@ -163,7 +163,7 @@ def set_prescales(module: Any, embeds: Any, key_mask: Any) -> dict[str, Any]:
 
 def op_summary(mlmodel: Any, num_layers: int) -> dict[str, Any]:
     """Live MIL ops (consts excluded): total, per layer (total / layers) and by type."""
-    from converter.coreml import live_ops
+    from converter.coreml.program import live_ops
 
     counts = live_ops(mlmodel)
     total = sum(counts.values())
@@ -179,7 +179,7 @@ def run_bc1l(name: str) -> dict[str, Any]:
     import coremltools as ct
     import torch
 
-    from converter.coreml import TensorIO, to_mlprogram, trace
+    from converter.coreml.program import TensorIO, to_mlprogram, trace
     from graph_passes.archs import adapt
     from graph_passes.decoder import BC1LDecoder, DecoderIO
 
@@ -260,7 +260,7 @@ def run_naive(name: str) -> dict[str, Any]:
     import torch
     from naive_llama import NaiveLlama
 
-    from converter.coreml import TensorIO, to_mlprogram, trace
+    from converter.coreml.program import TensorIO, to_mlprogram, trace
 
     steps = Steps()
     with steps.time("load"):

@@ -6,9 +6,9 @@ measurement).
 
 The workload is one NE op reading a (rows x cols) weight once per call: by default anemll-bench's
 ``llama_lm_head`` (128256 x 4096, one token), whose fp16 and LUT6 timings are the sources of
-the M4 and M4 Max figures in ``converter/plan/chips.py``. "old" is the floor before the weight-
+the M4 and M4 Max figures in ``converter/placement/chips.py``. "old" is the floor before the weight-
 decode bound: max(FLOPs / peak, stored bytes / bandwidth) plus copies and one dispatch. "new"
-is ``converter.plan.cost`` as it stands: the third bound on chips with a measured rate, LUT
+is ``converter.placement.cost`` as it stands: the third bound on chips with a measured rate, LUT
 granularity's relative cost and padded index widths where the chip pads. Both come from the
 code; nothing here is measured. Prints a Markdown table.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from converter.plan.chips import Chip, cost_chips  # noqa: E402
-from converter.plan.cost import Work, floor_of_work, with_decoded  # noqa: E402
-from converter.plan.decode import (  # noqa: E402
+from converter.placement.chips import Chip, cost_chips  # noqa: E402
+from converter.placement.cost import Work, floor_of_work, with_decoded  # noqa: E402
+from converter.placement.decode import (  # noqa: E402
     DecodedWeight,
     granularity_cost,
     relative_costs_json,

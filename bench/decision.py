@@ -52,8 +52,8 @@ def main() -> None:
     from decision_models import head_config, make_head, save_checkpoint, with_markers
     from encoder_models import random_sequences
 
-    from converter.cli import main as anec
-    from converter.pipeline import convert
+    from converter.commands import main as anec
+    from converter.pipeline.run import convert
     from converter.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 
     started = time.perf_counter()

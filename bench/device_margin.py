@@ -24,8 +24,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from converter.checkpoint import load_checkpoint
-from converter.recheck import read_manifest
+from converter.checkpoints.loading import load_checkpoint
+from converter.evidence.recheck import read_manifest
 from converter.recipe import DecoderRecipe
 from converter.recipe.loader import load_recipe
 from converter.tasks.text_generation import reference_runs, rewrite_decoder, thresholds
@@ -39,7 +39,7 @@ from parity.torch_settings import parity_torch
 
 def convert(recipe: Path, out: Path) -> Path:
     """``anec convert RECIPE --out OUT`` in this process; the artifact's folder."""
-    from converter.cli import main
+    from converter.commands import main
 
     try:
         main.main(["convert", str(recipe), "--out", str(out)], standalone_mode=False)

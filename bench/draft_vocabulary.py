@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from converter.checkpoint import load_checkpoint
+from converter.checkpoints.loading import load_checkpoint
 from converter.recipe import DecoderRecipe, load_recipe, locate_recipe
-from converter.recipe.vocabulary import DraftVocabulary
+from converter.recipe.vocabulary_section import DraftVocabulary
 from converter.tasks.draft_vocabulary import corpus_ranking
 from converter.tasks.text_generation import rewrite_decoder
-from converter.vocabulary.acceptance import judge, judging_prompts, judging_shape
 from converter.vocabulary.corpora import load_corpus
 from converter.vocabulary.ranking import always_kept, choose_ids, tokenizer_rank
-from converter.vocabulary.streamed import body_weights, streamed_section
+from converter.vocabulary.streamed_bytes import body_weights, streamed_section
+from converter.vocabulary.trimmed_acceptance import judge, judging_prompts, judging_shape
 from parity.model_copies import cast_copy
 from parity.torch_settings import parity_torch
 

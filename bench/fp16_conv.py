@@ -22,8 +22,8 @@ CHILD = """
 import json, sys, time
 from pathlib import Path
 import parity.fp16_conv as lanes
-from converter.pipeline import convert
-from converter.progress import Steps
+from converter.pipeline.run import convert
+from converter.pipeline.progress import Steps
 from converter.recipe import load_recipe, locate_recipe
 
 name, mode, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])

@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     args = parser.parse_args()
 
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import load_recipe, locate_recipe
 
     recipe = load_recipe(locate_recipe(args.recipe))

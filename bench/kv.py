@@ -17,7 +17,7 @@ prints:
   output bytes per call and NE segments, and the device plan-inspect predicts for the argmax
   / top-k ops (static placement, M1);
 * live MIL ops per layer of the decode function and of the window program (measured);
-* predicted per-token floors per chip (`converter.plan.cost`, static placement: a model, not a
+* predicted per-token floors per chip (`converter.placement.cost`, static placement: a model, not a
   measurement) for the decode function and the window program's per-call floor.
 
 Random weights are fine for sizes, ops and floors (nothing here depends on their values); the
@@ -49,7 +49,7 @@ def load_model(case: str, layers: int | None) -> Any:
     import transformers
 
     if case == "smollm2":
-        from converter.checkpoint import load_checkpoint
+        from converter.checkpoints.loading import load_checkpoint
         from converter.recipe import load_recipe, locate_recipe
 
         recipe = load_recipe(locate_recipe("smollm2-135m-draft"))
@@ -91,9 +91,9 @@ def window_choices(window: Any, target: Any) -> dict[str, Any]:
     device plan-inspect predicts for the choice's ops (static placement, chip M1)."""
     import dataclasses
 
-    from converter.coreml import to_mlprogram, trace
-    from converter.plan.ops import op_table
-    from converter.plan.static import static_report
+    from converter.coreml.program import to_mlprogram, trace
+    from converter.placement.ops import op_table
+    from converter.placement.static import static_report
     from converter.tasks.decoder_contract import tensor_contract
 
     base = window.io
@@ -120,11 +120,11 @@ def run_case(case: str, layers: int | None, out: Path) -> dict[str, Any]:
     import coremltools as ct
     import torch
 
-    from converter.coreml import live_ops, to_mlprogram, trace
-    from converter.plan.chips import chips_for
-    from converter.plan.cost import floor
-    from converter.plan.ops import op_table
-    from converter.plan.static import static_report
+    from converter.coreml.program import live_ops, to_mlprogram, trace
+    from converter.placement.chips import chips_for
+    from converter.placement.cost import floor
+    from converter.placement.ops import op_table
+    from converter.placement.static import static_report
     from converter.tasks.decoder_contract import tensor_contract
     from converter.tasks.kv_contract import function_calls
     from converter.tasks.text_generation_kv import emit_functions

@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, action="append", help="extra budgets (MB)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
-    from converter.targets import package_budget_bytes
+    from converter.coreml.targets import package_budget_bytes
 
     budgets = {
         "iOS (1000 MB)": package_budget_bytes(None, "iOS"),

@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--argmax", type=float, default=1.0)
     args = parser.parse_args()
 
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import load_recipe, locate_recipe
 
     recipe = load_recipe(locate_recipe("smollm2-135m-draft"))

@@ -21,7 +21,7 @@ import argparse
 import numpy as np
 import torch
 
-from converter.checkpoint import load_checkpoint
+from converter.checkpoints.loading import load_checkpoint
 from converter.recipe.loader import load_recipe
 from converter.tasks.text_generation import Rewrite, rewrite_decoder
 from graph_passes.cache_host import CallShape, call_inputs

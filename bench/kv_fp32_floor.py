@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=0, help="default: the recipe's")
     args = parser.parse_args()
 
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import DecoderRecipe, load_recipe, locate_recipe
     from converter.tasks.kv_contract import function_calls
     from converter.tasks.text_generation import rewrite_decoder

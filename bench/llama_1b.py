@@ -86,7 +86,7 @@ def main() -> None:
     file = recipe(args.work, args.kv)
     out = args.work / "out"
     env = dict(os.environ, ANEC_MEMORY_LIMIT=args.limit)
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "converter.cli", "convert", str(file),
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "converter.commands", "convert", str(file),
            "--out", str(out), "--force", "--json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     timing = dict(re.findall(r"\t(Elapsed .*|Maximum resident set size .*|User time .*): (.*)",

@@ -127,8 +127,8 @@ def main() -> None:
     parser.add_argument("--deep", action="store_true", help="also inside the parity step")
     args = parser.parse_args()
 
-    import converter.progress as progress
-    from converter.cli import main as anec
+    import converter.pipeline.progress as progress
+    from converter.commands import main as anec
 
     step = progress.Steps.step
 

@@ -75,15 +75,15 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
 
-    from converter.progress import quiet_third_party_output
+    from converter.pipeline.progress import quiet_third_party_output
 
     quiet_third_party_output()
     import numpy as np
     import torch
 
-    from converter.checkpoint import load_checkpoint
-    from converter.pipeline import convert
-    from converter.recheck import checkpoint_source, read_manifest, recipe_from_manifest
+    from converter.checkpoints.loading import load_checkpoint
+    from converter.evidence.recheck import checkpoint_source, read_manifest, recipe_from_manifest
+    from converter.pipeline.run import convert
     from converter.recipe import load_recipe, locate_recipe
     from parity.mil import PROFILES, Evaluator, load_package
 

@@ -28,7 +28,7 @@ def main() -> None:
     import converter.tasks.text_generation as task
     import parity.conversion as conversion
     import parity.mil.evaluator as evaluator
-    from converter.cli import main as anec
+    from converter.commands import main as anec
 
     table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
 

@@ -50,10 +50,10 @@ def main() -> None:
         ModuleGPTQConfig,
     )
 
-    from converter.checkpoint import load_checkpoint
-    from converter.compress.corpus import encoder_texts
+    from converter.checkpoints.loading import load_checkpoint
+    from converter.compression.corpus import encoder_texts
     from converter.recipe import load_recipe
-    from converter.recipe.compression import Corpus
+    from converter.recipe.compression_section import Corpus
 
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE)
@@ -98,7 +98,8 @@ def main() -> None:
             for hook in hooks:
                 hook.remove()
             for algo in algos.values():
-                algo._compress_impl()  # the rounding alone, as converter/compress/methods/gptq.py
+                # the rounding alone, as converter/compression/methods/gptq.py
+                algo._compress_impl()
                 algo.cleanup()
         return work
 

@@ -3,7 +3,7 @@
     python bench/silu_forms.py [--low -16] [--high 16] [--json FILE]
 
 Issue 23, item 4 (recipe ``silu_form``). Each spelling is a one-op torch module converted by
-anec's own `converter.coreml.to_mlprogram` (fp16, macOS14) and run by anec's MIL evaluator
+anec's own `converter.coreml.program.to_mlprogram` (fp16, macOS14) and run by anec's MIL evaluator
 over every finite fp16 x in [low, high]:
 
 * ``silu op``: ``F.silu`` -> one MIL ``silu`` op (silu_form: op, the default);
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
+from converter.coreml.program import TensorIO, live_ops, to_mlprogram, trace
 from parity.mil import Evaluator
 from parity.mil.deviations import SEEDS
 

@@ -75,10 +75,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--positions", type=int, default=1000, help="held-out positions")
     args = parser.parse_args()
-    from converter.checkpoint import load_checkpoint
-    from converter.compress.corpus import decoder_texts
+    from converter.checkpoints.loading import load_checkpoint
+    from converter.compression.corpus import decoder_texts
     from converter.recipe import load_recipe
-    from converter.recipe.compression import Corpus
+    from converter.recipe.compression_section import Corpus
 
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE)

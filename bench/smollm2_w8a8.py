@@ -59,12 +59,12 @@ class Setup:
     """The module, its held-out scorer, the calibration batches and the program's folds."""
 
     def __init__(self, artifact: Path) -> None:
-        from converter.checkpoint import load_checkpoint
-        from converter.compress.calibrate import fp16_copy
-        from converter.compress.decoder import DecoderSubject
-        from converter.compress.methods.base import split_sites
-        from converter.compress.search import Scorer
-        from converter.compress.sites import weight_sites
+        from converter.checkpoints.loading import load_checkpoint
+        from converter.compression.calibrate import fp16_copy
+        from converter.compression.decoder_variants import DecoderSubject
+        from converter.compression.methods.base import split_sites
+        from converter.compression.search import Scorer
+        from converter.compression.sites import weight_sites
         from converter.recipe import load_recipe
         from converter.recipe.schema import DecoderRecipe
         from converter.tasks.text_generation import held_out, rewrite_decoder
@@ -99,7 +99,7 @@ class Setup:
 
     def folds(self, alpha: float | None, kinds: tuple[str, ...] = ()) -> list[Any]:
         """The program's folds at ``alpha`` (None: none), only ``kinds`` when given."""
-        from converter.compress.smooth import smooth
+        from converter.compression.smooth import smooth
 
         if alpha is None:
             return []
@@ -113,8 +113,8 @@ class Setup:
     def variant(self, folds: list[Any], quantized: list[str]) -> Iterator[None]:
         """The module with ``folds`` applied, every projection weight int8 and the inputs of
         the ``quantized`` projections (weight names) int8, restored on exit."""
-        from converter.compress.activations import fake_quantized_inputs
-        from converter.compress.smooth import scale_tensors
+        from converter.compression.activations import fake_quantized_inputs
+        from converter.compression.smooth import scale_tensors
 
         scale_tensors(self.module, folds, set())
         params = dict(self.module.named_parameters())
@@ -171,8 +171,8 @@ class Setup:
         cannot express it). Returns (top-1, mean KL, channels kept fp16 in all)."""
         import torch.nn.functional as F
 
-        from converter.compress.activations import fake_quantize
-        from converter.compress.smooth import scale_tensors
+        from converter.compression.activations import fake_quantize
+        from converter.compression.smooth import scale_tensors
 
         modules = dict(self.module.named_modules())
         params = dict(self.module.named_parameters())

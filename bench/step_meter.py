@@ -4,7 +4,8 @@ its CPU time and the process's peak RSS when it ends; and the checkpoint's param
     python bench/step_meter.py OUT.json convert RECIPE --out DIR --force --json
 
 ``bench/pipeline_steps.py`` runs it once per side with that side's tree first on
-``PYTHONPATH``: it wraps the pipeline's step timer (``converter.progress.Steps.step``) and its
+``PYTHONPATH``: it wraps the pipeline's step timer (``converter.pipeline.progress.Steps.step``) and
+its
 preflight from the outside, so an older revision is measured the same way as the working tree.
 CPU time is the process's user + system time over the step (every thread): on a shared machine
 it is the firmer figure. The peak is ``ru_maxrss`` so far: a step whose value rises above the
@@ -26,12 +27,12 @@ from typing import Any
 def main() -> None:
     """Wrap the step timer and the preflight, then run anec's CLI on the remaining arguments."""
     out = Path(sys.argv[1])
-    from converter.runlog import route_library_output
+    from converter.pipeline.runlog import route_library_output
 
     route_library_output()  # as the CLI does before torch: no coremltools bars on stderr
-    import converter.pipeline as pipeline
-    import converter.progress as progress
-    from converter.cli import main as anec
+    import converter.pipeline.progress as progress
+    import converter.pipeline.run as pipeline
+    from converter.commands import main as anec
 
     doc: dict[str, Any] = {"steps": [], "n_parameters": None}
     step = progress.Steps.step

@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from converter.checkpoint import load_checkpoint  # noqa: E402
+from converter.checkpoints.loading import load_checkpoint  # noqa: E402
 from converter.recipe import load_recipe  # noqa: E402
 from graph_passes.stream_scale import FP16_MAX, LIMIT  # noqa: E402
 

@@ -107,7 +107,7 @@ def run_bare(lengths: list[int], capability: str | None) -> dict[str, Any]:
 def run_anec(recipe: str, capability: str | None) -> dict[str, Any]:
     """``anec convert RECIPE --json`` in a fresh subprocess: its summary and wall time."""
     with tempfile.TemporaryDirectory() as out:
-        args = [sys.executable, "-m", "converter.cli", "convert", recipe, "--out", out,
+        args = [sys.executable, "-m", "converter.commands", "convert", recipe, "--out", out,
                 "--force", "--json"]  # fmt: skip
         start = time.perf_counter()
         done = subprocess.run(args, env=child_env(capability), capture_output=True, text=True)

@@ -23,7 +23,7 @@ from graph_passes.logits_layout import join_logits
 from parity.conversion import input_dtypes, program_feed
 from parity.decoder_gates import module_inputs, run_module
 from parity.fixtures import Fixture, make_batches
-from parity.gate import first_few
+from parity.gate_registry import first_few
 from parity.head_outputs import run_capturing_logits
 from parity.memory import release_memory
 from parity.metrics import PositionRow, Summary, compare_positions, summarize

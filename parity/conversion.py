@@ -39,7 +39,7 @@ from parity.decoder_gates import module_inputs
 from parity.device_margin import IMPLEMENTATION as DEVICE_MARGIN
 from parity.device_margin import margin_gate
 from parity.fixtures import Batch
-from parity.gate import Gated, GateResult, Worst, first_few, gate, worst_of
+from parity.gate_registry import Gated, GateResult, Worst, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.measure import worst_gate
 from parity.metrics import compare_positions

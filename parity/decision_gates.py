@@ -39,7 +39,7 @@ from graph_passes.decision_spec import DecisionHeadSpec, candidate_positions
 from parity.decision_reference import DecisionOutputs, DecisionReferenceResult
 from parity.encoder_gates import encoder_runner, fp16_module, level_of
 from parity.fixtures import Batch, Fixture, make_batches
-from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
+from parity.gate_registry import GateResult, Level, agreement, gate, stability_gates, worst_of
 from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
 from parity.result import (
     FP16_DIVERGENCE,

@@ -23,7 +23,7 @@ import torch
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import key_mask_from_padding
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, first_few, gate, stability_gates, worst_of
+from parity.gate_registry import GateResult, first_few, gate, stability_gates, worst_of
 from parity.measure import Measured, measure, worst_gate
 from parity.model_copies import cast_copy
 from parity.reference import ReferenceRun

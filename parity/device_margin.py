@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from parity.gate import GateResult, first_few, gate, json_number
+from parity.gate_registry import GateResult, first_few, gate, json_number
 from parity.metrics import PositionRow
 from parity.mil.deviations import Deviation
 

@@ -20,7 +20,7 @@ from graph_passes.encoder import BC1LEncoder
 from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch
-from parity.gate import agreement, worst_of
+from parity.gate_registry import agreement, worst_of
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner, rel_error
 from parity.torch_settings import TORCH_CPU

@@ -27,7 +27,7 @@ from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Level, agreement, gate, stability_gates, worst_of
+from parity.gate_registry import GateResult, Level, agreement, gate, stability_gates, worst_of
 from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
 from parity.reference import layer_states
 from parity.result import (

@@ -38,7 +38,7 @@ from parity.conversion import rel_error_np
 from parity.decision_gates import batch_positions
 from parity.encoder_gates import embed
 from parity.fixtures import Batch
-from parity.gate import GateResult, gate, worst_of
+from parity.gate_registry import GateResult, gate, worst_of
 from parity.mil.errors import MILError
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile

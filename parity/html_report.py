@@ -10,7 +10,7 @@ from typing import Any
 
 from parity.report import RANGE_SERIES
 
-# The gates whose thresholds the per-layer chart draws (parity.gate's names).
+# The gates whose thresholds the per-layer chart draws (parity.gate_registry's names).
 PER_LAYER_GATES = ("fp32_layer_rel_error", "mil_fp32_layer_rel_error")
 
 _STYLE = """

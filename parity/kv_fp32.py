@@ -37,7 +37,7 @@ import torch
 
 from graph_passes.cached_decoder import CachedDecoder
 from graph_passes.logits_layout import join_logits
-from parity.gate import GateResult, gate
+from parity.gate_registry import GateResult, gate
 from parity.kv_gates import STALE_STEPS, stale_difference
 from parity.kv_mil import Weights, function_markers, layer_piece
 from parity.kv_sequence import SequenceRun, embedded, run_sequence

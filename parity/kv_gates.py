@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.gate import Gated, GateResult, Worst, first_few, gate
+from parity.gate_registry import Gated, GateResult, Worst, first_few, gate
 from parity.kv_session import CacheSession
 from parity.reference import Continuation, SpilledRows
 

@@ -30,7 +30,7 @@ from graph_passes.logits_layout import chunk_names, join_logits
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.model import Block
 from parity.conversion import fp64_head, fp64_piece, rel_error_np
-from parity.gate import GateResult, Worst, gate
+from parity.gate_registry import GateResult, Worst, gate
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16
 from parity.model_copies import set_weights

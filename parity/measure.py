@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from parity.fixtures import Batch, Fixture
-from parity.gate import GateResult, Level, Worst, gate
+from parity.gate_registry import GateResult, Level, Worst, gate
 from parity.result import LayerRow, Outputs, Runner, rel_error
 from parity.thresholds import Thresholds
 

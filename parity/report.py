@@ -14,7 +14,7 @@ from typing import Any
 from graph_passes.stream_scale import FP16_MAX, LIMIT, StreamScaling
 from parity.conversion import MODULE_BASELINE, RUNTIME, ConversionReport, ProfileRun
 from parity.device_margin import DeviceMargin
-from parity.gate import GateResult, first_few, json_number
+from parity.gate_registry import GateResult, first_few, json_number
 from parity.metrics import slices
 from parity.result import ParityReport, clean_json, rows_to_json
 

@@ -14,7 +14,7 @@ import torch
 
 from graph_passes.stream_scale import FP16_MAX, StreamScaling
 from parity.fixtures import Batch
-from parity.gate import Gated, GateResult, json_number
+from parity.gate_registry import Gated, GateResult, json_number
 from parity.thresholds import Thresholds
 
 # Outputs by name: an encoder's task output under `OUTPUT`, a decision model's tail outputs

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from parity.fixtures import Fixture
-from parity.gate import Gated, GateResult, gate
+from parity.gate_registry import Gated, GateResult, gate
 from parity.memory import release_memory
 from parity.report import gate_line
 from parity.result import Outputs, clean_json  # held-out text, window or sentence -> output

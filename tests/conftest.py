@@ -62,7 +62,7 @@ def write_file(tmp_path: Path) -> Callable[[str, str], Path]:
 def stand_in_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
     """Accept compute-plan dumps and measurements that say ``origin: stand-in`` (test-only:
     no Mac records them here); every report then prints STAND-IN."""
-    from converter.plan.provenance import STAND_IN_ENV
+    from converter.placement.provenance import STAND_IN_ENV
 
     monkeypatch.setenv(STAND_IN_ENV, "1")
 
@@ -80,7 +80,7 @@ def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     recipe, converted by this anec)."""
     from click.testing import CliRunner
 
-    from converter.cli import main
+    from converter.commands import main
 
     given = os.environ.get(SHARED_SMOLLM2)
     if given:
@@ -95,7 +95,7 @@ def _shared_smollm2(artifact: Path) -> Path:
     """``artifact`` checked to be the shipped recipe's, converted by the installed anec."""
     from importlib.metadata import version
 
-    from converter.manifest import Manifest
+    from converter.pipeline.manifest import Manifest
     from converter.recipe import load_recipe, locate_recipe
 
     shipped = load_recipe(locate_recipe(SMOLLM2_RECIPE)).model_dump()
@@ -109,7 +109,7 @@ def _shared_smollm2(artifact: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_checkpoint() -> object:
     """The packaged SmolLM2 checkpoint loaded once (transformers model, tokenizer, config)."""
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import load_recipe, locate_recipe
 
     recipe = load_recipe(locate_recipe("smollm2-135m-draft"))

@@ -1,5 +1,6 @@
 """A stand-in with the shape of coremltools' ``MLModel`` / ``MLState`` API, run by anec's MIL
-evaluator (fp16): the Core ML code paths (`converter.generate.coreml_backend`, the chunk chain,
+evaluator (fp16): the Core ML code paths (`converter.drafts.host_loop.coreml_backend`, the chunk
+chain,
 one state shared by a package's functions, `anec device-check`) run on Linux against it, so
 that on a Mac only Core ML itself is new."""
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from converter.coreml_runtime import MemoryReading
+from converter.coreml.runtime import MemoryReading
 from parity.mil import Evaluator, load_package
 
 Outputs = dict[str, np.ndarray]
@@ -57,7 +58,7 @@ class StandInModel:
 
 
 class StandInLoader:
-    """A `converter.coreml_runtime.ModelLoader`: each package read once, every load recorded."""
+    """A `converter.coreml.runtime.ModelLoader`: each package read once, every load recorded."""
 
     def __init__(self, perturb: Callable[[str, Outputs], Outputs] | None = None) -> None:
         self.perturb = perturb
@@ -83,7 +84,7 @@ STAND_IN_RECORD = {"origin": "stand-in", "machine": "x86_64"}
 def stand_in_plans(package: Path, units: list[str]) -> dict[str, dict[str, list[Any]]]:
     """``read_plans``'s shape: every non-constant op of every function, preferred on the NE
     (a stand-in: no Core ML planned anything)."""
-    from converter.plan.computeplan import PlanOp
+    from converter.placement.computeplan import PlanOp
 
     program = load_package(package)
     ops = {
@@ -97,7 +98,7 @@ def stand_in_plans(package: Path, units: list[str]) -> dict[str, dict[str, list[
 
 
 def stand_in_adapters(loader: StandInLoader) -> Any:
-    """`converter.device.check.Adapters` of stand-ins (the record says ``origin: stand-in``)."""
-    from converter.device.evidence import Adapters
+    """`converter.device.dispatch.Adapters` of stand-ins (the record says ``origin: stand-in``)."""
+    from converter.device.evidence_file import Adapters
 
     return Adapters(loader, rss_probe, stand_in_plans, dict(STAND_IN_RECORD))

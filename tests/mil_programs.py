@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from tiny_models import LENGTH, Tiny, build_tiny
 
-from converter.compress.activations import (
+from converter.compression.activations import (
     activation_sites,
     calibrate,
     insert_activation_quantization,
 )
-from converter.compress.schemes import Scheme, apply_plan
-from converter.compress.sites import weight_sites
-from converter.coreml import to_mlprogram, trace
-from converter.targets import TARGETS
+from converter.compression.schemes import Scheme, apply_plan
+from converter.compression.sites import weight_sites
+from converter.coreml.program import to_mlprogram, trace
+from converter.coreml.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import island_contract, single_contract, tail_contract

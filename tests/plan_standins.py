@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from converter.hashing import mlpackage_content_hash
-from converter.plan.computeplan import walk_plan
-from converter.plan.dump import RecordedPlan
-from converter.plan.provenance import ORIGIN_STAND_IN
+from converter.pipeline.hashing import mlpackage_content_hash
+from converter.placement.computeplan import walk_plan
+from converter.placement.dump import RecordedPlan
+from converter.placement.provenance import ORIGIN_STAND_IN
 
 
 def device(kind: str) -> Any:
@@ -118,7 +118,7 @@ def recorded(package: Path, policy: Callable[[str, str], str | None]) -> Recorde
         content_sha256=mlpackage_content_hash(package),
         package=package.name,
         # Never recorded on a Mac: accepted only behind the test-only switch, and every
-        # report prints STAND-IN (converter.plan.provenance).
+        # report prints STAND-IN (converter.placement.provenance).
         recorded={"origin": ORIGIN_STAND_IN, "machine": "test"},
         plans={"CPU_AND_NE": {"main": walk_plan(plan, "main")}},
     )

@@ -248,10 +248,12 @@ def _unwritable_out_dir(c: Case, mp: pytest.MonkeyPatch) -> Path:
 
 
 def _disk_too_small(c: Case, mp: pytest.MonkeyPatch) -> Path:
-    import converter.resources
+    import converter.pipeline.resources
 
     usage = shutil.disk_usage(c.root)
-    mp.setattr(converter.resources.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    mp.setattr(
+        converter.pipeline.resources.shutil, "disk_usage", lambda p: usage._replace(free=1000)
+    )
     return c.recipe()
 
 

@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 from tiny_models import run_anec
 
-import converter.from_checkpoint
-import converter.pipeline
-from converter.batch import Outcome
-from converter.compress.emit import VariantResult
-from converter.pipeline import ConvertResult
-from converter.summary import failed_gate
-from parity.gate import gate
+import converter.pipeline.run
+import converter.recipe.from_checkpoint
+from converter.commands.batch import Outcome
+from converter.compression.emit import VariantResult
+from converter.pipeline.run import ConvertResult
+from converter.pipeline.summary import failed_gate
+from parity.gate_registry import gate
 from parity.result import LayerRow, ParityReport
 
 
@@ -65,9 +65,9 @@ def test_exit_code_1_without_a_result_is_a_gate_failure_of_unknown_kind() -> Non
 def stand_in_conversions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Recipe refs are names of RESULTS; converting one returns that result."""
     monkeypatch.setattr(
-        converter.from_checkpoint, "recipe_for", lambda ref, flags: SimpleNamespace(name=ref)
+        converter.recipe.from_checkpoint, "recipe_for", lambda ref, flags: SimpleNamespace(name=ref)
     )
-    monkeypatch.setattr(converter.pipeline, "convert", lambda recipe, *_: RESULTS[recipe.name])
+    monkeypatch.setattr(converter.pipeline.run, "convert", lambda recipe, *_: RESULTS[recipe.name])
 
 
 @pytest.mark.usefixtures("stand_in_conversions")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from converter.compress import methods
+from converter.compression import methods
 from converter.recipe import load_recipe
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "compress_methods.py"

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tiny_models import save_tiny_llama, write_tiny_recipe
 
-from converter.checkpoint import load_checkpoint
+from converter.checkpoints.loading import load_checkpoint
 from converter.recipe.loader import load_recipe
 from converter.tasks.text_generation import rewrite_decoder
 from parity.reference import continuation, originals

@@ -10,8 +10,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from converter import cli
-from converter.cli import recipes as recipes_cli
+from converter import commands as cli
+from converter.commands import recipes as recipes_cli
 from converter.errors import GateFailure, InputError
 from converter.recipe import shipped_recipes
 

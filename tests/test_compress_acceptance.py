@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from tiny_models import build_tiny, perturbed_copy
 
-from converter.compress.acceptance import (
+from converter.compression.variant_acceptance import (
     AcceptanceSetup,
     SessionVerifier,
     acceptance_json,
     draft_acceptance,
     session,
 )
-from converter.speculate import Acceptance, speculate
+from converter.drafts.speculation import Acceptance, speculate
 from parity.reference import greedy_ids
 
 PROMPTS = [[7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46]]

@@ -145,7 +145,7 @@ def test_the_search_chooses_across_methods_and_the_program_confirms_it(
 def tiny() -> Any:
     from tiny_models import PAD_ID, build_tiny
 
-    from converter.compress.sites import WeightSite
+    from converter.compression.sites import WeightSite
 
     t = build_tiny()
     sites = [
@@ -160,7 +160,7 @@ def _layer_error(t: Any, name: str, weight: np.ndarray, pad_id: int) -> float:
     """Squared output error of ``name``'s conv on its calibration inputs with ``weight``."""
     import torch
 
-    from converter.compress.calibrate import calibration, captured_inputs, fp16_copy, logits
+    from converter.compression.calibrate import calibration, captured_inputs, fp16_copy, logits
 
     work = fp16_copy(t.module)
     cal = calibration(work, t.fixtures[:4], t.embed_table, pad_id)
@@ -177,7 +177,7 @@ def test_gptq_beats_rounding_to_nearest_on_its_calibration_inputs(tiny: Any) -> 
     """GPTQ's integers are not round-to-nearest on the same grid (the mutant a stub would be):
     on the conv's calibration inputs its output error is lower, for a first-layer weight whose
     inputs no earlier rounding changed."""
-    from converter.compress.methods.gptq import decode, gptq_weights
+    from converter.compression.methods.gptq import decode, gptq_weights
 
     t, sites, pad_id = tiny
     name = "layers.0.mlp.down.weight"
@@ -196,9 +196,9 @@ def test_gptq_beats_rounding_to_nearest_on_its_calibration_inputs(tiny: Any) -> 
 def test_skm_weights_use_the_calibration_sensitivity(tiny: Any) -> None:
     """SKM's palette differs from plain k-means of the same weight (the Fisher weights move
     the centroids) and holds at most 16 values per group of 8 rows."""
-    from converter.compress.methods.base import Scheme
-    from converter.compress.methods.skm import skm_weights
-    from converter.compress.search import palette
+    from converter.compression.methods.base import Scheme
+    from converter.compression.methods.skm import skm_weights
+    from converter.compression.search import palette
 
     t, sites, pad_id = tiny
     name = "layers.1.mlp.gate_up.weight"
@@ -233,9 +233,9 @@ def _one_conv_model(weight: np.ndarray) -> Any:
 def test_gptq_integers_are_stored_as_computed(bits: int) -> None:
     """write_integers: the program decodes to the integers times the fp16 scales, bit for bit,
     with int{bits} data."""
-    from converter.compress.integer_weights import write_integers
-    from converter.compress.methods.gptq import decode, row_integers
-    from converter.compress.records import decoded_weight
+    from converter.compression.integer_weights import write_integers
+    from converter.compression.methods.gptq import decode, row_integers
+    from converter.compression.records import decoded_weight
 
     rng = np.random.default_rng(0)
     lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1)
@@ -257,9 +257,9 @@ def test_gptq_integers_are_stored_as_computed(bits: int) -> None:
 def test_skm_tables_store_the_values_exactly() -> None:
     """The skm storage keeps each group's distinct fp16 values as its table (no second
     clustering) at 4-bit indices, even where numpy's float16 unique miscounts."""
-    from converter.compress.methods.base import Scheme
-    from converter.compress.methods.skm import METHOD as SKM
-    from converter.compress.records import decoded_weight
+    from converter.compression.methods.base import Scheme
+    from converter.compression.methods.skm import METHOD as SKM
+    from converter.compression.records import decoded_weight
 
     rng = np.random.default_rng(1)
     tables = rng.standard_normal((6, 16)).astype(np.float16) * 0.1
@@ -281,9 +281,9 @@ def test_skm_sensitivity_equals_coremltools_own(tiny: Any) -> None:
     import torch
     from coremltools.optimize.torch.palettization import SKMPalettizer, SKMPalettizerConfig
 
-    from converter.compress.calibrate import calibration, fp16_copy, next_token_loss
-    from converter.compress.methods.base import quiet_progress
-    from converter.compress.methods.skm import fisher_sensitivity
+    from converter.compression.calibrate import calibration, fp16_copy, next_token_loss
+    from converter.compression.methods.base import quiet_progress
+    from converter.compression.methods.skm import fisher_sensitivity
 
     t, _, pad_id = tiny
     names = ["layers.0.attention.qkv.weight", "layers.1.mlp.down.weight"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from converter.compress.schemes import Scheme, split_sites, variant_scheme
-from converter.compress.sites import WeightSite, keep_reason
+from converter.compression.schemes import Scheme, split_sites, variant_scheme
+from converter.compression.sites import WeightSite, keep_reason
 from converter.recipe import RecipeError, load_recipe
 
 BASE = """\

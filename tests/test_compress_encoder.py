@@ -15,12 +15,12 @@ import pytest
 from encoder_models import hf_model, random_sequences, tiny_config
 from tiny_models import one_torch_thread
 
-from converter.checkpoint import load_checkpoint
-from converter.compress.emit import VariantResult
-from converter.compress.encoder import prepare_encoder_held_out
-from converter.hashing import mlpackage_content_hash
-from converter.manifest import Manifest
-from converter.pipeline import convert
+from converter.checkpoints.loading import load_checkpoint
+from converter.compression.emit import VariantResult
+from converter.compression.encoder_variants import prepare_encoder_held_out
+from converter.pipeline.hashing import mlpackage_content_hash
+from converter.pipeline.manifest import Manifest
+from converter.pipeline.run import convert
 from converter.recipe import EncoderOptions, Recipe, RecipeError, load_recipe
 from converter.tasks.encoder import rewrite_encoder
 from parity.fixtures import pad_id
@@ -227,10 +227,10 @@ def test_encoder_variant_rules_name_the_field(tmp_path: Path) -> None:
 
 def test_emit_refuses_a_method_the_task_lacks(tmp_path: Path) -> None:
     """Programmatic callers get the schema's rule too, before anything is built."""
-    from converter.compress.emit import emit
-    from converter.compress.encoder import EncoderSubject
+    from converter.compression.emit import emit
+    from converter.compression.encoder_variants import EncoderSubject
     from converter.errors import InputError
-    from converter.recipe.compression import Compression
+    from converter.recipe.compression_section import Compression
 
     compression = Compression.model_validate(
         {

@@ -19,9 +19,9 @@ from encoder_models import PAD_ID, build_encoder, random_sequences, tiny_config
 from test_compress_encoder import _recipe
 from tiny_models import one_torch_thread
 
-from converter.compress.emit import VariantResult
-from converter.compress.sites import WeightSite
-from converter.pipeline import convert
+from converter.compression.emit import VariantResult
+from converter.compression.sites import WeightSite
+from converter.pipeline.run import convert
 from converter.recipe import RecipeError, load_recipe
 from parity.fixtures import Fixture
 
@@ -125,7 +125,7 @@ def _site(module: Any, name: str) -> WeightSite:
 def test_encoder_stages_see_real_slots_only(tiny: Any) -> None:
     """Five sentences in batches of three: the second batch's filler row (a repeat of its
     first sentence) and every padded slot are left out of what GPTQ sees."""
-    from converter.compress.calibrate import captured, encoder_stages, owners
+    from converter.compression.calibrate import captured, encoder_stages, owners
 
     stages = encoder_stages(tiny.module, _calibration(), PAD_ID)
     assert len(stages.inputs) == 2 and stages.layers == 3
@@ -142,7 +142,7 @@ def _layer_error(tiny: Any, name: str, weight: np.ndarray) -> float:
     """Squared output error of a first-layer conv on its calibration inputs with ``weight``."""
     import torch
 
-    from converter.compress.calibrate import captured, encoder_stages, owners
+    from converter.compression.calibrate import captured, encoder_stages, owners
 
     stages = encoder_stages(tiny.module, _calibration(), PAD_ID)
     conv = owners(stages.module, [_site(stages.module, name)])[name]
@@ -166,8 +166,8 @@ def test_encoder_gptq_beats_rounding_to_nearest_on_its_calibration_inputs(
 ) -> None:
     """GPTQ's integers are not round-to-nearest on the same grid (the mutant a stub would be):
     on the conv's calibration inputs its output error is lower."""
-    from converter.compress.calibrate import encoder_stages
-    from converter.compress.methods.gptq import decode, sequential_gptq
+    from converter.compression.calibrate import encoder_stages
+    from converter.compression.methods.gptq import decode, sequential_gptq
 
     name = "layers.0.mlp.down.weight"
     site = _site(tiny.module, name)
@@ -188,8 +188,8 @@ def test_encoder_gptq_beats_rounding_to_nearest_on_its_calibration_inputs(
 def test_a_classifier_head_is_rounded_last_on_its_pooled_inputs() -> None:
     """text-classification: the tail's dense projection is the last stage; its inputs are one
     pooled column per real sentence (the filler row left out)."""
-    from converter.compress.calibrate import captured, encoder_stages, owners
-    from converter.compress.methods.gptq import sequential_gptq
+    from converter.compression.calibrate import captured, encoder_stages, owners
+    from converter.compression.methods.gptq import sequential_gptq
 
     t = build_encoder(tiny_config("bert"), "logits")
     name, up = "tail.dense.weight", "layers.2.mlp.up.weight"
@@ -228,8 +228,8 @@ def test_encoder_calibration_shared_with_held_out_is_refused(tmp_path: Path) -> 
     """Literal sentences (token ids here) shared with the held-out list, and a sentence of the
     corpus's held-out part given as calibration, are refused; the corpus's two parts are
     disjoint by construction."""
-    from converter.compress.corpus import part_sentences
-    from converter.recipe.compression import Compression
+    from converter.compression.corpus import part_sentences
+    from converter.recipe.compression_section import Compression
 
     gptq = [VARIANTS[1]]
     held_out = random_sequences(11, (12, 7, 16), first=1)  # what _recipe writes
@@ -254,8 +254,8 @@ def test_encoder_calibration_shared_with_held_out_is_refused(tmp_path: Path) -> 
 def test_a_block_that_does_not_divide_a_weights_inputs_is_refused_by_name() -> None:
     from types import SimpleNamespace
 
-    from converter.compress.methods.base import Scheme
-    from converter.compress.methods.gptq import METHOD
+    from converter.compression.methods.base import Scheme
+    from converter.compression.methods.gptq import METHOD
     from converter.errors import InputError
 
     site = WeightSite("layers.0.mlp.down.weight", "w_to_fp16", (64, 48, 1, 1), "float16")

@@ -18,7 +18,7 @@ import torch
 from click.testing import Result
 from tiny_models import run_anec, tiny_hf_model, write_tiny_recipe
 
-from converter.compress.grids import TOLERANCE, Grid, find_grid
+from converter.compression.grid_fit import TOLERANCE, Grid, find_grid
 
 OFF_GRID = "model.layers.2.mlp.down_proj.weight"
 

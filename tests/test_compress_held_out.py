@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter.compress import corpus
+from converter.compression import corpus
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
-from converter.recipe.compression import Corpus
+from converter.recipe.compression_section import Corpus
 from parity.variant import psnr_db, summarize_psnr
 
 DECODER = """\

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from converter.compress import methods
-from converter.compress.methods.base import CompressionMethod, Scheme
+from converter.compression import methods
+from converter.compression.methods.base import CompressionMethod, Scheme
 from converter.errors import InputError
-from converter.recipe.compression import Compression, Variant
+from converter.recipe.compression_section import Compression, Variant
 from converter.recipe.yaml_errors import expected_at
 
 NEW_METHOD = """
-from converter.compress.methods.base import CompressionMethod, Scheme
+from converter.compression.methods.base import CompressionMethod, Scheme
 
 
 class Int4(CompressionMethod):
@@ -111,8 +111,8 @@ def test_a_module_without_a_method_is_refused(demo_package: Path) -> None:
 # A test-only method, as one file: int8 storage under its own name, listed first, searchable
 # and carried into a cached decoder. Nothing else is edited to make it available.
 DEMO_METHOD = """
-from converter.compress.methods.base import CompressionMethod, Scheme
-from converter.compress.methods.int8 import METHOD as INT8
+from converter.compression.methods.base import CompressionMethod, Scheme
+from converter.compression.methods.int8 import METHOD as INT8
 
 
 class Demo(CompressionMethod):
@@ -181,13 +181,13 @@ def test_a_registered_method_is_available_end_to_end(
 ) -> None:
     from test_compress_schemes import NAMES, _model
 
-    from converter.compress.candidates import candidates, fits, label, stored_bytes
-    from converter.compress.records import weight_records
-    from converter.compress.schemes import apply_plan, variant_scheme
-    from converter.compress.search import _summaries
-    from converter.compress.sites import weight_sites
-    from converter.compress.stateful import check_methods
-    from converter.recipe.cache import kv_method_problems
+    from converter.compression.candidates import candidates, fits, label, stored_bytes
+    from converter.compression.records import weight_records
+    from converter.compression.schemes import apply_plan, variant_scheme
+    from converter.compression.search import _summaries
+    from converter.compression.sites import weight_sites
+    from converter.compression.stateful import check_methods
+    from converter.recipe.cache_section import kv_method_problems
 
     # the recipe accepts it (a variant, a search method), listed by its order
     compression = _demo_compression()
@@ -221,7 +221,7 @@ def test_a_registered_method_is_available_end_to_end(
 
 
 # MIL vocabulary, not method names: dtypes ("int8") and op inputs ("lut") of programs.
-NOT_METHOD_NAMES = ("converter/compress/methods/", "converter/plan/", "parity/mil/")
+NOT_METHOD_NAMES = ("converter/compression/methods/", "converter/placement/", "parity/mil/")
 
 
 def test_no_module_outside_methods_names_a_method() -> None:

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from tiny_models import one_torch_thread
 
-from converter.compress.emit import VariantResult
-from converter.manifest import Manifest
-from converter.pipeline import convert
+from converter.compression.emit import VariantResult
+from converter.pipeline.manifest import Manifest
+from converter.pipeline.run import convert
 from converter.recipe import load_recipe, locate_recipe
-from converter.recipe.compression import Variant
+from converter.recipe.compression_section import Variant
 
 pytestmark = [
     pytest.mark.slow,

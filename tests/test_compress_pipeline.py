@@ -19,9 +19,9 @@ from tiny_models import (
     run_anec,
 )
 
-from converter.hashing import mlpackage_content_hash, sha256_file
-from converter.manifest import Manifest
-from converter.recipe.compression import DEFAULT_KEEP_FP16
+from converter.pipeline.hashing import mlpackage_content_hash, sha256_file
+from converter.pipeline.manifest import Manifest
+from converter.recipe.compression_section import DEFAULT_KEEP_FP16
 from graph_passes.logits_layout import join_logits
 
 # The variants, appended to the tiny recipe (tiny_models.tiny_recipe).
@@ -350,9 +350,14 @@ def test_w8a8_smoothing_folds_are_recorded_and_exact(run: tuple[Result, Path]) -
     import coremltools as ct
     import torch
 
-    from converter.checkpoint import load_checkpoint
-    from converter.compress.sites import weight_sites
-    from converter.compress.smooth import folded_constants, replace_constants, scale_tensors, smooth
+    from converter.checkpoints.loading import load_checkpoint
+    from converter.compression.sites import weight_sites
+    from converter.compression.smooth import (
+        folded_constants,
+        replace_constants,
+        scale_tensors,
+        smooth,
+    )
     from converter.recipe import load_recipe
     from converter.tasks.text_generation import rewrite_decoder
     from parity.mil import Evaluator, load_package

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from converter.compress.records import weight_records
-from converter.compress.schemes import Scheme, apply_plan
-from converter.compress.sites import weight_sites
+from converter.compression.records import weight_records
+from converter.compression.schemes import Scheme, apply_plan
+from converter.compression.sites import weight_sites
 
 NAMES = ("a.weight", "b.weight")
 SHAPES = {"a.weight": (64, 32, 1, 1), "b.weight": (32, 64, 1, 1)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converter.compress.search import Point, smallest_meeting
+from converter.compression.search import Point, smallest_meeting
 
 
 def _point(step: int | None, size: int, ok: bool, uniform: int | None = None) -> Point:
@@ -32,7 +32,7 @@ def test_a_one_weight_measurement_from_its_layer_equals_the_whole_model_run() ->
 
     from tiny_models import build_tiny
 
-    from converter.compress.search import Scorer, palette
+    from converter.compression.search import Scorer, palette
 
     tiny = build_tiny("llama")
     module = copy.deepcopy(tiny.module).eval()

@@ -31,22 +31,22 @@ from click.testing import Result
 from safetensors.torch import load_file
 from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.checkpoint import load_checkpoint
+from converter.checkpoints.loading import load_checkpoint
+from converter.checkpoints.weightfiles import read_weight_table
 from converter.errors import InputError
-from converter.hashing import mlpackage_content_hash
-from converter.preflight import ARTIFACT_OVERHEAD_BYTES, artifact_bytes, disk_needs
-from converter.publish import ArtifactStage
-from converter.recipe import load_recipe
-from converter.resources import (
+from converter.pipeline.hashing import mlpackage_content_hash
+from converter.pipeline.preflight import ARTIFACT_OVERHEAD_BYTES, artifact_bytes, disk_needs
+from converter.pipeline.publish import ArtifactStage
+from converter.pipeline.resources import (
     GIB,
     MEMORY_LIMIT_ENV,
     check_disk,
     estimate_peak_memory,
     memory_budget,
 )
-from converter.runlog import LOG_NAME
-from converter.tasks import base as task_steps
-from converter.weightfiles import read_weight_table
+from converter.pipeline.runlog import LOG_NAME
+from converter.recipe import load_recipe
+from converter.tasks import shared as task_steps
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PASSING_GATE = 1.0e-4
@@ -228,7 +228,7 @@ def test_force_with_a_failed_gate_keeps_the_previous_artifact(
 def _start(recipe: Path, out: Path, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two children share the machine
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "converter.cli", "convert", str(recipe)]
+    command = [sys.executable, "-m", "converter.commands", "convert", str(recipe)]
     with open(log, "wb") as stderr:
         return subprocess.Popen(
             [*command, "--out", str(out), "--force", "--json"],
@@ -483,7 +483,7 @@ _MEASURED_SHAPES = {
     "gemma-3-270m-draft-kv.yaml": (268_098_176, 262_144 * 640),
 }
 # The cached recipes' logits of one continuation, (decode steps + 1) x vocabulary, as the
-# preflight reads them (`converter.preflight.cache_logits`).
+# preflight reads them (`converter.pipeline.preflight.cache_logits`).
 _CACHE_LOGITS = {
     "smollm2-135m-draft-kv.yaml": 65 * 49_152,
     "gemma-3-270m-draft-kv.yaml": 513 * 262_144,
@@ -595,10 +595,10 @@ def test_a_cached_decoder_needs_room_for_its_single_function_packages(
     with_variants = ({out: 5000}, "the artifact and its 4 compressed variants")
     assert disk_needs(shipped, out, 1000) == with_variants
 
-    import converter.resources
+    import converter.pipeline.resources
 
     usage = shutil.disk_usage(tmp_path)._replace(free=4500)
-    monkeypatch.setattr(converter.resources.shutil, "disk_usage", lambda p: usage)
+    monkeypatch.setattr(converter.pipeline.resources.shutil, "disk_usage", lambda p: usage)
     check_disk({out: 1000}, "tiny")  # 1,000 bytes fit in 4,500
     if os.stat(tmp_path).st_dev == os.stat(tmp).st_dev:  # one filesystem: 5,000 together
         with pytest.raises(InputError, match="tiny: not enough disk space in .*single-function"):
@@ -606,9 +606,9 @@ def test_a_cached_decoder_needs_room_for_its_single_function_packages(
 
 
 def test_the_preflight_counts_a_cached_decoders_continuation_logits() -> None:
-    from converter.preflight import cache_logits
+    from converter.checkpoints.weightfiles import TensorInfo, WeightTable
+    from converter.pipeline.preflight import cache_logits
     from converter.recipe import load_recipe, locate_recipe
-    from converter.weightfiles import TensorInfo, WeightTable
 
     # GGUF lists the table as (hidden, vocab): the vocabulary is its longer side
     table = TensorInfo("token_embd.weight", (576, 49_152), "F16", 576 * 49_152 * 2)

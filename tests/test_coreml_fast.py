@@ -1,4 +1,4 @@
-"""converter.coreml_fast gives coremltools' own answers: the fp16 cast pass's overflow and
+"""converter.coreml.fast_paths gives coremltools' own answers: the fp16 cast pass's overflow and
 underflow checks (the pass casts the same ops to the same values) and the cross-function
 const deduplication's comparisons."""
 
@@ -12,7 +12,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
 from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
-from converter.coreml_fast import _NumpyComparingSameArrays, fp16_checks_without_copies
+from converter.coreml.fast_paths import _NumpyComparingSameArrays, fp16_checks_without_copies
 
 FP16_MAX = 65504.0
 CONSTANTS = {

@@ -15,12 +15,12 @@ from decision_models import with_markers as markers_in
 from encoder_models import random_sequences
 
 from converter.errors import InputError
-from converter.pipeline import convert
+from converter.pipeline.run import convert
 from converter.recipe import validate_recipe
 from graph_passes.attention import Attention
 from graph_passes.decision import DecisionTail
 from parity.decision_gates import ADVERSARIAL, NARROW
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_tiny_decision_recipe_converts_partitioned_with_one_ne_segment(
     plan = json.loads((out / "plan.json").read_text())
     assert all(g["passed"] for g in plan["gates"]) and plan["gates"]
     if batch == 1:  # anec parity re-runs every gate; a changed head is refused
-        from converter.recheck import recheck
+        from converter.evidence.recheck import recheck
 
         again = recheck(out)
         assert again.report.passed and again.document["gates"]
@@ -221,8 +221,8 @@ def test_a_decision_program_the_evaluator_cannot_run_is_named_failed(
 def test_mil_marker_rows_gate_catches_an_emitted_tail_reading_the_wrong_slot(
     case: DecisionCase, tmp_path: Path
 ) -> None:
-    from converter.coreml import save_package, to_mlprogram, trace
-    from converter.targets import TARGETS
+    from converter.coreml.program import save_package, to_mlprogram, trace
+    from converter.coreml.targets import TARGETS
     from converter.tasks.decision_contract import island_contract, tail_contract
     from converter.tasks.encoder import program_module
     from graph_passes.decision import DecisionIsland
@@ -264,7 +264,7 @@ def test_device_check_gates_the_island_and_tail_on_core_ml(tmp_path: Path) -> No
     embedding, the island, then the tail, gated as the MIL level gates them."""
     from coreml_standin import StandInLoader, stand_in_adapters
 
-    from converter.device.check import device_check
+    from converter.device.dispatch import device_check
 
     t = tiny_decision()
     path = save_checkpoint(tmp_path / "ckpt", t.encoder, t.data, t.tensors)

@@ -18,7 +18,7 @@ from decision_models import head_config, make_head, save_checkpoint, with_marker
 from encoder_models import random_sequences, real_shape_config
 from tiny_models import perturb_
 
-from converter.pipeline import ConvertResult, convert
+from converter.pipeline.run import ConvertResult, convert
 from converter.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_plan_inspect_predicts_one_ne_segment_and_counts_the_boundary_copies(
 ) -> None:
     from click.testing import CliRunner
 
-    from converter.cli import main
+    from converter.commands import main
 
     island = converted[name].report_dir / f"{name}.island.mlpackage"
     result = CliRunner().invoke(main, ["plan-inspect", str(island), "--json"])

@@ -13,9 +13,9 @@ import pytest
 from coreml_standin import StandInLoader, stand_in_adapters
 from tiny_models import run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.coreml_runtime import parse_vm_stat
+from converter.coreml.runtime import parse_vm_stat
+from converter.drafts.host_loop import Runtime, coreml_backend, greedy, mil_backend
 from converter.errors import InputError
-from converter.generate import Runtime, coreml_backend, greedy, mil_backend
 
 pytestmark = pytest.mark.usefixtures("stand_in_evidence")
 
@@ -34,7 +34,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _use(monkeypatch: pytest.MonkeyPatch, loader: StandInLoader) -> StandInLoader:
     """Make device-check's Mac adapters the stand-ins around ``loader``; returns it."""
-    import converter.cli.device_check as cli
+    import converter.commands.device_check as cli
 
     monkeypatch.setattr(cli, "mac_adapters", lambda: stand_in_adapters(loader))
     return loader
@@ -137,7 +137,7 @@ def test_a_device_that_drifts_fails_naming_the_gate_and_the_device(
 def test_plan_inspect_reads_the_evidence_and_refuses_another_artifacts(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from converter.device.evidence import read_evidence
+    from converter.device.evidence_file import read_evidence
 
     out = _cpu_evidence(artifact, tmp_path / "evidence.json", monkeypatch, StandInLoader())
     package = artifact / "tiny-kv.mlpackage"

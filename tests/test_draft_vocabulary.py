@@ -12,18 +12,18 @@ import pytest
 import torch
 from tiny_models import build_tiny, perturbed_copy
 
-from converter.compress.acceptance import AcceptanceSetup, SessionVerifier, session
+from converter.compression.variant_acceptance import AcceptanceSetup, SessionVerifier, session
+from converter.drafts.speculation import Acceptance, replay, speculate
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
-from converter.speculate import Acceptance, replay, speculate
-from converter.vocabulary.acceptance import (
+from converter.vocabulary.corpora import load_corpus
+from converter.vocabulary.ranking import choose_ids, tokenizer_rank
+from converter.vocabulary.trimmed_acceptance import (
     batch_draft_logits,
     batch_greedy,
     draft_logits,
     judging_shape,
 )
-from converter.vocabulary.corpora import load_corpus
-from converter.vocabulary.ranking import choose_ids, tokenizer_rank
 from parity.reference import greedy_ids, greedy_steps, restrict_head
 
 PROMPTS = [[7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46]]

@@ -31,7 +31,7 @@ PROMPTS = 2
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The two-layer trimmed kv artifact, converted once through the CLI."""
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("smollm2-v16k")

@@ -322,7 +322,7 @@ def test_layer_norm_program_has_no_batch_norm_with_its_own_epsilon() -> None:
     # epsilon=1e-5), silently scaling by 1/sqrt(1 + 1e-5); the module's op order avoids it.
     import coremltools as ct
 
-    from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
+    from converter.coreml.program import TensorIO, live_ops, to_mlprogram, trace
 
     norm = LayerNorm(torch.rand(16) + 0.5, torch.randn(16), 1e-12)
     norm.set_eps_floor(FP16_EPS_FLOOR)
@@ -338,8 +338,8 @@ def test_real_weights_are_exact_in_the_emitted_program(tmp_path: Path) -> None:
     coremltools turns a division by MASKED into a product with fp16(1/MASKED), which gave
     padded slots a weight of -1.66e-4 wherever the product is not rounded back to 1 (an fp32
     program; the fp32 level of every sentence-embedding program)."""
-    from converter.coreml import TensorIO, save_package, to_mlprogram, trace
-    from converter.targets import TARGETS
+    from converter.coreml.program import TensorIO, save_package, to_mlprogram, trace
+    from converter.coreml.targets import TARGETS
     from parity.mil import Evaluator, load_package
 
     class Weights(torch.nn.Module):

@@ -94,12 +94,12 @@ def test_the_hidden_states_of_a_classifier_checkpoint_load(
     recorded in the log by name, not a reason to refuse the checkpoint."""
     import logging
 
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import ResolvedSource
 
     checkpoint = tmp_path / "ckpt"
     hf_model(tiny_config("bert"), classify=True).save_pretrained(checkpoint)
-    with caplog.at_level(logging.INFO, logger="converter.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="converter.checkpoints.loading"):
         ckpt = load_checkpoint(ResolvedSource("hf-dir", checkpoint, None), "feature-extraction")
     assert type(ckpt.model).__name__ == "BertModel"
     assert "does not use" in caplog.text and "classifier.weight" in caplog.text

@@ -17,9 +17,8 @@ import pytest
 import torch
 from test_encoder_teeth import apple_order_forward
 
-from converter.checkpoint import load_checkpoint
+from converter.checkpoints.loading import load_checkpoint
 from converter.recipe import EncoderOptions, load_recipe, locate_recipe
-from converter.tasks.base import Program
 from converter.tasks.encoder import (
     PARTITIONED,
     partitioned_runner,
@@ -27,6 +26,7 @@ from converter.tasks.encoder import (
     thresholds,
 )
 from converter.tasks.encoder_contract import island_contract, pieces_and_boundaries
+from converter.tasks.shared import Program
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.partition import host_embedding
 from parity.encoder_gates import check_encoder, run_encoder_reference
@@ -44,7 +44,7 @@ pytestmark = [
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from click.testing import CliRunner
 
-    from converter.cli import main
+    from converter.commands import main
 
     out = tmp_path_factory.mktemp("artifacts")
     result = CliRunner().invoke(main, ["convert", "minilm-l6-embed", "--out", str(out), "--json"])

@@ -17,8 +17,8 @@ import torch
 from encoder_models import THRESHOLDS, TinyEncoder, build_encoder, real_shape_config
 from tiny_models import perturb_
 
-from converter.coreml import to_mlprogram, trace
-from converter.targets import TARGETS
+from converter.coreml.program import to_mlprogram, trace
+from converter.coreml.targets import TARGETS
 from converter.tasks.encoder import program_module
 from converter.tasks.encoder_contract import island_contract
 from graph_passes.encoder import BC1LEncoder, EncoderIO

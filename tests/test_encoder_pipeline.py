@@ -15,7 +15,7 @@ from encoder_models import hf_model, random_sequences, tiny_config
 from tiny_models import one_torch_thread
 
 from converter.errors import InputError
-from converter.pipeline import convert
+from converter.pipeline.run import convert
 from converter.recipe import load_recipe
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.partition import host_embedding
@@ -259,7 +259,7 @@ def test_encoder_section_is_refused_for_text_generation(tmp_path: Path) -> None:
 def test_anec_parity_rechecks_an_encoder_artifact(converted: Path, tmp_path: Path) -> None:
     """The re-check runs the encoder's own steps on the published pieces: the same gates as
     the conversion, every one passing again, the artifact untouched."""
-    from converter.recheck import recheck
+    from converter.evidence.recheck import recheck
 
     art = converted / "mb-host-embedding"
     before = (art / "parity.json").read_bytes()
@@ -268,7 +268,7 @@ def test_anec_parity_rechecks_an_encoder_artifact(converted: Path, tmp_path: Pat
     published = json.loads(before)["gates"]
     key = ("name", "implementation")
     again = {tuple(g[k] for k in key): g for g in result.document["gates"]}
-    # The re-check's own gate: it ran exactly the published gates (converter/recheck.py).
+    # The re-check's own gate: it ran exactly the published gates (converter/evidence/recheck.py).
     assert again.pop(("same_gate_set", "recheck"))["passed"]
     assert sorted(again) == sorted(tuple(g[k] for k in key) for g in published)
     assert (art / "parity.json").read_bytes() == before
@@ -280,7 +280,7 @@ def test_device_check_gates_each_partitioned_piece_on_core_ml(converted: Path) -
     the host embedding, then the island and tail packages, gated as the MIL level gates."""
     from coreml_standin import StandInLoader, stand_in_adapters
 
-    from converter.device.check import device_check
+    from converter.device.dispatch import device_check
 
     evidence = device_check(converted / "mb-host-embedding", ["CPU_ONLY"],
                             stand_in_adapters(StandInLoader()))  # fmt: skip

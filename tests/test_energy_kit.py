@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from converter.cli import main
+from converter.commands import main
 from converter.errors import InputError
-from converter.plan.energy import ENERGY_FORMAT, parse_combined_power, read_energy
-from converter.plan.energy_report import Interval, bootstrap, claim, energy_report
-from converter.plan.energy_run import run_block
+from converter.placement.energy import ENERGY_FORMAT, parse_combined_power, read_energy
+from converter.placement.energy_report import Interval, bootstrap, claim, energy_report
+from converter.placement.energy_run import run_block
 
 # powermetrics --samplers cpu_power,gpu_power,ane_power, as it prints two samples.
 POWERMETRICS = """*** Sampled system activity (Mon Nov 30 10:00:00 2026) (100.12ms elapsed) ***

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from tiny_models import one_torch_thread, save_tiny_llama, write_tiny_recipe
 
-from converter.pipeline import convert
+from converter.pipeline.run import convert
 from converter.recipe import load_recipe
 
 

@@ -20,8 +20,8 @@ from click.testing import Result
 from tiny_gguf import write_decoder_gguf
 from tiny_models import one_torch_thread, run_anec, tiny_hf_model, write_tiny_gguf
 
-from converter.from_checkpoint import artifact_name, head_chunk
 from converter.recipe import load_recipe
+from converter.recipe.from_checkpoint import artifact_name, head_chunk
 from converter.recipe.refs import CheckpointRef, RecipeRef, parse_ref
 from converter.recipe.writer import recipe_data
 

@@ -1,4 +1,5 @@
-"""The gate registry (parity/gate.py): every gate anec runs is registered once, named by the
+"""The gate registry (parity/gate_registry.py): every gate anec runs is registered once, named by
+the
 recipe key that sets its threshold, checked through one comparison, and listed in the README."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.gate_table import markdown_table, recipe_field
 from converter.recipe import Gates
-from parity.gate import REGISTRY, Comparison, Level, Worst, gate, registered
+from converter.recipe.gate_table import markdown_table, recipe_field
+from parity.gate_registry import REGISTRY, Comparison, Level, Worst, gate, registered
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +46,9 @@ def test_a_recipe_key_that_does_not_exist_is_named() -> None:
 
 def test_the_readme_lists_every_registered_gate() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert markdown_table() in readme, "README gate table is stale: python -m converter.gate_table"
+    assert markdown_table() in readme, (
+        "README gate table is stale: python -m converter.recipe.gate_table"
+    )
     for g in registered():
         assert f"| {g.level} | `{g.name}` |" in readme, g.key
 
@@ -101,7 +104,7 @@ def test_no_module_builds_a_gate_result_by_hand() -> None:
     offenders = []
     for package in ("parity", "converter", "graph_passes"):
         for path in (ROOT / package).rglob("*.py"):
-            if path == ROOT / "parity" / "gate.py":
+            if path == ROOT / "parity" / "gate_registry.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "GateResult":

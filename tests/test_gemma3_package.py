@@ -97,8 +97,8 @@ def _tensor(path: Path, name: str) -> tuple[str, np.ndarray]:
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from converter.gguf_weights import _raw
-    from converter.weightfiles import read_gguf
+    from converter.checkpoints.gguf_weights import _raw
+    from converter.checkpoints.weightfiles import read_gguf
 
     info = read_gguf(path).tensors[name]
     assert info.offset is not None
@@ -109,7 +109,7 @@ def _tensor(path: Path, name: str) -> tuple[str, np.ndarray]:
 
 
 def test_k_quant_weights_lie_on_no_grid_and_q5_0_on_int8_exactly(cache: Path) -> None:
-    from converter.compress.grids import find_grid
+    from converter.compression.grid_fit import find_grid
 
     path = resolve()
     for name, kind in [("blk.0.attn_output.weight", "Q4_K"), ("blk.0.ffn_down.weight", "Q6_K")]:
@@ -140,7 +140,7 @@ def cut_checkpoint(root: Path, sliding_window: int | None = None) -> Path:
     it)."""
     from torch import nn
 
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
 
     recipe = load_recipe(locate_recipe("gemma-3-270m-draft"))
     ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)

@@ -3,7 +3,8 @@ transformers loads them as; values a GGUF does not carry are recorded as deviati
 
 The files are tiny perturbed models written with the `gguf` library as llama.cpp writes them
 (tests/tiny_gguf.py). transformers itself is the reference for the name mapping and for the
-weights: anec's own GGUF reader (converter.gguf_weights) must give its model bit for bit.
+weights: anec's own GGUF reader (converter.checkpoints.gguf_weights) must give its model bit for
+bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from tiny_gguf import GGUF_ARCH, write_decoder_gguf
 from tiny_models import run_anec, tiny_hf_model
 
-from converter import gguf_config, gguf_weights
+from converter.checkpoints import gguf_config, gguf_weights
 
 # anec architecture -> overrides: Qwen 3's GGUF table has no head_dim row, so transformers
 # reads every Qwen 3 GGUF with its default head_dim, 128 (Qwen3-0.6B's own).

@@ -9,10 +9,10 @@ import pytest
 from gguf import GGUFReader
 from tiny_models import write_tiny_gguf
 
-from converter.checkpoint import _license
+from converter.checkpoints.loading import _license
+from converter.checkpoints.weightfiles import read_gguf, read_gguf_metadata
 from converter.errors import InputError
 from converter.recipe import ResolvedSource
-from converter.weightfiles import read_gguf, read_gguf_metadata
 
 
 def test_metadata_values_match_gguf_reader(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_header_parse_reads_the_same_fields_and_puts_the_reader_back(tmp_path: P
     import numpy as np
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from converter.checkpoint import _gguf_header_parsed_once
+    from converter.checkpoints.loading import _gguf_header_parsed_once
 
     path = write_tiny_gguf(tmp_path / "m.gguf", "apache-2.0")
     plain = GGUFReader(path)

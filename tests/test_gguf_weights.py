@@ -1,4 +1,6 @@
-"""The direct GGUF loader (converter.gguf_weights) gives transformers' model, bit for bit."""
+"""The direct GGUF loader (converter.checkpoints.gguf_weights) gives transformers' model, bit for
+bit.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter import gguf_weights
+from converter.checkpoints import gguf_weights
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -1,4 +1,4 @@
-"""Tests for converter.hashing: file, tree and .mlpackage content hashes."""
+"""Tests for converter.pipeline.hashing: file, tree and .mlpackage content hashes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from converter.errors import InputError
-from converter.hashing import (
+from converter.pipeline.hashing import (
     mlpackage_content_files,
     mlpackage_content_hash,
     sha256_file,

@@ -75,8 +75,8 @@ def test_the_manifest_says_how_the_host_combines_the_chunks(artifact: Path) -> N
 
 
 def test_plan_inspect_places_the_argmax_off_the_ne_and_says_so(artifact: Path) -> None:
-    from converter.plan.ops import op_table
-    from converter.plan.static import static_report
+    from converter.placement.ops import op_table
+    from converter.placement.static import static_report
     from parity.mil.program import load_package
 
     table = op_table(load_package(artifact / "tiny-argmax.mlpackage"))
@@ -105,7 +105,7 @@ def test_generate_runs_on_the_argmax_outputs_alone(artifact: Path) -> None:
     host loop combines the argmax chunks and still follows transformers' greedy path."""
     from tiny_models import tiny_hf_model
 
-    from converter.generate import Runtime, greedy, mil_backend
+    from converter.drafts.host_loop import Runtime, greedy, mil_backend
     from parity.reference import greedy_ids
 
     outputs_only = _outputs_only(mil_backend(Runtime.from_artifact(artifact)))
@@ -120,7 +120,7 @@ def test_the_core_ml_host_loop_runs_on_the_argmax_outputs(artifact: Path) -> Non
     from coreml_standin import StandInLoader
     from tiny_models import tiny_hf_model
 
-    from converter.generate import Runtime, coreml_backend, greedy
+    from converter.drafts.host_loop import Runtime, coreml_backend, greedy
     from parity.reference import greedy_ids
 
     make = coreml_backend(Runtime.from_artifact(artifact), "CPU_AND_NE", StandInLoader())
@@ -136,8 +136,8 @@ def test_speculate_drafts_from_the_argmax_outputs_alone(artifact: Path) -> None:
 
     from tiny_models import tiny_hf_model
 
-    from converter.generate import Runtime, mil_backend
-    from converter.speculate import Acceptance, speculate, target_tokens
+    from converter.drafts.host_loop import Runtime, mil_backend
+    from converter.drafts.speculation import Acceptance, speculate, target_tokens
     from parity.reference import greedy_ids
 
     outputs_only = _outputs_only(mil_backend(Runtime.from_artifact(artifact)))
@@ -213,7 +213,7 @@ def test_recipe_rules_of_the_output_choice(tmp_path: Path, io: dict, message: st
 
 def test_extend_drift_refuses_an_argmax_artifact_naming_the_choice(artifact: Path) -> None:
     from converter.errors import InputError
-    from converter.plan.extend_drift import record_drift
+    from converter.placement.extend_drift import record_drift
 
     with pytest.raises(InputError, match="head_output.choice is argmax"):
         record_drift(artifact, ["CPU_AND_NE"], 4, "mil")

@@ -16,7 +16,7 @@ import parity.kv_session as kv_session
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import function_calls
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 from parity.kv_fp32 import cached_fp32_level, reference
 from parity.kv_gates import check_kv
 from parity.kv_session import CacheSession, session_for, torch_runner

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from converter.coreml.targets import package_budget_bytes
 from converter.errors import InputError
 from converter.recipe import RecipeError, load_recipe
-from converter.targets import package_budget_bytes
 from converter.tasks.kv_chunks import (
     WeightBytes,
     split_layers,

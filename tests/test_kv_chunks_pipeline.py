@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tiny_models import convert_tiny_llama, run_anec, tiny_hf_model
 
-from converter.manifest import SCHEMA_VERSION
+from converter.pipeline.manifest import SCHEMA_VERSION
 from parity.mil import load_package
 
 # 0.12 MB: a tiny Llama layer stores 73,984 bytes (fp16), the LM head + final norm 38,528;
@@ -99,7 +99,7 @@ def test_the_manifest_lists_the_chunks_in_call_order(artifact: Path) -> None:
 
 
 def test_a_fresh_runtime_from_the_manifest_reproduces_the_greedy_ids(artifact: Path) -> None:
-    from converter.generate import Runtime, greedy, mil_backend
+    from converter.drafts.host_loop import Runtime, greedy, mil_backend
     from parity.reference import greedy_ids
 
     runtime = Runtime.from_artifact(artifact)
@@ -115,7 +115,7 @@ def test_the_core_ml_host_loop_chains_the_chunks(artifact: Path) -> None:
     state through read_state / write_state."""
     from coreml_standin import StandInLoader
 
-    from converter.generate import Runtime, coreml_backend, greedy, mil_backend
+    from converter.drafts.host_loop import Runtime, coreml_backend, greedy, mil_backend
 
     runtime = Runtime.from_artifact(artifact)
     make = coreml_backend(runtime, "CPU_AND_NE", StandInLoader())
@@ -140,8 +140,8 @@ def test_anec_parity_reruns_the_gates_on_the_chunks(artifact: Path, tmp_path: Pa
 def test_speculative_decoding_runs_the_chain(artifact: Path) -> None:
     from functools import partial
 
-    from converter.generate import Runtime, mil_backend
-    from converter.speculate import Acceptance, speculate, target_tokens
+    from converter.drafts.host_loop import Runtime, mil_backend
+    from converter.drafts.speculation import Acceptance, speculate, target_tokens
     from parity.reference import greedy_ids
 
     target = tiny_hf_model("llama")
@@ -182,7 +182,7 @@ def test_a_compressed_variant_is_chunked_like_its_fp16_artifact(artifact: Path) 
     """One plan applied to every chunk's functions: each chunk package stores its own int8
     weights once, byte-identical to the window program's, every structural cache gate passes
     on the chain, and the manifest names the variant's own packages."""
-    from converter.generate import Runtime, greedy, mil_backend
+    from converter.drafts.host_loop import Runtime, greedy, mil_backend
 
     variant = artifact.parent / "tch-int8"
     parity = json.loads((variant / "parity.json").read_text())

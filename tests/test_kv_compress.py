@@ -1,4 +1,4 @@
-"""Compressed variants of a cached decoder (``converter.compress.stateful``) on a tiny Llama:
+"""Compressed variants of a cached decoder (``converter.compression.stateful``) on a tiny Llama:
 each variant one stateful multifunction package whose functions hold byte-identical weights
 stored once, gated by the compression gates and the cache's structural gates.
 
@@ -19,7 +19,7 @@ from tiny_models import (
     one_torch_thread,
 )
 
-from converter.compress.stateful import HOST_FILES, STRUCTURAL, WINDOW, differing
+from converter.compression.stateful import HOST_FILES, STRUCTURAL, WINDOW, differing
 from converter.recipe import RecipeError, load_recipe
 
 # decode_steps 16: a CI-sized recipe (the issue's 64 steps run in test_kv_pipeline.py).
@@ -131,8 +131,8 @@ def test_the_combined_package_stores_the_compressed_weights_once(
 def test_the_same_plan_gives_identical_weight_bytes_in_every_function(
     run: tuple[Result, Path],
 ) -> None:
-    from converter.compress.records import weight_records
-    from converter.compress.stateful import function_sites, payloads
+    from converter.compression.records import weight_records
+    from converter.compression.stateful import function_sites, payloads
     from parity.mil import load_package
 
     _, out = run
@@ -143,8 +143,8 @@ def test_the_same_plan_gives_identical_weight_bytes_in_every_function(
     program = load_package(out / "tkv-lut4" / "tkv-lut4.mlpackage")
     stored = {WINDOW: {r["weight"]: r["payload_sha256"] for r in records}}
     names = [r["weight"] for r in records]
-    from converter.compress.schemes import variant_scheme
-    from converter.recipe.compression import Variant
+    from converter.compression.schemes import variant_scheme
+    from converter.recipe.compression_section import Variant
 
     variant = Variant.model_validate(manifest["compression"]["variant"])
     plan = {n: variant_scheme(variant) for n in planned}
@@ -181,7 +181,7 @@ def test_the_torch_draft_of_a_variant_holds_the_programs_weights(
 ) -> None:
     # anec speculate's torch backend: the fp16 module with the variant's decoded weights
     # computes what the program computes (fp16 rounding apart), not what the fp16 module does.
-    from converter.generate import Runtime, mil_backend, torch_backend
+    from converter.drafts.host_loop import Runtime, mil_backend, torch_backend
 
     _, out = run
     variant = Runtime.from_artifact(out / f"tkv-{suffix}")

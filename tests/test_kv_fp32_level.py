@@ -21,12 +21,12 @@ from tiny_models import Tiny, build_tiny, one_torch_thread
 
 import graph_passes.cache_host as cache_host
 import parity.kv_session as kv_session
-from converter.targets import TARGETS
+from converter.coreml.targets import TARGETS
 from converter.tasks.kv_contract import function_calls
 from converter.tasks.kv_parity import CacheBounds, function_gates
 from converter.tasks.text_generation_kv import combine_measured, convert_singles
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 from parity.kv_gates import KvParity
 from parity.reference import Continuation, continuation, originals
 

@@ -12,7 +12,7 @@ import pytest
 from coreml_standin import StandInLoader
 from tiny_models import run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.generate import Runtime, coreml_backend, greedy, mil_backend
+from converter.drafts.host_loop import Runtime, coreml_backend, greedy, mil_backend
 from converter.recipe import RecipeError, load_recipe
 from converter.tasks.kv_layout import WEIGHTS, resident_predicted
 from parity.mil import load_package
@@ -141,7 +141,7 @@ def test_device_check_runs_each_package_and_reads_memory_per_package(
 ) -> None:
     from coreml_standin import stand_in_adapters
 
-    from converter.device.check import device_check
+    from converter.device.dispatch import device_check
 
     evidence = device_check(artifact, ["CPU_ONLY"], stand_in_adapters(StandInLoader()))
     assert evidence.passed
@@ -149,9 +149,9 @@ def test_device_check_runs_each_package_and_reads_memory_per_package(
     by_file = {p["file"]: p["functions"] for p in evidence.packages}
     assert by_file == {f"tiny-pf.{f}.mlpackage": [f] for f in FUNCTIONS}
     # plan-inspect --observed on one function's package shows that function's calls
-    from converter.hashing import mlpackage_content_hash
-    from converter.plan.inspect import read_observed
-    from converter.publish import write_json_atomic
+    from converter.pipeline.hashing import mlpackage_content_hash
+    from converter.pipeline.publish import write_json_atomic
+    from converter.placement.inspect import read_observed
 
     path = write_json_atomic(tmp_path / "evidence.json", evidence.to_json())
     prefill = artifact / "tiny-pf.prefill.mlpackage"

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from tiny_models import Tiny, build_tiny, one_torch_thread
 
-from converter.coreml import SPEC_FILE, canonicalize_spec
-from converter.targets import TARGETS
+from converter.coreml.program import SPEC_FILE, canonicalize_spec
+from converter.coreml.targets import TARGETS
 from converter.tasks.kv_contract import function_calls
 from converter.tasks.kv_parity import cached_fp32_check
 from converter.tasks.text_generation_kv import WEIGHTS, combine_measured, convert_singles
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 from parity.mil import load_package
 from parity.mil.program import loads_sharing_equal_constants, walk_ops
 from parity.reference import Continuation, continuation

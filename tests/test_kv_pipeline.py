@@ -135,8 +135,8 @@ def test_every_function_returns_logits_with_the_vocabulary_last(
 ) -> None:
     """Schema 3: (1, n, 1, V_k) per chunk for every function; a schema 2 manifest (logits
     (1, V_k, 1, n)) is refused by the host loop, naming the file and the version."""
+    from converter.drafts.host_loop import Runtime
     from converter.errors import InputError
-    from converter.generate import Runtime
 
     doc = json.loads((artifact / "manifest.json").read_text())
     functions = doc["kv_cache"]["functions"]
@@ -157,7 +157,7 @@ def test_the_host_builds_each_functions_masks_as_its_manifest_shapes_them(
     artifact's masks (96 + T keys in every function) still get masks of that shape."""
     import shutil
 
-    from converter.generate import Runtime
+    from converter.drafts.host_loop import Runtime
     from graph_passes.cache_host import call_inputs
 
     def mask_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -187,7 +187,7 @@ def test_the_host_builds_each_functions_masks_as_its_manifest_shapes_them(
 def test_the_host_loop_from_the_manifest_alone_matches_transformers(artifact: Path) -> None:
     from tiny_models import tiny_hf_model
 
-    from converter.generate import Runtime, greedy, mil_backend
+    from converter.drafts.host_loop import Runtime, greedy, mil_backend
     from parity.reference import greedy_ids
 
     runtime = Runtime.from_artifact(artifact)
@@ -205,8 +205,8 @@ def test_speculative_decoding_reproduces_the_target_and_counts_acceptance(
 ) -> None:
     from tiny_models import tiny_hf_model
 
-    from converter.generate import Runtime, mil_backend
-    from converter.speculate import Acceptance, speculate, target_tokens
+    from converter.drafts.host_loop import Runtime, mil_backend
+    from converter.drafts.speculation import Acceptance, speculate, target_tokens
     from parity.reference import greedy_ids
 
     target = tiny_hf_model("llama")
@@ -227,9 +227,9 @@ def test_the_torch_backend_drafts_as_the_program_does(artifact: Path) -> None:
     (`mil_check` reports both)."""
     from tiny_models import tiny_hf_model
 
-    from converter.cli.speculate import mil_check
-    from converter.generate import Runtime, mil_backend, torch_backend
-    from converter.speculate import Acceptance, speculate, target_tokens
+    from converter.commands.speculate import mil_check
+    from converter.drafts.host_loop import Runtime, mil_backend, torch_backend
+    from converter.drafts.speculation import Acceptance, speculate, target_tokens
     from parity.reference import greedy_ids
 
     runtime = Runtime.from_artifact(artifact)
@@ -259,9 +259,9 @@ def test_the_replayed_sweep_counts_what_the_cycles_count(artifact: Path) -> None
     what the cycle loop (draft, verify, roll back, extend) counts with the same draft."""
     from tiny_models import tiny_hf_model
 
-    from converter.cli.speculate import replay_agreements
-    from converter.generate import Runtime, torch_backend
-    from converter.speculate import Acceptance, replay, speculate, target_tokens
+    from converter.commands.speculate import replay_agreements
+    from converter.drafts.host_loop import Runtime, torch_backend
+    from converter.drafts.speculation import Acceptance, replay, speculate, target_tokens
 
     make = torch_backend(Runtime.from_artifact(artifact))
     target = tiny_hf_model("llama", seed=3)
@@ -284,7 +284,7 @@ def test_speculate_compares_drafts_greedy_and_sampled_with_the_loop_model(
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from converter.speculate import TEXTS
+    from converter.drafts.speculation import TEXTS
 
     # The tiny checkpoint has no tokenizer: one id per word of the built-in texts (< 300).
     draft = tmp_path / "draft"
@@ -348,8 +348,8 @@ def test_the_torch_backend_refuses_a_variant_without_compressed_weights(
 ) -> None:
     import shutil
 
+    from converter.drafts.host_loop import Runtime, torch_backend
     from converter.errors import InputError
-    from converter.generate import Runtime, torch_backend
 
     variant = tmp_path / "variant"
     shutil.copytree(artifact, variant)
@@ -379,7 +379,7 @@ def test_bench_device_extend_drift_runs_the_k_vs_1_comparison(
 
 
 def test_extend_vs_decode_flags_drift_and_flips_only_past_the_margin() -> None:
-    from parity.gate import Worst
+    from parity.gate_registry import Worst
     from parity.kv_gates import extend_vs_decode
 
     decode = {5: np.array([0.0, 2.0, 1.0]), 6: np.array([1.0, 1.2, 0.0])}
@@ -456,8 +456,8 @@ def test_anec_parity_on_an_artifact_of_the_earlier_cache_rule_says_so(
 
 
 def test_the_mil_check_names_the_first_cycle_where_the_two_loops_part() -> None:
-    from converter.cli.speculate import _first_difference
-    from converter.speculate import Acceptance, replay
+    from converter.commands.speculate import _first_difference
+    from converter.drafts.speculation import Acceptance, replay
 
     same = [True] * 9
     parted = [True, True, False] + [True] * 6  # the draft misses continuation index 2

@@ -27,7 +27,7 @@ PROMPTS = 2
 @pytest.fixture(scope="module")
 def kv_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The two-layer SmolLM2 kv artifact, converted once through the CLI."""
-    from converter.checkpoint import load_checkpoint
+    from converter.checkpoints.loading import load_checkpoint
     from converter.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("smollm2-kv")

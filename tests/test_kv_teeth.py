@@ -17,7 +17,7 @@ import graph_passes.cache_host as cache_host
 import graph_passes.cached_decoder as cached_decoder
 from converter.tasks.kv_contract import function_calls
 from graph_passes.cached_decoder import cached_functions
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 from parity.kv_fp32 import cached_fp32_level, reference
 from parity.kv_gates import check_kv
 from parity.kv_session import CacheSession, session_for, torch_runner

@@ -1,10 +1,10 @@
-"""The loop model (`converter.loop_model`) on hand-computed cases."""
+"""The loop model (`converter.drafts.loop_model`) on hand-computed cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from converter.loop_model import LoopCosts, best, predict
+from converter.drafts.loop_model import LoopCosts, best, predict
 
 
 def test_the_seed_engines_ratio_sequential_unmerged_and_pipelined() -> None:

@@ -50,7 +50,7 @@ def test_it_installs_what_the_readme_test_command_installs() -> None:
 def test_every_anec_command_option_and_recipe_exists() -> None:
     import click
 
-    from converter.cli import main
+    from converter.commands import main
     from converter.recipe import locate_recipe
 
     calls = _lines("anec ")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from converter.errors import InputError
-from converter.manifest import IO_CONTRACT_CHANGES, SCHEMA_VERSION, check_schema_version
+from converter.pipeline.manifest import IO_CONTRACT_CHANGES, SCHEMA_VERSION, check_schema_version
 
 PATH = Path("art/manifest.json")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tiny_models import one_torch_thread, run_anec, save_tiny_llama, write_tiny_recipe
 
-from converter.manifest import SCHEMA_VERSION
+from converter.pipeline.manifest import SCHEMA_VERSION
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -181,8 +181,8 @@ def test_the_window_returns_logits_with_the_vocabulary_last(artifact: Path) -> N
     """Manifest schema 3: each chunk (B, n, 1, V_k); the plan's output bytes are the dense
     rows (one 64-byte row per position and chunk, not one per logit) and the transposes that
     produce the outputs stay in the program's one NE segment."""
-    from converter.plan.ops import op_table
-    from converter.plan.static import static_report
+    from converter.placement.ops import op_table
+    from converter.placement.static import static_report
     from parity.mil.program import load_package
 
     manifest = json.loads((artifact / "manifest.json").read_text())

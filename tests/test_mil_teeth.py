@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from tiny_models import Tiny, build_tiny
 
-from converter.coreml import trace
-from converter.targets import TARGETS
+from converter.coreml.program import trace
+from converter.coreml.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from graph_passes.markers import MarkerError, find_markers, mark_layer_outputs
 from parity.decoder_gates import check_decoder
@@ -160,7 +160,7 @@ def test_a_missing_layer_marker_is_a_failed_gate_naming_it(tmp_path: Path) -> No
 
 
 def test_markers_survive_conversion_in_fp16_and_fp32(tmp_path: Path) -> None:
-    from converter.coreml import to_mlprogram
+    from converter.coreml.program import to_mlprogram
 
     tiny = build_tiny("llama")
     inputs, outputs = tensor_contract(tiny.module, "float16")

@@ -1,7 +1,7 @@
 """The wheel carries every package of the tree: a non-editable install must not miss one.
 
 ``pip install -e`` imports the source tree and hides a package left out of the wheel (it
-happened: ``converter.compress``). CI installs the wheel into a fresh venv and imports every
+happened: ``converter.compression``). CI installs the wheel into a fresh venv and imports every
 module (``.ci/wheel_check.py``); this fast test checks the wheel's file list.
 """
 
@@ -26,7 +26,7 @@ def test_the_wheel_holds_every_module_and_the_shipped_recipes(tmp_path: Path) ->
     check = _wheel_check()
     files = check.wheel_files(check.build_wheel(tmp_path))
     modules = check.shipped_modules()
-    assert {"converter.compress", "converter.plan", "parity.mil.kernels"} <= set(modules)
+    assert {"converter.compression", "converter.placement", "parity.mil.kernels"} <= set(modules)
     missing = []
     for name in modules:
         as_module, as_package = (

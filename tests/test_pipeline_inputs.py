@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from converter.errors import InputError
-from converter.pipeline import convert
+from converter.pipeline.run import convert
 from converter.recipe import load_recipe
 
 RECIPE = """\

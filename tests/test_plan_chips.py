@@ -1,9 +1,11 @@
-"""The chip table: what `converter.plan.chips` fills in for a chip must agree with its limits."""
+"""The chip table: what `converter.placement.chips` fills in for a chip must agree with its
+limits.
+"""
 
 from __future__ import annotations
 
-from converter.plan.chips import CHIPS, STRICTEST, VARIANTS, chip, chips_for, cost_chips
-from converter.plan.decode import PADDING_SOURCE
+from converter.placement.chips import CHIPS, STRICTEST, VARIANTS, chip, chips_for, cost_chips
+from converter.placement.decode import PADDING_SOURCE
 
 
 def test_the_table_lists_every_chip_once_in_order() -> None:

@@ -13,10 +13,10 @@ import plan_standins as ps
 import pytest
 from click.testing import CliRunner, Result
 
-from converter.cli import main
-from converter.evidence import Evidence
-from converter.plan.dump import write_dump
-from converter.plan.inspect import load_table
+from converter.commands import main
+from converter.evidence.labels import Evidence
+from converter.placement.dump import write_dump
+from converter.placement.inspect import load_table
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,8 @@ def _softmax_on_cpu_dump(package: Path, path: Path) -> Path:
 
 
 def _bench_file(package: Path, path: Path) -> Path:
-    from converter.hashing import mlpackage_content_hash
-    from converter.plan.device_bench import BENCH_FORMAT, power_summary
+    from converter.pipeline.hashing import mlpackage_content_hash
+    from converter.placement.device_bench import BENCH_FORMAT, power_summary
 
     def unit(samples: list[float]) -> dict[str, Any]:
         return {"samples_ms": samples, "power": power_summary([300.0])}
@@ -220,7 +220,7 @@ def test_plan_inspect_output_starts_with_the_report(
     log = tmp_path / "anec.log"
     env = dict(os.environ, PYTHONPATH=str(repo))
     package = packages["block"]
-    command = [sys.executable, "-m", "converter.cli", "--log", str(log)]
+    command = [sys.executable, "-m", "converter.commands", "--log", str(log)]
     done = subprocess.run(
         [*command, "plan-inspect", str(package), "--no-ops"],
         cwd=tmp_path,

@@ -17,16 +17,16 @@ import pytest
 from plan_standins import FakePlan, block, ne_except, recorded, structure_of, structure_op
 
 from converter.errors import InputError
-from converter.evidence import Evidence
-from converter.hashing import mlpackage_content_hash
-from converter.plan.computeplan import (
+from converter.evidence.labels import Evidence
+from converter.pipeline.hashing import mlpackage_content_hash
+from converter.placement.computeplan import (
     function_names,
     read_plans,
     resave_with_default,
     walk_plan,
 )
-from converter.plan.dump import DUMP_FORMAT, read_dump, write_dump
-from converter.plan.inspect import inspect_package
+from converter.placement.dump import DUMP_FORMAT, read_dump, write_dump
+from converter.placement.inspect import inspect_package
 
 # ---------------------------------------------------------------------------- walking
 
@@ -77,7 +77,7 @@ def test_a_model_that_is_not_an_ml_program_is_refused() -> None:
 
 
 def test_an_unknown_device_type_is_an_error() -> None:
-    from converter.plan.computeplan import device_name
+    from converter.placement.computeplan import device_name
 
     with pytest.raises(InputError, match="unknown compute device"):
         device_name(object())
@@ -194,7 +194,7 @@ def test_plan_report_and_op_by_op_agreement_with_the_static_prediction(tmp_path:
     package = pp.save(pp.bc1l_block(), tmp_path / "a.mlpackage")
     dump = tmp_path / "plan.json"
     # The stand-in plan puts the softmax on the CPU; the static rules say NE.
-    from converter.plan.inspect import load_table
+    from converter.placement.inspect import load_table
 
     softmax = next(op for op in load_table(package).ops() if op.op_type == "softmax")
     write_dump(dump, recorded(package, ne_except(softmax.outputs[0].name)))

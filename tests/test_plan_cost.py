@@ -5,12 +5,12 @@ from __future__ import annotations
 import plan_programs as pp
 import pytest
 
-from converter.plan.chips import CHIPS, VARIANTS, Chip, chip
-from converter.plan.cost import cost_section, floor, work_of
-from converter.plan.decode import DecodedWeight, granularity_cost
-from converter.plan.ops import op_table
-from converter.plan.report import FunctionReport, Row, Summary
-from converter.plan.static import static_report
+from converter.placement.chips import CHIPS, VARIANTS, Chip, chip
+from converter.placement.cost import cost_section, floor, work_of
+from converter.placement.decode import DecodedWeight, granularity_cost
+from converter.placement.ops import op_table
+from converter.placement.report import FunctionReport, Row, Summary
+from converter.placement.static import static_report
 
 
 def chip_or_variant(name: str) -> Chip:

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from converter.plan.chips import VARIANTS
-from converter.plan.cost import floor
-from converter.plan.ops import op_table
-from converter.plan.static import static_report
+from converter.placement.chips import VARIANTS
+from converter.placement.cost import floor
+from converter.placement.ops import op_table
+from converter.placement.static import static_report
 
 ROWS, COLS = 64, 128  # a conv weight (ROWS, COLS, 1, 1)
 
@@ -131,7 +131,7 @@ def test_plan_inspect_names_the_weight_decode_bound_in_text_html_and_json(tmp_pa
     import coremltools as ct
     from click.testing import CliRunner
 
-    from converter.cli import main
+    from converter.commands import main
 
     package = tmp_path / "lut4.mlpackage"
     ct.convert(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from converter.errors import InputError
-from converter.plan.device_bench import (
+from converter.placement.device_bench import (
     BENCH_FORMAT,
     latency_stats,
     measure,
@@ -156,7 +156,7 @@ def test_bench_device_says_it_needs_macos(tmp_path: Path) -> None:
     import plan_programs as pp
     from click.testing import CliRunner
 
-    from converter.cli import main
+    from converter.commands import main
 
     package = pp.save(pp.mlp(4), tmp_path / "m.mlpackage")
     result = CliRunner().invoke(

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import plan_programs as pp
 
-from converter.plan.ops import Op, Tensor, assign_layers, layer_of, op_table
-from converter.plan.report import summarize
-from converter.plan.static import static_report
+from converter.placement.ops import Op, Tensor, assign_layers, layer_of, op_table
+from converter.placement.report import summarize
+from converter.placement.static import static_report
 
 
 def by_name(prog: Any) -> dict[str, Op]:

@@ -16,12 +16,12 @@ import plan_standins as ps
 import pytest
 from click.testing import CliRunner, Result
 
-from converter.cli import main
+from converter.commands import main
 from converter.errors import InputError
-from converter.hashing import mlpackage_content_hash
-from converter.plan.device_bench import BENCH_FORMAT, power_summary
-from converter.plan.dump import RecordedPlan, write_dump
-from converter.plan.provenance import STAND_IN_ENV, check_recorded
+from converter.pipeline.hashing import mlpackage_content_hash
+from converter.placement.device_bench import BENCH_FORMAT, power_summary
+from converter.placement.dump import RecordedPlan, write_dump
+from converter.placement.provenance import STAND_IN_ENV, check_recorded
 
 ON_A_MAC = {
     "origin": "macos",

@@ -10,10 +10,10 @@ import numpy as np
 import plan_programs as pp
 import pytest
 
-from converter.plan.chips import CHIPS, chip
-from converter.plan.ops import op_table
-from converter.plan.predict import place_op, predict_function, program_facts
-from converter.plan.rules import (
+from converter.placement.chips import CHIPS, chip
+from converter.placement.ops import op_table
+from converter.placement.predict import place_op, predict_function, program_facts
+from converter.placement.rules import (
     ALL_RULES,
     CALIBRATIONS,
     RULES,
@@ -21,7 +21,7 @@ from converter.plan.rules import (
     ProgramFacts,
     calibration_status,
 )
-from converter.plan.static import static_report
+from converter.placement.static import static_report
 
 
 def placed(prog: Any, chip_name: str = "M1", units: str = "CPU_AND_NE") -> dict[str, Any]:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from converter.cli import main
-from converter.manifest import Manifest
+from converter.commands import main
+from converter.pipeline.manifest import Manifest
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from converter.plan.ops import op_table
-from converter.plan.streamed import RULES, streamed_lines, streamed_section
+from converter.placement.ops import op_table
+from converter.placement.stream_rules import RULES, streamed_lines, streamed_section
 
 ROWS, COLS = 64, 128  # a conv weight (ROWS, COLS, 1, 1)
 DENSE = ROWS * COLS * 2
@@ -75,9 +75,9 @@ def test_each_format_is_read_as_its_rule_says(kind: str, rule: str, read: int) -
 
 
 def test_every_rule_names_its_source_and_the_floor_reads_the_streamed_bytes() -> None:
-    from converter.plan.chips import CHIPS
-    from converter.plan.cost import floor, work_of
-    from converter.plan.static import static_report
+    from converter.placement.chips import CHIPS
+    from converter.placement.cost import floor, work_of
+    from converter.placement.static import static_report
 
     assert all(r.source and r.confidence in ("H", "M", "L") for r in RULES)
     chip = next(iter(CHIPS.values()))
@@ -100,8 +100,8 @@ def test_a_conv_on_per_block_weights_is_predicted_off_the_ne(
 ) -> None:
     """Per-block integers are GPU-oriented: the NE runs per-channel or per-tensor formats only
     (rule O-BLOCKW, with its sources); three convs, so the tiny-graph rule does not decide."""
-    from converter.plan.chips import CHIPS
-    from converter.plan.static import static_report
+    from converter.placement.chips import CHIPS
+    from converter.placement.static import static_report
 
     table = op_table(_program(kind, layers=3))
     for chip in CHIPS.values():

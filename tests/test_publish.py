@@ -1,4 +1,6 @@
-"""Tests for converter.publish: atomic artifact staging, replacement, cleanup and signals."""
+"""Tests for converter.pipeline.publish: atomic artifact staging, replacement, cleanup and
+signals.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from converter import fsops
 from converter.errors import InputError
-from converter.publish import (
+from converter.pipeline import fsops
+from converter.pipeline.publish import (
     Interrupted,
     clean_leftovers,
     signals_as_interrupts,
@@ -500,7 +502,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from converter.publish import Interrupted, signals_as_interrupts, stage_artifact
+    from converter.pipeline.publish import Interrupted, signals_as_interrupts, stage_artifact
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
     try:
@@ -558,7 +560,7 @@ def test_write_npy_writes_np_save_bytes_a_block_at_a_time(
 
     import numpy as np
 
-    from converter import manifest_fields
+    from converter.pipeline import manifest_fields
 
     monkeypatch.setattr(manifest_fields, "_NPY_BLOCK", 1000)  # many blocks
     table = np.random.default_rng(0).standard_normal((1001, 37)).astype(np.float32)

@@ -17,10 +17,10 @@ import torch
 from real_configs import config_dict
 from tiny_models import perturb_
 
-from converter.checkpoint import load_checkpoint
-from converter.coreml import live_ops, to_mlprogram, trace
+from converter.checkpoints.loading import load_checkpoint
+from converter.coreml.program import live_ops, to_mlprogram, trace
+from converter.coreml.targets import TARGETS
 from converter.recipe import load_recipe
-from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from converter.tasks.text_generation import reference_runs, rewrite_decoder
 from parity.decoder_gates import check_decoder

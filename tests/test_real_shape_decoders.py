@@ -21,10 +21,10 @@ import pytest
 import transformers
 from real_configs import build_causal_lm
 
-from converter.checkpoint import load_checkpoint
-from converter.coreml import live_ops, to_mlprogram, trace
+from converter.checkpoints.loading import load_checkpoint
+from converter.coreml.program import live_ops, to_mlprogram, trace
+from converter.coreml.targets import TARGETS
 from converter.recipe import load_recipe
-from converter.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from converter.tasks.text_generation import reference_runs, rewrite_decoder
 from parity.decoder_gates import check_decoder

@@ -233,7 +233,7 @@ def test_every_task_key_is_a_field_of_each_task_that_reads_it() -> None:
     from pydantic import BaseModel
 
     from converter.recipe import TASK_KEYS, TASKS, recipe_model
-    from converter.recipe.tasks import EACH
+    from converter.recipe.task_keys import EACH
 
     def field(model: Any, path: tuple[str, ...]) -> bool:
         for part in path:

@@ -3,7 +3,7 @@ of artifact anec makes.
 
 coremltools serializes protobuf maps in an order that depends on the process (string hashing,
 so PYTHONHASHSEED), stamps the day into the model's metadata, and its transpose pass named
-ops in an order that depended on object addresses (`converter.mil_passes`); in one process,
+ops in an order that depended on object addresses (`converter.coreml.mil_passes`); in one process,
 or on one day, none of it shows. Here every recipe is converted by two ``anec convert``
 processes with different PYTHONHASHSEED (run side by side, the second converting the recipes
 in reverse order, so each conversion also follows different ones), and every file of each
@@ -28,8 +28,8 @@ from decision_models import save_checkpoint, tiny_decision, with_markers
 from encoder_models import hf_model, random_sequences, tiny_config
 from tiny_models import save_tiny_llama, tiny_hf_model, write_tiny_recipe
 
-from converter.coreml import CONVERSION_DATE_KEY, SPEC_FILE
-from converter.hashing import MLPACKAGE_MANIFEST, tree_files
+from converter.coreml.program import CONVERSION_DATE_KEY, SPEC_FILE
+from converter.pipeline.hashing import MLPACKAGE_MANIFEST, tree_files
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 1800
@@ -68,7 +68,7 @@ CHUNKED = CACHE + "  package_budget_mb: 0.12\n"
 
 
 def _command(recipes: list[str | Path] | list[Path], out: Path) -> list[str]:
-    return [sys.executable, "-m", "converter.cli", "convert", *map(str, recipes)] + [
+    return [sys.executable, "-m", "converter.commands", "convert", *map(str, recipes)] + [
         "--out",
         str(out),
         "--json",
@@ -254,7 +254,7 @@ def test_window_artifact_is_the_same_in_two_processes(
 
 # Every other kind: artifact name -> packages in it. The KV decoder's decode function named
 # its reshapes differently in every process (``reshape_36`` / ``reshape_37``) until
-# coremltools' transpose pass was replaced by anec's ordered one (converter/mil_passes.py).
+# coremltools' transpose pass was replaced by anec's ordered one (converter/coreml/mil_passes.py).
 KINDS = {
     "tiny-int8": 1,  # compressed variants of the window artifact
     "tiny-lut4": 1,
@@ -282,7 +282,7 @@ def test_a_conversion_does_not_depend_on_what_the_process_built_before(tmp_path:
     transpose_91, in a fresh process transpose_90."""
     from coremltools.converters.mil import Builder as mb
 
-    from converter.pipeline import convert
+    from converter.pipeline.run import convert
     from converter.recipe import load_recipe
 
     recipe = load_recipe(

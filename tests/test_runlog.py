@@ -1,4 +1,4 @@
-"""Library output is recorded, not printed and not discarded (converter/runlog.py)."""
+"""Library output is recorded, not printed and not discarded (converter/pipeline/runlog.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama, write_tiny_recipe
 
-from converter.runlog import RunLog, route_library_output, session_log_text, warnings_to_log
+from converter.pipeline.runlog import (
+    RunLog,
+    route_library_output,
+    session_log_text,
+    warnings_to_log,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RENAMED = "model.layers.1.mlp.up_proj.weight"
@@ -65,7 +70,7 @@ def test_a_bad_checkpoint_names_its_tensors_and_the_load_report_goes_to_the_log(
     recipe = write_tiny_recipe(tmp_path / "bad.yaml", ckpt, "bad")
     log = tmp_path / "libraries.log"
     done = subprocess.run(
-        [sys.executable, "-m", "converter.cli", "--log", str(log), "convert", str(recipe)]
+        [sys.executable, "-m", "converter.commands", "--log", str(log), "convert", str(recipe)]
         + ["--out", str(tmp_path / "out"), "--json"],
         # CI=true: transformers then also makes its logger propagate to the root logger
         # (whose stderr fallback printed the report in CI); its own handler is there either way.
@@ -90,7 +95,7 @@ def test_a_bad_checkpoint_names_its_tensors_and_the_load_report_goes_to_the_log(
 def test_the_cli_imports_no_library_that_prints_progress_before_routing_its_output() -> None:
     # tqdm reads TQDM_DISABLE when it is imported: imported with the CLI (through torch),
     # coremltools' pass-pipeline bars reached the terminal during every conversion.
-    code = "import sys, converter.cli; print(sorted({'torch', 'tqdm'} & set(sys.modules)))"
+    code = "import sys, converter.commands; print(sorted({'torch', 'tqdm'} & set(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )

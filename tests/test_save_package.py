@@ -1,4 +1,4 @@
-"""`converter.coreml.save_package` moves the package ``ct.convert`` wrote instead of copying
+"""`converter.coreml.program.save_package` moves the package ``ct.convert`` wrote instead of copying
 it, and the saved package is the one ``MLModel.save`` writes (canonicalized): the same spec,
 with the metadata coremltools sets after the conversion, and the same weights."""
 
@@ -9,9 +9,15 @@ from pathlib import Path
 import coremltools as ct
 import torch
 
-from converter.coreml import SPEC_FILE, TensorIO, canonicalize_spec, save_package, to_mlprogram
-from converter.coreml import trace as trace_module
-from converter.hashing import mlpackage_content_hash
+from converter.coreml.program import (
+    SPEC_FILE,
+    TensorIO,
+    canonicalize_spec,
+    save_package,
+    to_mlprogram,
+)
+from converter.coreml.program import trace as trace_module
+from converter.pipeline.hashing import mlpackage_content_hash
 
 
 class _Tiny(torch.nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import build_module, convert_tiny_llama, tiny_hf_model
 
-from converter.coreml import TensorIO, live_ops, to_mlprogram, trace
+from converter.coreml.program import TensorIO, live_ops, to_mlprogram, trace
 from converter.errors import InputError
 from graph_passes.archs import adapt
 from graph_passes.mlp import ACTIVATIONS, spelled_mul_sigmoid

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from converter.hashing import mlpackage_content_hash, sha256_file
-from converter.manifest import Manifest
+from converter.pipeline.hashing import mlpackage_content_hash, sha256_file
+from converter.pipeline.manifest import Manifest
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Acceptance under sampling (``converter.speculate``): the exact per-position probability,
+"""Acceptance under sampling (``converter.drafts.speculation``): the exact per-position probability,
 the expected-cycles estimator (`replay`'s counts at T = 0, exactly) and its agreement with a
 Monte-Carlo run of real speculative sampling (Leviathan et al. 2023) on a tiny model."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_models import Tiny, build_tiny, one_torch_thread, perturbed_copy
 
-from converter.compress.acceptance import AcceptanceSetup, session
-from converter.speculate import (
+from converter.compression.variant_acceptance import AcceptanceSetup, session
+from converter.drafts.speculation import (
     Acceptance,
     acceptance_probability,
     expected_replay,

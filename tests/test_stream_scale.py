@@ -30,10 +30,10 @@ from tiny_models import (
 )
 from torch import nn
 
-from converter.coreml import to_mlprogram, trace
-from converter.pipeline import convert
+from converter.coreml.program import to_mlprogram, trace
+from converter.coreml.targets import TARGETS
+from converter.pipeline.run import convert
 from converter.recipe import load_recipe, locate_recipe
-from converter.targets import TARGETS
 from converter.tasks import text_generation
 from converter.tasks.decoder_contract import stream_deviations, tensor_contract
 from converter.tasks.text_generation import choose_scales

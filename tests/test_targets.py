@@ -7,8 +7,8 @@ import types
 
 import pytest
 
+from converter.coreml.targets import TARGETS, Feature, allowed_features, check_feature, get_target
 from converter.errors import InputError
-from converter.targets import TARGETS, Feature, allowed_features, check_feature, get_target
 
 IOS18_FEATURES = [
     Feature.GROUPED_PALETTE,

@@ -1,5 +1,5 @@
 """coremltools' whole-program validation runs once per conversion, after its pass pipeline
-(converter.coreml_fast.validated_once), and still refuses an invalid program."""
+(converter.coreml.fast_paths.validated_once), and still refuses an invalid program."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil.block import InvalidBlockStateError
 from coremltools.converters.mil.mil.program import Program
 
-from converter.coreml_fast import validated_once
+from converter.coreml.fast_paths import validated_once
 
 
 def _program() -> Any:

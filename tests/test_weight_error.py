@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converter.compress.search import palette
-from converter.compress.weight_error import errors_text, weight_errors
+from converter.compression.search import palette
+from converter.compression.weight_error import errors_text, weight_errors
 
 
 def _with_outliers() -> np.ndarray:

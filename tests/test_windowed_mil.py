@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from tiny_models import Tiny, build_tiny
 
-from converter.coreml import to_mlprogram, trace
-from converter.targets import TARGETS
+from converter.coreml.program import to_mlprogram, trace
+from converter.coreml.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.markers import mark_layer_outputs

@@ -29,7 +29,7 @@ from graph_passes.spec import CanonicalModel
 from parity.conversion import ConversionReport, check_conversion
 from parity.decoder_gates import module_inputs
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches
-from parity.gate import registered
+from parity.gate_registry import registered
 from parity.reference import ReferenceRun, run_reference
 from parity.thresholds import Thresholds
 
@@ -215,7 +215,7 @@ def write_tiny_gguf(path: Path, licence: str | None = None) -> Path:
 
 def run_anec(*args: str | Path) -> Result:
     """Run ``anec ARGS`` in-process through click's test runner (stderr kept apart)."""
-    from converter.cli import main
+    from converter.commands import main
 
     return CliRunner().invoke(main, [str(a) for a in args])
 

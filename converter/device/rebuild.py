@@ -8,14 +8,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from converter.manifest import Manifest
+from converter.pipeline.manifest import Manifest
 
 
 def rebuilt_run(manifest: Manifest, steps: Sequence[Callable[[Any, Any], Any]]) -> Any:
     """The task run of ``manifest``'s recipe after ``steps`` (each ``step(run, advance)``)."""
-    from converter.recheck import checkpoint_source, recipe_from_manifest
+    from converter.evidence.recheck import checkpoint_source, recipe_from_manifest
     from converter.tasks import task_of
-    from converter.tasks.base import Job
+    from converter.tasks.shared import Job
 
     recipe = recipe_from_manifest(manifest)
     with tempfile.TemporaryDirectory(prefix="anec-device-") as scratch:

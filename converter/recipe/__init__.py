@@ -47,7 +47,7 @@ from converter.recipe.sections import (
     Shapes,
 )
 from converter.recipe.sources import ModelSource, ResolvedSource, SourceKind
-from converter.recipe.tasks import (
+from converter.recipe.task_keys import (
     DECODER_TASKS,
     ENCODER_TASKS,
     TASK_KEYS,

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from converter.errors import InputError
-from converter.fsops import fsync_dir
+from converter.pipeline.fsops import fsync_dir
 
 _BLOCK = 1 << 20
 

@@ -19,7 +19,7 @@ from converter.recipe.schema import (
     validate_recipe,
 )
 from converter.recipe.sections import Fixtures, Shapes
-from converter.recipe.tasks import misplaced_keys
+from converter.recipe.task_keys import misplaced_keys
 from converter.recipe.yaml_errors import (
     RULE,
     ConfigError,

@@ -4,7 +4,7 @@
 `io.lm_head_chunk`) and `logits_positions`; `EncoderRecipe` (feature-extraction,
 sentence-similarity, text-classification) has `encoder:`. `Recipe` is their union: narrow it
 with ``isinstance`` (or on ``recipe.task``) where a pipeline needs one kind. Keys that only
-some tasks of one kind read are in `converter.recipe.tasks`.
+some tasks of one kind read are in `converter.recipe.task_keys`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from converter.coreml.targets import TARGETS, Feature, check_feature
 from converter.errors import InputError
-from converter.recipe.cache import CacheSpec, cache_problems
-from converter.recipe.compression import Compression, compression_problems
+from converter.recipe.cache_section import CacheSpec, cache_problems
+from converter.recipe.compression_section import Compression, compression_problems
 from converter.recipe.sections import (
     KV_MAX_ABS_DPROB,
     MAX_AXIS,
@@ -32,7 +33,7 @@ from converter.recipe.sections import (
     Shapes,
 )
 from converter.recipe.sources import ModelSource, ResolvedSource
-from converter.recipe.tasks import (
+from converter.recipe.task_keys import (
     DECISION_TASKS,
     DECODER_TASKS,
     ENCODER_TASKS,
@@ -43,9 +44,8 @@ from converter.recipe.tasks import (
     misplaced_keys,
     without_misplaced,
 )
-from converter.recipe.vocabulary import DraftVocabulary
+from converter.recipe.vocabulary_section import DraftVocabulary
 from converter.recipe.yaml_errors import Loc, StrictModel, got, raise_rules, rule
-from converter.targets import TARGETS, Feature, check_feature
 
 MAX_NAME_LENGTH = 100
 

@@ -1,6 +1,6 @@
 """The recipe's sections: shapes, I/O, gates, fixtures and the encoder options.
 
-Which task reads which key is in `converter.recipe.tasks`; the sections here hold every key
+Which task reads which key is in `converter.recipe.task_keys`; the sections here hold every key
 some task reads, with its default.
 """
 

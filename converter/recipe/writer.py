@@ -14,7 +14,7 @@ import yaml
 
 from converter.recipe.schema import Recipe
 from converter.recipe.sources import ResolvedSource
-from converter.recipe.tasks import without_misplaced
+from converter.recipe.task_keys import without_misplaced
 
 _ORDER = (
     "name", "task", "source", "shapes", "io", "cache", "vocabulary", "encoder", "decision",

@@ -1,6 +1,6 @@
 """Tasks: what each recipe ``task`` converts, as a state type and a step list.
 
-`TASKS` maps a recipe task to its `Task`; `converter.pipeline.convert` runs any of them the
+`TASKS` maps a recipe task to its `Task`; `converter.pipeline.run.convert` runs any of them the
 same way (check inputs, the steps inside an artifact stage, publish, compressed variants).
 Adding a task is one module with its state and steps, plus one entry here.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from converter.errors import InputError
-from converter.progress import Steps
-from converter.steps import Step
+from converter.pipeline.progress import Steps
+from converter.pipeline.steps import Step
 from converter.tasks import decision, encoder, text_generation, text_generation_kv
-from converter.tasks.base import Job, TaskRun
+from converter.tasks.shared import Job, TaskRun
 
 R = TypeVar("R", bound=TaskRun)
 # (state, published artifact, output directory, force, progress) -> the variants' results

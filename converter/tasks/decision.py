@@ -21,19 +21,19 @@ from typing import Any
 
 import torch
 
-from converter.checkpoint import load_checkpoint
+from converter.checkpoints.loading import load_checkpoint
 from converter.errors import InputError
-from converter.hashing import sha256_file
-from converter.manifest_fields import write_tokenizer
-from converter.progress import Steps
-from converter.publish import write_json_atomic
+from converter.pipeline.hashing import sha256_file
+from converter.pipeline.manifest_fields import write_tokenizer
+from converter.pipeline.progress import Steps
+from converter.pipeline.publish import write_json_atomic
+from converter.pipeline.steps import Advance, Step, Stop
 from converter.recipe import DecisionRecipe
-from converter.steps import Advance, Step, Stop
-from converter.tasks.base import emit_program, need, plan, write_rows_parity
 from converter.tasks.decision_contract import decision_manifest, island_contract, tail_contract
 from converter.tasks.decision_load import head_files, load_head
 from converter.tasks.encoder import BC1LRun, gate_program, program_module, set_scales
 from converter.tasks.encoder_contract import encoder_deviations, write_host_files
+from converter.tasks.shared import emit_program, need, plan, write_rows_parity
 from graph_passes.archs import adapt_encoder
 from graph_passes.decision import DecisionEncoder, DecisionIsland, DecisionTail, tail_outputs
 from graph_passes.decision_spec import CandidateError, DecisionHead
@@ -56,7 +56,7 @@ from parity.encoder_mil import (
     tail_marker_rows_error,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
-from parity.gate import GateResult, gate
+from parity.gate_registry import GateResult, gate
 from parity.result import Runner
 from parity.thresholds import Thresholds
 from parity.torch_settings import with_parity_torch

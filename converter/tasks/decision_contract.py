@@ -4,12 +4,12 @@ head described completely)."""
 
 from __future__ import annotations
 
-from converter.checkpoint import Checkpoint
-from converter.coreml import TensorIO
-from converter.manifest import Deviation, FileEntry, Manifest, PieceEntry
+from converter.checkpoints.loading import Checkpoint
+from converter.coreml.program import TensorIO
+from converter.pipeline.manifest import Deviation, FileEntry, Manifest, PieceEntry
 from converter.recipe import EncoderOptions
-from converter.tasks.base import Job, Program
 from converter.tasks.encoder_contract import Contract, _key_mask_io, encoder_manifest
+from converter.tasks.shared import Job, Program
 from graph_passes.decision import DecisionEncoder, DecisionTail
 from graph_passes.decision_spec import DecisionHead
 from graph_passes.partition import HostEmbedding

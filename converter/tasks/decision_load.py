@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from converter.errors import InputError
-from converter.hashing import sha256_file
+from converter.pipeline.hashing import sha256_file
 from graph_passes.archs.decision_head import HeadSource, adapt_head
 from graph_passes.decision_spec import DecisionHead
 from graph_passes.spec import EncoderSpec

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from converter.checkpoint import Checkpoint
-from converter.coreml import DType, TensorIO
+from converter.checkpoints.loading import Checkpoint
+from converter.coreml.program import DType, TensorIO
 from converter.errors import InputError
-from converter.manifest import Deviation, FileEntry, Manifest
-from converter.manifest_fields import common_fields
+from converter.pipeline.manifest import Deviation, FileEntry, Manifest
+from converter.pipeline.manifest_fields import common_fields
 from converter.recipe import DecoderRecipe
-from converter.tasks.base import Job, Program
+from converter.tasks.shared import Job, Program
 from graph_passes.decoder import BC1LDecoder, DecoderIO, chunk_sizes
 from graph_passes.logits_layout import LAYOUT, output_names
 from graph_passes.masks import MASKED
@@ -274,7 +274,8 @@ def decoder_manifest(
     assumed: list[Deviation] | None = None,
 ) -> Manifest:
     """The manifest of a decoder artifact (parity.json must already be written); ``assumed``:
-    config values the checkpoint did not carry (`converter.gguf_config.assumed_values`)."""
+    config values the checkpoint did not carry
+    (`converter.checkpoints.gguf_config.assumed_values`)."""
     spec, recipe = module.spec, job.recipe
     return Manifest(
         **common_fields(

@@ -17,13 +17,12 @@ import numpy as np
 import torch
 
 from converter.errors import InputError
-from converter.manifest import FileEntry
-from converter.manifest_fields import write_npy
-from converter.recipe.vocabulary import DraftVocabulary
-from converter.steps import Advance
-from converter.tasks.base import need
+from converter.pipeline.manifest import FileEntry
+from converter.pipeline.manifest_fields import write_npy
+from converter.pipeline.steps import Advance
+from converter.recipe.vocabulary_section import DraftVocabulary
 from converter.tasks.decoder_contract import check_top_k
-from converter.vocabulary.acceptance import AcceptanceReport, judge, judging_prompts, judging_shape
+from converter.tasks.shared import need
 from converter.vocabulary.corpora import Corpus, corpus_sha256, load_corpus
 from converter.vocabulary.ranking import (
     KeptIds,
@@ -32,8 +31,14 @@ from converter.vocabulary.ranking import (
     corpus_counts,
     tokenizer_rank,
 )
-from converter.vocabulary.streamed import body_weights, streamed_section
-from parity.gate import GateResult, gate
+from converter.vocabulary.streamed_bytes import body_weights, streamed_section
+from converter.vocabulary.trimmed_acceptance import (
+    AcceptanceReport,
+    judge,
+    judging_prompts,
+    judging_shape,
+)
+from parity.gate_registry import GateResult, gate
 from parity.model_copies import cast_copy
 from parity.reference import restrict_head
 

@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-from converter.checkpoint import Checkpoint
+from converter.checkpoints.loading import Checkpoint
 from converter.errors import InputError
-from converter.manifest_fields import write_tokenizer
-from converter.progress import Steps
-from converter.publish import write_json_atomic
+from converter.pipeline.manifest_fields import write_tokenizer
+from converter.pipeline.progress import Steps
+from converter.pipeline.publish import write_json_atomic
+from converter.pipeline.steps import Advance, Step, Stop
 from converter.recipe import EncoderOptions, EncoderRecipe, Recipe
-from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_rows_parity
 from converter.tasks.encoder_contract import (
     encoder_deviations,
     encoder_manifest,
@@ -35,6 +34,7 @@ from converter.tasks.encoder_contract import (
     tail_contract,
     write_host_files,
 )
+from converter.tasks.shared import TaskRun, emit_program, load, need, plan, write_rows_parity
 from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO, EncoderOutput, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR, apply_layer_norm_prescales, measure_centred_l2
@@ -58,7 +58,7 @@ from parity.encoder_gates import (
 )
 from parity.encoder_mil import ProgramLevel, layer_level, output_runner, program_level
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 from parity.result import OUTPUT, ParityReport, Runner, merge_rows
 from parity.thresholds import Thresholds
 from parity.torch_settings import with_parity_torch
@@ -233,7 +233,7 @@ def references(run: EncoderRun, advance: Advance) -> None:
         )
         advance()
     if run.recipe.compression is not None:  # the held-out sentences, while the model is here
-        from converter.compress.encoder import prepare_encoder_held_out
+        from converter.compression.encoder_variants import prepare_encoder_held_out
 
         compression = run.recipe.compression
         run.held_out = prepare_encoder_held_out(
@@ -376,7 +376,7 @@ def compress(
     artifact is published; each variant is its own artifact, gated on cosine / argmax)."""
     if run.recipe.compression is None or run.held_out is None:
         return []
-    from converter.compress.encoder import emit_encoder_variants
+    from converter.compression.encoder_variants import emit_encoder_variants
 
     rw = need(run.rewrite, "the rewrite")
     return emit_encoder_variants(

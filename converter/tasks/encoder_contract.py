@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from converter.checkpoint import Checkpoint
-from converter.coreml import TensorIO
-from converter.manifest import (
+from converter.checkpoints.loading import Checkpoint
+from converter.coreml.program import TensorIO
+from converter.pipeline.manifest import (
     BoundaryEntry,
     Deviation,
     FileEntry,
@@ -18,9 +18,9 @@ from converter.manifest import (
     PieceEntry,
     TensorEntry,
 )
-from converter.manifest_fields import common_fields, package_entry, write_npy
+from converter.pipeline.manifest_fields import common_fields, package_entry, write_npy
 from converter.recipe import EncoderOptions
-from converter.tasks.base import Job, Program
+from converter.tasks.shared import Job, Program
 from graph_passes.encoder import BC1LEncoder, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import MASKED

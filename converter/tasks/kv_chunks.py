@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from converter.coreml import DType, TensorIO
+from converter.coreml.program import DType, TensorIO
 from converter.errors import InputError
-from converter.manifest import Manifest
+from converter.pipeline.manifest import Manifest
 from converter.tasks.kv_contract import DEFAULT_FUNCTION, function_contract, kv_manifest_section
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from parity.kv_session import ChunkMeta
@@ -269,8 +269,8 @@ def chunked_manifest(
     """Fill ``doc`` for a chunked decoder: ``kv_cache`` describes a call as a whole (the
     functions over every layer, the cache in the one-package layout) and lists the chunks
     in call order; ``package`` is chunk 0, ``extra_packages`` the others, ``pieces`` all."""
-    from converter.manifest import PieceEntry, TensorEntry
-    from converter.manifest_fields import package_entry
+    from converter.pipeline.manifest import PieceEntry, TensorEntry
+    from converter.pipeline.manifest_fields import package_entry
 
     calls = {name: function_contract(m, dtype) for name, m in whole.items()}
     totals = {
@@ -312,8 +312,8 @@ def chunked_manifest(
 def plan_chunks(programs: list[Any], directory: Path, platform: str, gates: Any) -> list[str]:
     """Each chunk's static plan (its decode function, as for one package) with the recipe's
     plan gates, written as ``plan.chunk<i>.json`` / ``.txt``; the failed gates' lines."""
-    from converter.hashing import mlpackage_content_hash
-    from converter.plan.artifact_gate import plan_artifact
+    from converter.pipeline.hashing import mlpackage_content_hash
+    from converter.placement.artifact_gate import plan_artifact
 
     failures: list[str] = []
     for i, program in enumerate(programs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from converter.coreml import DType, TensorIO
+from converter.coreml.program import DType, TensorIO
 from converter.tasks.decoder_contract import head_contract, head_convention
 from graph_passes.cache_host import __doc__ as HOST_DOC
 from graph_passes.cached_decoder import CACHE_NAME, HIDDEN_IN, HIDDEN_OUT, CachedDecoder

@@ -10,7 +10,7 @@ M6 on macOS 27, ../shared/research/anchors_runtime.md section 6: a 0.69 GB chunk
 of wired memory with one function loaded and 2.09 GB with two), a host loads only the
 packages it calls. The cache crosses packages through the host: the ``io`` style passes it in
 every call; the ``state`` style's host copies the state of the package it called last into the
-next one's (MLState read_state / write_state, `converter.generate.coreml_backend`).
+next one's (MLState read_state / write_state, `converter.drafts.host_loop.coreml_backend`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from converter.tasks.base import Program
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
+from converter.tasks.shared import Program
 
 PER_FUNCTION = "per-function"
 WEIGHTS = Path("Data") / "com.apple.CoreML" / "weights" / "weight.bin"
@@ -99,8 +99,8 @@ def add_to_plan(directory: Path, resident: dict[str, Any]) -> None:
     """The resident prediction in the artifact's plan.json and plan.txt (a section of each)."""
     import json
 
-    from converter.plan.artifact_gate import PLAN_JSON, PLAN_TXT
-    from converter.publish import write_json_atomic, write_text_atomic
+    from converter.pipeline.publish import write_json_atomic, write_text_atomic
+    from converter.placement.artifact_gate import PLAN_JSON, PLAN_TXT
 
     doc = json.loads((directory / PLAN_JSON).read_text(encoding="utf-8"))
     doc["resident_predicted"] = resident

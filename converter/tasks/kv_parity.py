@@ -1,7 +1,7 @@
 """The KV task's MIL-level gates on emitted cached functions (one package per chunk): the
 per-call fp32 check of every function (`parity.kv_mil`), the fp32 cache level over whole
 continuations (`parity.kv_fp32`) and the fp16 cache gates through the host loop
-(`parity.kv_gates`); also the variants' cache gates (`converter.compress.stateful`).
+(`parity.kv_gates`); also the variants' cache gates (`converter.compression.stateful`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from converter.steps import Advance
+from converter.pipeline.steps import Advance
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
-from parity.gate import GateResult, gate
+from parity.gate_registry import GateResult, gate
 from parity.kv_fp32 import PROFILE as FP32_LEVEL
 from parity.kv_fp32 import LayerCapture, cached_fp32_level, reference
 from parity.kv_gates import KvParity, check_kv

@@ -17,16 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.checkpoint import Checkpoint
+from converter.checkpoints.gguf_config import ConfigReads, assumed_values
+from converter.checkpoints.loading import Checkpoint
 from converter.errors import InputError
-from converter.gguf_config import ConfigReads, assumed_values
-from converter.manifest import Deviation
-from converter.manifest_fields import write_npy, write_tokenizer
-from converter.progress import Steps
-from converter.publish import write_json_atomic
+from converter.pipeline.manifest import Deviation
+from converter.pipeline.manifest_fields import write_npy, write_tokenizer
+from converter.pipeline.progress import Steps
+from converter.pipeline.publish import write_json_atomic
+from converter.pipeline.steps import Advance, Step, Stop
 from converter.recipe import DecoderRecipe, Recipe
-from converter.steps import Advance, Step, Stop
-from converter.tasks.base import TaskRun, emit_program, load, need, plan, write_parity_reports
 from converter.tasks.decoder_contract import decoder_io, decoder_manifest, tensor_contract
 from converter.tasks.draft_vocabulary import (
     TrimmedVocabulary,
@@ -34,6 +33,7 @@ from converter.tasks.draft_vocabulary import (
     trim_vocabulary,
     write_head_ids,
 )
+from converter.tasks.shared import TaskRun, emit_program, load, need, plan, write_parity_reports
 from graph_passes.archs import adapt
 from graph_passes.decoder import BC1LDecoder, DecoderIO
 from graph_passes.mlp import spelled_mul_sigmoid
@@ -334,7 +334,7 @@ def held_out(recipe: Recipe, ckpt: Checkpoint, rw: Rewrite) -> Any:
     """The compression section's held-out slice with the original model's logits, or None."""
     if recipe.compression is None:
         return None
-    from converter.compress.decoder import prepare_held_out
+    from converter.compression.decoder_variants import prepare_held_out
 
     c = recipe.compression
     return prepare_held_out(
@@ -401,7 +401,7 @@ def compress(
     artifact is published; each variant is its own artifact)."""
     if run.recipe.compression is None or run.held_out is None:
         return []
-    from converter.compress.emit import emit_variants
+    from converter.compression.emit import emit_variants
 
     rw = need(run.rewrite, "the rewrite")
     return emit_variants(

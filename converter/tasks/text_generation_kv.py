@@ -22,15 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.coreml import combine_functions, live_ops, save_package
+from converter.coreml.program import combine_functions, live_ops, save_package
+from converter.coreml.targets import TARGETS, package_budget_bytes
 from converter.errors import InputError
-from converter.manifest_fields import write_npy
-from converter.progress import Steps
-from converter.publish import write_json_atomic
-from converter.steps import Advance, Step, Stop
-from converter.targets import TARGETS, package_budget_bytes
+from converter.pipeline.manifest_fields import write_npy
+from converter.pipeline.progress import Steps
+from converter.pipeline.publish import write_json_atomic
+from converter.pipeline.steps import Advance, Step, Stop
 from converter.tasks import text_generation as window_task
-from converter.tasks.base import Program, load, need, write_parity_reports
 from converter.tasks.decoder_contract import head_output_section
 from converter.tasks.kv_chunks import (
     Chunk,
@@ -58,8 +57,9 @@ from converter.tasks.kv_layout import (
     resident_predicted,
 )
 from converter.tasks.kv_parity import KV_LEVELS, PROFILE, CacheBounds, function_gates
+from converter.tasks.shared import Program, load, need, write_parity_reports
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
-from parity.gate import GateResult
+from parity.gate_registry import GateResult
 from parity.kv_gates import RULE, KvParity
 from parity.kv_session import rope_rows
 from parity.memory import release_memory
@@ -137,8 +137,8 @@ def convert_singles(
     its own single-function package in ``scratch``; also each function's program (its
     contract and live ops), the default function's with the plan table of every function
     under its own name."""
-    from converter.coreml import to_mlprogram, trace
-    from converter.plan.ops import OpTable, function_table
+    from converter.coreml.program import to_mlprogram, trace
+    from converter.placement.ops import OpTable, function_table
     from graph_passes.markers import mark_layer_outputs
 
     scratch.mkdir(parents=True, exist_ok=True)
@@ -379,7 +379,7 @@ def manifest(run: KvRun, advance: Advance) -> None:
 def per_function_manifest(run: KvRun, doc: Any) -> None:
     """The per-function layout: decode's package is ``package`` (function ``main``), the
     others ``extra_packages``; each function names its package in ``kv_cache.functions``."""
-    from converter.manifest_fields import package_entry
+    from converter.pipeline.manifest_fields import package_entry
 
     doc.package.function = "main"
     for name, program in run.function_programs.items():
@@ -407,7 +407,7 @@ def window_package(run: KvRun, path: Path) -> Path:
     """The fp16 window program of the run's window module, as the window task emits it
     (layer outputs marked), saved as ``path``: the vehicle a compressed variant's quality
     gates are measured on with byte-identical weights."""
-    from converter.coreml import to_mlprogram, trace
+    from converter.coreml.program import to_mlprogram, trace
     from converter.tasks.decoder_contract import tensor_contract
     from graph_passes.markers import mark_layer_outputs
 
@@ -421,12 +421,12 @@ def window_package(run: KvRun, path: Path) -> Path:
 
 def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: Steps) -> list[Any]:
     """Build, gate and publish every compressed variant the recipe asks for, each a stateful
-    multifunction package of its own (`converter.compress.stateful`)."""
+    multifunction package of its own (`converter.compression.stateful`)."""
     compression = run.recipe.compression
     if compression is None or run.held_out is None:
         return []
-    from converter.compress.decoder import DecoderSubject
-    from converter.compress.stateful import KvBuild, emit_kv_variants
+    from converter.compression.decoder_variants import DecoderSubject
+    from converter.compression.stateful import KvBuild, emit_kv_variants
 
     rw, recipe = need(run.rewrite, "the rewrite"), run.recipe
     target = TARGETS[recipe.target].ct_target()

@@ -1,0 +1,1 @@
+"""Checkpoints: loading them safely, reading their weight files and GGUF metadata."""

@@ -1,0 +1,3 @@
+"""Drafts at work: the reference host loop, speculative decoding, the loop model and the draft
+comparison.
+"""

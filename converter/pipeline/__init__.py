@@ -1,0 +1,1 @@
+"""The conversion pipeline: steps, preflight, the manifest, the log and atomic publishing."""
