@@ -251,7 +251,7 @@ class CachedDecoder(nn.Module):
         if self.io.style == "io":
             return (*outputs, torch.stack(keys + values))  # the new rows (2N, KV, T, d)
         # One state write of the whole cache, the layers' blended caches (the assignment
-        # coremltools reads as a state update; converter.mil_passes folds its whole-tensor
+        # coremltools reads as a state update; converter.coreml.mil_passes folds its whole-tensor
         # slice_update away).
         self.kv_cache[:, :, :, :] = torch.stack(
             [k for k, _ in held] + [v for _, v in held]  # type: ignore[misc]

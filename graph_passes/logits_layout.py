@@ -15,7 +15,7 @@ channels, on the NE); `anec plan-inspect` predicts the transposes on the NE, in 
 NE segment (tests/test_mil_cli.py; SmolLM2 at 2 layers in bench/README.md: 98,304 output bytes
 per call instead of 3,145,728).
 
-Version history of the I/O contract (``converter.manifest.IO_CONTRACT_CHANGES``):
+Version history of the I/O contract (``converter.pipeline.manifest.IO_CONTRACT_CHANGES``):
 manifest schema 2 returned ``(B, V_k, 1, n)``; schema 3 returns ``(B, n, 1, V_k)``.
 """
 

@@ -3,7 +3,7 @@
 Activations are the checkpoint's exactly: exact (erf) GELU and tanh GELU are different
 functions and never substitute for each other. SiLU may be spelled two ways (`spelled_mul_sigmoid`),
 both the checkpoint's function: coremltools' torch frontend turns ``silu`` into one ``silu``
-op, ``x * sigmoid(x)`` into a ``sigmoid`` and a ``mul`` (kept so by `converter.coreml`).
+op, ``x * sigmoid(x)`` into a ``sigmoid`` and a ``mul`` (kept so by `converter.coreml.program`).
 """
 
 from __future__ import annotations
