@@ -116,8 +116,12 @@ class CacheSession:
         """The greedy token at the last position of ``outputs``, whichever the head returns
         (logits, or an in-model argmax / top-k per chunk): the manifest's head_output rule,
         then a trimmed head's row mapped to its token id (draft_vocabulary)."""
-        row = int(top_ids(outputs, self.chunk_sizes)[0, -1, 0])
-        return row if self.head_ids is None else int(self.head_ids[row])
+        return self.choices(outputs, 1)[0]
+
+    def choices(self, outputs: dict[str, np.ndarray], n: int) -> list[int]:
+        """`choose` at each of the last ``n`` positions of ``outputs``, in order."""
+        rows = top_ids(outputs, self.chunk_sizes)[0, -n:, 0]
+        return [int(r) if self.head_ids is None else int(self.head_ids[r]) for r in rows]
 
     def poison(self, start: int, value: float) -> None:
         """Write ``value`` into every cache slot from ``start`` on (a test of the rule that

@@ -255,18 +255,21 @@ def test_the_torch_backend_drafts_as_the_program_does(artifact: Path) -> None:
 
 def test_the_replayed_sweep_counts_what_the_cycles_count(artifact: Path) -> None:
     """``anec speculate``'s default loop with the torch draft: each text's target
-    continuation decoded once (teacher-forced) and every K's cycles replayed from it counts
-    what the cycle loop (draft, verify, roll back, extend) counts with the same draft."""
+    continuation fed once (teacher-forced, in extend calls) and every K's cycles replayed
+    from it counts what the cycle loop (draft, verify, roll back, extend) counts with the
+    same draft."""
     from tiny_models import tiny_hf_model
 
     from converter.commands.speculate import replay_agreements
     from converter.drafts.host_loop import Runtime, torch_backend
     from converter.drafts.speculation import Acceptance, replay, speculate, target_tokens
+    from parity.reference import greedy_ids
 
     make = torch_backend(Runtime.from_artifact(artifact))
     target = tiny_hf_model("llama", seed=3)
     prompts = [[7, 8, 9, 10], [20, 21, 22]]
-    agreements = replay_agreements(make, target, prompts, 16 + 4 - 1)
+    greedy = [greedy_ids(target, tuple(p), 16 + 4 - 1) for p in prompts]
+    agreements = replay_agreements(make, prompts, greedy)
     for k in (1, 2, 4):
         looped, replayed = Acceptance(k), Acceptance(k)
         for prompt, agree in zip(prompts, agreements, strict=True):

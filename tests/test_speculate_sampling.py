@@ -18,6 +18,7 @@ from converter.drafts.speculation import (
     expected_replay,
     replay,
     sampling_alphas,
+    target_sample,
 )
 from parity.kv_session import CacheSession
 
@@ -139,8 +140,8 @@ def test_the_estimator_agrees_with_real_speculative_sampling(tiny: Tiny) -> None
     for seed in range(100):
         for p in PROMPTS:
             stats = Acceptance(K)
-            expected_replay(sampling_alphas(make, tiny.model, p, NEW + K - 1, 1.0, seed),
-                            NEW, K, stats)  # fmt: skip
+            sample = target_sample(tiny.model, p, NEW + K - 1, 1.0, seed)
+            expected_replay(sampling_alphas(make, p, sample, 1.0), NEW, K, stats)
             accepted, cycles = accepted + sum(stats.accepted), cycles + stats.cycles
     estimate = accepted / cycles
     assert low <= estimate <= high, (estimate, low, high)

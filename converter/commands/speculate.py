@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,30 +32,52 @@ def vocab_hash(vocab: dict[str, int], ids: int) -> str:
     return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
 
 
-def load_target(draft: Any, target: Path | None) -> tuple[Any, bool, str]:
-    """The target model (fp32), whether it is the draft's own checkpoint, and its name."""
+@dataclass(frozen=True)
+class Target:
+    """The target model (fp32) and what it was loaded from."""
+
+    model: Any
+    sha256: str  # the checkpoint's (converter.checkpoints.loading)
+    source: str
+    tokenizer: Any  # None: none shipped
+
+
+def load_target(draft: Any, target: Path | None) -> Target:
+    """The ``--target`` checkpoint, or without one the draft's own (hash checked)."""
     from converter.checkpoints.loading import load_checkpoint
     from converter.drafts.host_loop import artifact_checkpoint, artifact_source
     from converter.recipe.sources import ResolvedSource
 
-    manifest = draft.manifest
     if target is None:
         source, _ = artifact_source(draft.directory)
-        model = artifact_checkpoint(draft.directory).model
-        return model.float().eval(), True, f"{source.directory} (the draft's own)"
+        ckpt = artifact_checkpoint(draft.directory)
+        return Target(ckpt.model.float().eval(), ckpt.sha256, str(source.directory), None)
     ckpt = load_checkpoint(ResolvedSource("hf-dir", target, None), "text-generation")
-    if ckpt.sha256 == manifest["checkpoint"]["sha256"]:
-        return ckpt.model.float().eval(), True, f"{target} (the draft's own)"
-    if draft.tokenizer is None or ckpt.tokenizer is None:
-        raise InputError(f"{target}: a vocabulary check needs both tokenizers")
-    shared = min(manifest["vocab_size"], len(ckpt.tokenizer.get_vocab()))
+    return Target(ckpt.model.float().eval(), ckpt.sha256, str(target), ckpt.tokenizer)
+
+
+def target_key(draft: Any, target: Path | None) -> str:
+    """Which target a draft is measured against, before loading it: drafts with one key share
+    one loaded target and its continuations."""
+    return str(target) if target is not None else draft.manifest["checkpoint"]["sha256"]
+
+
+def target_name(draft: Any, target: Target) -> tuple[bool, str]:
+    """Whether ``target`` is the draft's own checkpoint, and its name in the report; a
+    foreign target must share the draft's vocabulary (InputError naming it otherwise)."""
+    manifest = draft.manifest
+    if target.sha256 == manifest["checkpoint"]["sha256"]:
+        return True, f"{target.source} (the draft's own)"
+    if draft.tokenizer is None or target.tokenizer is None:
+        raise InputError(f"{target.source}: a vocabulary check needs both tokenizers")
+    shared = min(manifest["vocab_size"], len(target.tokenizer.get_vocab()))
     if vocab_hash(draft.tokenizer.get_vocab(), shared) != vocab_hash(
-        ckpt.tokenizer.get_vocab(), shared
+        target.tokenizer.get_vocab(), shared
     ):
         raise InputError(
-            f"{target}: its vocabulary differs from the draft's on ids 0..{shared - 1}"
+            f"{target.source}: its vocabulary differs from the draft's on ids 0..{shared - 1}"
         )
-    return ckpt.model.float().eval(), False, str(target)
+    return False, target.source
 
 
 BOOTSTRAP = 2000  # resamples of the texts for the MIL check's interval (seeded)
@@ -121,18 +144,53 @@ def _first_difference(backend: list[Any], mil: list[Any]) -> dict[str, int] | No
     return None
 
 
-def replay_agreements(
-    make: Any, model: Any, prompts: list[list[int]], tokens: int
-) -> list[list[bool]]:
-    """Per text, the target's greedy continuation of ``tokens`` (fp32, transformers' cache)
-    and whether the draft's greedy token matches it after each prefix (`draft_agreement`)."""
-    from converter.drafts.speculation import draft_agreement
+@dataclass(frozen=True)
+class Continuations:
+    """What the target says on the texts, computed once per target and shared by every draft
+    judged against it: per text, its greedy continuation (for the replayed T = 0 cycles; None
+    when the cycles run) and, per T > 0, its sampled continuation with its logits."""
+
+    greedy: list[list[int]] | None
+    sampled: dict[float, list[Any]]  # T -> per text, a speculation.TargetSample
+
+
+def continuations(
+    model: Any, prompts: list[list[int]], steps: int, temps: list[float], greedy: bool,
+    advance: Any,
+) -> Continuations:  # fmt: skip
+    """The target's `Continuations` of ``steps`` tokens; ``advance()`` after each text's."""
+    from converter.drafts.speculation import target_sample
     from parity.reference import greedy_ids
 
-    return [
-        draft_agreement(make, prompt, greedy_ids(model, tuple(prompt), tokens))
-        for prompt in prompts
-    ]
+    greedy_rows = None
+    if greedy:
+        greedy_rows = []
+        for prompt in prompts:
+            greedy_rows.append(greedy_ids(model, tuple(prompt), steps))
+            advance()
+    sampled: dict[float, list[Any]] = {}
+    for t in temps:
+        if t > 0:
+            sampled[t] = []
+            for seed, prompt in enumerate(prompts):  # seeded by the text's index
+                sampled[t].append(target_sample(model, prompt, steps, t, seed))
+                advance()
+    return Continuations(greedy_rows, sampled)
+
+
+def replay_agreements(
+    make: Any, prompts: list[list[int]], greedy: list[list[int]], advance: Any = None
+) -> list[list[bool]]:
+    """Per text, whether the draft's greedy token matches the target's greedy continuation
+    after each prefix (`draft_agreement`)."""
+    from converter.drafts.speculation import draft_agreement
+
+    out = []
+    for prompt, cont in zip(prompts, greedy, strict=True):
+        out.append(draft_agreement(make, prompt, cont))
+        if advance is not None:
+            advance()
+    return out
 
 
 def depth_counts(
@@ -220,69 +278,109 @@ def refuse_failed(directory: Path) -> None:
         raise InputError(f"{directory}: its parity gates failed (parity.json): not compared")
 
 
-def measure_draft(
-    draft_dir: Path, target_dir: Path | None, ks: list[int], max_new_tokens: int,
-    texts: int | None, draft_backend: str, check_mil: int, cycles: bool,
-    temperatures: tuple[float, ...], echo: Any,
-) -> dict[str, Any]:  # fmt: skip
-    """One draft's acceptance sweep (every K, every temperature); ``echo`` gets each K's
-    lines as they are measured."""
-    from converter.drafts.comparison import row_text
-    from converter.drafts.host_loop import Runtime, coreml_backend, mil_backend, torch_backend
-    from converter.drafts.speculation import TEXTS, sampling_alphas, target_tokens
+@dataclass(frozen=True)
+class Sweep:
+    """What every draft of one ``anec speculate`` run is measured on, and how."""
 
-    draft = Runtime.from_artifact(draft_dir)
+    ks: list[int]
+    max_new_tokens: int
+    texts: int | None
+    draft_backend: str
+    check_mil: int
+    cycles: bool
+    temperatures: tuple[float, ...]
+
+    @property
+    def steps(self) -> int:
+        """Continuation tokens per text: the last cycle drafts past the end."""
+        return self.max_new_tokens + max(self.ks) - 1
+
+    @property
+    def replayed(self) -> bool:
+        """Greedy cycles counted from teacher-forced tokens (`replay`), not run."""
+        return self.draft_backend == "torch" and not self.cycles
+
+
+def open_draft(directory: Path, sweep: Sweep) -> tuple[Any, list[list[int]]]:
+    """The draft's `Runtime` and the built-in texts in its tokens, checked to fit its cache."""
+    from converter.drafts.host_loop import Runtime
+    from converter.drafts.speculation import TEXTS
+
+    draft = Runtime.from_artifact(directory)
     if draft.tokenizer is None:
-        raise InputError(f"{draft_dir}: the draft ships no tokenizer.json")
-    temps = parse_temperatures(temperatures, draft.manifest, str(draft_dir))
-    model, own, target_name = load_target(draft, target_dir)
-    backends = {"torch": torch_backend, "mil": mil_backend, "coreml": coreml_backend}
-    make = backends[draft_backend](draft)
-    check = mil_backend(draft) if check_mil and draft_backend != "mil" else None
-    prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[:texts]]
-    verify = partial(target_tokens, model)
-    steps = max_new_tokens + max(ks) - 1  # the last cycle drafts past the end
+        raise InputError(f"{directory}: the draft ships no tokenizer.json")
+    prompts = [list(draft.tokenizer.encode(t).ids) for t in TEXTS[: sweep.texts]]
     capacity = int(draft.kv["cache_length"])
     for i, prompt in enumerate(prompts):
-        if len(prompt) + steps > capacity:
+        if len(prompt) + sweep.steps > capacity:
             raise InputError(
-                f"{draft_dir}: text {i} ({len(prompt)} tokens) and {steps} tokens of "
+                f"{directory}: text {i} ({len(prompt)} tokens) and {sweep.steps} tokens of "
                 f"continuation exceed the {capacity}-slot cache: lower --max-new-tokens"
             )
-    agreements = None
-    if draft_backend == "torch" and not cycles:
-        agreements = replay_agreements(make, model, prompts, steps)
-    # Per temperature, per text: the acceptance probability along the target's sampled
-    # continuation (seeded by the text's index), shared by every K.
-    alphas = {t: [sampling_alphas(make, model, p, steps, t, seed) for seed, p in enumerate(prompts)]
-              for t in temps if t > 0}  # fmt: skip
+    return draft, prompts
+
+
+def measure_draft(
+    draft: Any, prompts: list[list[int]], temps: list[float], target: Target,
+    said: Continuations, sweep: Sweep, progress: Any, echo: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One draft's acceptance sweep (every K, every temperature) against ``target``, which
+    ``said`` what it continues the texts with; ``echo`` gets each K's lines as they are
+    measured, ``progress`` (`Steps`) shows the long steps."""
+    from converter.drafts.comparison import row_text
+    from converter.drafts.host_loop import coreml_backend, mil_backend, torch_backend
+    from converter.drafts.speculation import sampling_alphas, target_tokens
+
+    own, name = target_name(draft, target)
+    backends = {"torch": torch_backend, "mil": mil_backend, "coreml": coreml_backend}
+    with progress.step(f"{draft.directory.name}: load"):
+        make = backends[sweep.draft_backend](draft)
+        check = mil_backend(draft) if sweep.check_mil and sweep.draft_backend != "mil" else None
+    verify = partial(target_tokens, target.model)
+    forced = len(prompts) * ((said.greedy is not None) + len(said.sampled))
+    with progress.step(f"{draft.directory.name}: teacher-forced", forced) as advance:
+        agreements = None
+        if said.greedy is not None:
+            agreements = replay_agreements(make, prompts, said.greedy, advance)
+        # Per temperature, per text: the acceptance probability along the target's sampled
+        # continuation, shared by every K.
+        alphas: dict[float, list[list[float]]] = {}
+        for t, samples in said.sampled.items():
+            alphas[t] = []
+            for prompt, sample in zip(prompts, samples, strict=True):
+                alphas[t].append(sampling_alphas(make, prompt, sample, t))
+                advance()
     rows = []
-    for k in ks:
-        stats, per_text = depth_counts(make, verify, prompts, k, max_new_tokens, agreements)
-        row: dict[str, Any] = {
-            "k": k,
-            "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
-            "mean_accepted_per_cycle": round(stats.mean_accepted, 4),
-            "mean_accepted_95": interval(per_text, k),
-            "tokens_per_target_call": round(stats.tokens_per_call, 4),
-            "cycles": stats.cycles,
-        }
-        if alphas:
-            row["sampling"] = {
-                str(t): sampled_rows(a, k, max_new_tokens) for t, a in alphas.items()
+    with progress.step(f"{draft.directory.name}: depths", len(sweep.ks)) as advance:
+        for k in sweep.ks:
+            stats, per_text = depth_counts(make, verify, prompts, k, sweep.max_new_tokens,
+                                           agreements)  # fmt: skip
+            row: dict[str, Any] = {
+                "k": k,
+                "acceptance_per_position": [round(stats.rate(i), 4) for i in range(k)],
+                "mean_accepted_per_cycle": round(stats.mean_accepted, 4),
+                "mean_accepted_95": interval(per_text, k),
+                "tokens_per_target_call": round(stats.tokens_per_call, 4),
+                "cycles": stats.cycles,
             }
-        if check is not None:
-            row["mil_check"] = mil_check(check, verify, prompts[:check_mil], k,
-                                         max_new_tokens, per_text[:check_mil])  # fmt: skip
-        rows.append(row)
-        echo(row_text(row, draft_backend))
+            if alphas:
+                row["sampling"] = {str(t): sampled_rows(a, k, sweep.max_new_tokens)
+                                   for t, a in alphas.items()}  # fmt: skip
+            if check is not None:
+                row["mil_check"] = mil_check(check, verify, prompts[: sweep.check_mil], k,
+                                             sweep.max_new_tokens,
+                                             per_text[: sweep.check_mil])  # fmt: skip
+            rows.append(row)
+            echo(row_text(row, sweep.draft_backend))
+            advance()
     label = "self-acceptance (the draft against its own checkpoint in fp32: a fidelity figure)" \
         if own else "acceptance"  # fmt: skip
-    return {"draft": str(draft_dir), "draft_backend": draft_backend, "target": target_name,
+    return {"draft": str(draft.directory), "draft_backend": sweep.draft_backend, "target": name,
             "own_target": own, "label": label, "rows": rows, "texts": len(prompts),
-            "max_new_tokens": max_new_tokens, "positions": len(prompts) * max_new_tokens,
+            "max_new_tokens": sweep.max_new_tokens,
+            "positions": len(prompts) * sweep.max_new_tokens,
             "temperatures": temps, "estimator": ESTIMATOR,
-            "loop": "cycles" if agreements is None else "replay",
+            "loop": "replay" if sweep.replayed else "cycles",
             "extend_tokens": draft.functions["extend"].shape.tokens,
             "packages": [str(p) for p in draft.packages or [draft.package]],
             "function_packages": {f: str(p) for f, p in draft.function_packages.items()},
@@ -291,13 +389,13 @@ def measure_draft(
 
 ESTIMATOR = (
     "T = 0: greedy cycles over the target's greedy continuation (replayed from the draft's "
-    "greedy tokens, or run); T > 0: per text, the target's continuation sampled at T (seeded "
-    "by the text's index), the exact acceptance probability sum_x min(p_T, q_T) at each of "
-    "its positions from the draft's logits after the same prefix, and the expected counts of "
-    "the cycles, a cycle accepting its j-th draft with the product of the first j "
-    "probabilities (converter.drafts.speculation.expected_replay); 95 % intervals by a bootstrap "
-    "over "
-    "the texts"
+    "greedy tokens, teacher-forced in extend calls, or run); T > 0: per text, the target's "
+    "continuation sampled at T (seeded by the text's index), the exact acceptance probability "
+    "sum_x min(p_T, q_T) at each of its positions from the draft's logits after the same "
+    "prefix (teacher-forced in extend calls), and the expected counts of the cycles, a cycle "
+    "accepting its j-th draft with the product of the first j probabilities "
+    "(converter.drafts.speculation.expected_replay); 95 % intervals by a bootstrap over the "
+    "texts"
 )
 
 
@@ -373,19 +471,38 @@ def speculate_command(
     per chip (the draft's step costs from the cost model, predicted), sequential and
     pipelined, and the drafts ranked by predicted speed-up."""
     from converter.drafts.comparison import comparison, write_reports
+    from converter.pipeline.progress import Steps
 
-    ks = parse_depths(depths)
+    sweep = Sweep(parse_depths(depths), max_new_tokens, texts, draft_backend, check_mil, cycles,
+                  temperatures)  # fmt: skip
     echo = (lambda _: None) if as_json else click.echo
     for directory in draft_dirs:  # before any measuring: a failed one stops the comparison
         refuse_failed(directory)
+    # Drafts of one checkpoint share its loaded target, and drafts that also share tokens and
+    # temperatures share what it said: loaded and computed once, here, for this run.
+    targets: dict[str, Target] = {}
+    said: dict[tuple[Any, ...], Continuations] = {}
     docs = []
-    for directory in draft_dirs:
-        echo(f"== {directory}")
-        doc = measure_draft(directory, target_dir, ks, max_new_tokens, texts, draft_backend,
-                            check_mil, cycles, temperatures, echo)  # fmt: skip
-        docs.append(doc)
-        echo(f"{doc['label']}; target {doc['target']}; {doc['texts']} texts x "
-             f"{max_new_tokens} tokens ({doc['positions']} positions)")  # fmt: skip
+    with Steps(quiet=as_json) as progress:
+        for directory in draft_dirs:
+            echo(f"== {directory}")
+            draft, prompts = open_draft(directory, sweep)
+            temps = parse_temperatures(temperatures, draft.manifest, str(directory))
+            key = target_key(draft, target_dir)
+            if key not in targets:
+                with progress.step("target: load"):
+                    targets[key] = load_target(draft, target_dir)
+            texts_key = (key, tuple(tuple(p) for p in prompts), tuple(temps))
+            if texts_key not in said:
+                total = len(prompts) * (sweep.replayed + sum(t > 0 for t in temps))
+                with progress.step("target: continuations", total) as advance:
+                    said[texts_key] = continuations(targets[key].model, prompts, sweep.steps,
+                                                    temps, sweep.replayed, advance)  # fmt: skip
+            doc = measure_draft(draft, prompts, temps, targets[key], said[texts_key], sweep,
+                                progress, echo)  # fmt: skip
+            docs.append(doc)
+            echo(f"{doc['label']}; target {doc['target']}; {doc['texts']} texts x "
+                 f"{max_new_tokens} tokens ({doc['positions']} positions)")  # fmt: skip
     report = comparison(docs, verify_ms, target_ms)
     if out_dir is not None:
         for path in write_reports(report, out_dir):

@@ -15,12 +15,13 @@ Under sampling at temperature T > 0 (speculative sampling: Leviathan et al. 2023
 2023) a drafted token is accepted with probability ``alpha = sum_x min(p_T(x), q_T(x))``, one
 minus the total-variation distance of the target's and the draft's distributions at that
 position, which the logits give exactly (`acceptance_probability`). The estimator
-(`expected_replay`): per text, the target's own continuation sampled at T (`sampled_ids`,
-seeded); alpha at each of its positions from the draft's logits after the same prefix
-(teacher-forced, `draft_logits`); then the expected counts of the cycles, a cycle at index t
-accepting its j-th draft with probability ``alpha_t * ... * alpha_(t+j-1)`` (each acceptance
-judged at the target's sampled context, not at the accepted draft's: an approximation the
-tests compare with real speculative sampling). At T = 0 it is `replay`, exactly.
+(`expected_replay`): per text, the target's own continuation sampled at T (`target_sample`,
+seeded, computed once per target and shared by its drafts); alpha at each of its positions
+from the draft's logits after the same prefix (teacher-forced in ``extend`` calls,
+`draft_logits`); then the expected counts of the cycles, a cycle at index t accepting its
+j-th draft with probability ``alpha_t * ... * alpha_(t+j-1)`` (each acceptance judged at the
+target's sampled context, not at the accepted draft's: an approximation the tests compare
+with real speculative sampling). At T = 0 it is `replay`, exactly.
 """
 
 from __future__ import annotations
@@ -191,41 +192,75 @@ def sampled_ids(
     return new
 
 
+@dataclass(frozen=True)
+class TargetSample:
+    """The target's continuation of one prompt sampled at one temperature (`sampled_ids`)
+    and its logits after each prefix: what every draft of that target is judged against."""
+
+    ids: list[int]
+    logits: np.ndarray = field(repr=False)  # (len(ids), V) fp32: after prompt + ids[:i]
+
+
+@torch.no_grad()
+def target_sample(
+    model: nn.Module, prompt: list[int], steps: int, temperature: float, seed: int
+) -> TargetSample:
+    """``steps`` tokens of the target's continuation sampled at ``temperature`` (seeded), with
+    its logits at each of them (one full fp32 recompute)."""
+    cont = sampled_ids(model, prompt, steps, temperature, seed)
+    logits = model(input_ids=torch.tensor([prompt + cont]), use_cache=False).logits[0]
+    return TargetSample(cont, logits[len(prompt) - 1 : len(prompt) - 1 + steps].float().numpy())
+
+
+def forced_calls(
+    session: CacheSession, prompt: list[int], cont: list[int]
+) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """The draft teacher-forced along ``cont`` from a fresh ``session``: each call's outputs
+    and how many of its last positions are new, together the draft's outputs after
+    ``prompt + cont[:i]`` for every i. The prompt is prefilled (its last position: i = 0),
+    then ``cont[:-1]`` fed in ``extend`` calls of the function's T tokens where it returns
+    every position (an artifact's does: the function the loop absorbs accepted tokens with,
+    T times fewer calls than one ``decode`` per token), else one ``decode`` call per token.
+    The context must fit the cache (no eviction)."""
+    capacity = session.functions["prefill"].shape.cache_length
+    if len(prompt) + len(cont) > capacity:
+        raise ValueError(f"{len(prompt)} + {len(cont)} tokens exceed the {capacity}-slot cache")
+    yield session.prefill_outputs("prefill", prompt), 1
+    extend = session.functions.get("extend")
+    function = "extend" if extend is not None and extend.logits == "all" else "decode"
+    t = session.functions[function].shape.tokens
+    fed = cont[:-1]
+    for i in range(0, len(fed), t):
+        chunk = fed[i : i + t]
+        yield session.call_outputs(function, chunk), len(chunk)
+
+
 def draft_logits(session: CacheSession, prompt: list[int], cont: list[int]) -> Iterator[np.ndarray]:
-    """The draft's logits (its head's rows) after ``prompt + cont[:i]`` for every i, from a
-    fresh ``session``: the prompt prefilled, then ``cont`` decoded one token at a time
-    (teacher-forced). A draft whose head returns its choice instead of logits (argmax, top-k)
+    """The draft's logits (its head's rows) after ``prompt + cont[:i]`` for every i
+    (`forced_calls`). A draft whose head returns its choice instead of logits (argmax, top-k)
     cannot say its distribution: ValueError."""
-    outputs = session.prefill_outputs("prefill", prompt)
-    for i in range(len(cont)):
+    for outputs, n in forced_calls(session, prompt, cont):
         if not chunk_names(outputs):
             raise ValueError(
                 "the draft returns " + ", ".join(sorted(outputs)) + ", not logits: sampling "
                 "acceptance needs the draft's distribution (convert with io.output: logits)"
             )
-        yield join_logits(outputs)[0, -1]
-        if i < len(cont) - 1:
-            outputs = session.call_outputs("decode", [cont[i]])
+        yield from join_logits(outputs)[0, -n:]
 
 
-@torch.no_grad()
 def sampling_alphas(
     make_session: Callable[[], CacheSession],
-    target: nn.Module,
     prompt: list[int],
-    steps: int,
+    sample: TargetSample,
     temperature: float,
-    seed: int,
 ) -> list[float]:
-    """The acceptance probability at each of ``steps`` indices of the target's continuation
-    sampled at ``temperature`` (`sampled_ids`): the estimator's input (module docstring)."""
-    cont = sampled_ids(target, prompt, steps, temperature, seed)
-    logits = target(input_ids=torch.tensor([prompt + cont]), use_cache=False).logits[0]
-    rows = logits[len(prompt) - 1 : len(prompt) - 1 + steps].float().numpy()
+    """The acceptance probability at each index of the target's sampled continuation
+    ``sample`` (`target_sample`, at ``temperature``): the estimator's input (module
+    docstring)."""
     session = make_session()
     return [
         acceptance_probability(d, t, temperature, session.head_ids)
-        for d, t in zip(draft_logits(session, prompt, cont), rows, strict=True)
+        for d, t in zip(draft_logits(session, prompt, sample.ids), sample.logits, strict=True)
     ]
 
 
@@ -233,18 +268,14 @@ def draft_agreement(
     make_session: Callable[[], CacheSession], prompt: list[int], cont: list[int]
 ) -> list[bool]:
     """Whether the draft's greedy token after ``prompt + cont[:i]`` is ``cont[i]``, for every
-    i: the prompt prefilled, then ``cont`` decoded one token at a time (teacher-forced), for
-    `replay`. The context must fit the cache (no eviction)."""
+    i (`forced_calls`), for `replay`."""
     session = make_session()
-    capacity = session.functions["prefill"].shape.cache_length
-    if len(prompt) + len(cont) > capacity:
-        raise ValueError(f"{len(prompt)} + {len(cont)} tokens exceed the {capacity}-slot cache")
-    token = session.choose(session.prefill_outputs("prefill", prompt))
-    agree = [token == cont[0]]
-    for i in range(len(cont) - 1):
-        token = session.choose(session.call_outputs("decode", [cont[i]]))
-        agree.append(token == cont[i + 1])
-    return agree
+    chosen = [
+        token
+        for outputs, n in forced_calls(session, prompt, cont)
+        for token in session.choices(outputs, n)
+    ]
+    return [a == b for a, b in zip(chosen, cont, strict=True)]
 
 
 @torch.no_grad()
