@@ -227,9 +227,9 @@ def test_the_torch_backend_drafts_as_the_program_does(artifact: Path) -> None:
     (`mil_check` reports both)."""
     from tiny_models import tiny_hf_model
 
-    from converter.commands.speculate import mil_check
     from converter.drafts.host_loop import Runtime, mil_backend, torch_backend
     from converter.drafts.speculation import Acceptance, speculate, target_tokens
+    from converter.drafts.sweep import mil_check
     from parity.reference import greedy_ids
 
     runtime = Runtime.from_artifact(artifact)
@@ -260,9 +260,9 @@ def test_the_replayed_sweep_counts_what_the_cycles_count(artifact: Path) -> None
     same draft."""
     from tiny_models import tiny_hf_model
 
-    from converter.commands.speculate import replay_agreements
     from converter.drafts.host_loop import Runtime, torch_backend
     from converter.drafts.speculation import Acceptance, replay, speculate, target_tokens
+    from converter.drafts.sweep import replay_agreements
     from parity.reference import greedy_ids
 
     make = torch_backend(Runtime.from_artifact(artifact))
@@ -459,8 +459,8 @@ def test_anec_parity_on_an_artifact_of_the_earlier_cache_rule_says_so(
 
 
 def test_the_mil_check_names_the_first_cycle_where_the_two_loops_part() -> None:
-    from converter.commands.speculate import _first_difference
     from converter.drafts.speculation import Acceptance, replay
+    from converter.drafts.sweep import _first_difference
 
     same = [True] * 9
     parted = [True, True, False] + [True] * 6  # the draft misses continuation index 2
