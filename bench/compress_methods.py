@@ -321,7 +321,7 @@ def run_case(case: str, recipe: Path, out: Path, cap_gib: float) -> dict[str, An
 # ---- the table -------------------------------------------------------------------------------
 
 
-# emit's own steps for every variant (converter/compression/emit.py), named "<suffix>: <step>"
+# the steps every variant runs (converter/compression/variant_steps.py), named "<suffix>: <step>"
 EMIT_STEPS = ("compress", "records and size", "parity (torch, MIL)")
 # Methods whose own step (GPTQ, sensitive k-means) runs in their ``prepare``, inside emit's
 # compress step: counted once. The others' (find grids, search) run before it.

@@ -15,7 +15,7 @@ from tiny_models import run_anec
 import converter.pipeline.run
 import converter.recipe.from_checkpoint
 from converter.commands.batch import Outcome
-from converter.compression.emit import VariantResult
+from converter.compression.variant_steps import VariantResult
 from converter.pipeline.run import ConvertResult
 from converter.pipeline.summary import failed_gate
 from parity.gate_registry import gate

@@ -16,8 +16,8 @@ from encoder_models import hf_model, random_sequences, tiny_config
 from tiny_models import one_torch_thread
 
 from converter.checkpoints.loading import load_checkpoint
-from converter.compression.emit import VariantResult
 from converter.compression.encoder_variants import prepare_encoder_held_out
+from converter.compression.variant_steps import VariantResult
 from converter.pipeline.hashing import mlpackage_content_hash
 from converter.pipeline.manifest import Manifest
 from converter.pipeline.run import convert

@@ -19,8 +19,8 @@ from encoder_models import PAD_ID, build_encoder, random_sequences, tiny_config
 from test_compress_encoder import _recipe
 from tiny_models import one_torch_thread
 
-from converter.compression.emit import VariantResult
 from converter.compression.sites import WeightSite
+from converter.compression.variant_steps import VariantResult
 from converter.pipeline.run import convert
 from converter.recipe import RecipeError, load_recipe
 from parity.fixtures import Fixture

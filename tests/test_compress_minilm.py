@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from tiny_models import one_torch_thread
 
-from converter.compression.emit import VariantResult
+from converter.compression.variant_steps import VariantResult
 from converter.pipeline.manifest import Manifest
 from converter.pipeline.run import convert
 from converter.recipe import load_recipe, locate_recipe

@@ -19,7 +19,7 @@ from tiny_models import (
     one_torch_thread,
 )
 
-from converter.compression.stateful import HOST_FILES, STRUCTURAL, WINDOW, differing
+from converter.compression.cached_programs import HOST_FILES, STRUCTURAL, WINDOW, differing
 from converter.recipe import RecipeError, load_recipe
 
 # decode_steps 16: a CI-sized recipe (the 64 steps run in test_kv_pipeline.py).
@@ -131,8 +131,8 @@ def test_the_combined_package_stores_the_compressed_weights_once(
 def test_the_same_plan_gives_identical_weight_bytes_in_every_function(
     run: tuple[Result, Path],
 ) -> None:
+    from converter.compression.cached_programs import function_sites, payloads
     from converter.compression.records import weight_records
-    from converter.compression.stateful import function_sites, payloads
     from parity.mil import load_package
 
     _, out = run

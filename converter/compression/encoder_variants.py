@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from converter.compression.corpus import slice_fixtures
-from converter.compression.emit import VariantResult, emit
+from converter.compression.emit import emit
 from converter.compression.methods.base import Inspected, Scheme, VariantFields
 from converter.compression.sites import WeightSite
+from converter.compression.variant_steps import VariantResult
 from converter.errors import InputError
 from converter.pipeline.progress import Steps
 from converter.recipe.compression_section import Compression

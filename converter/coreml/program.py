@@ -219,11 +219,16 @@ def canonicalize_spec(package: Path, spec: Any = None) -> None:
     spec_file.write_bytes(spec.SerializeToString(deterministic=True))
 
 
+def function_ops(function: Any) -> dict[str, int]:
+    """Live op counts of one MIL function (constants excluded), by op type in order: what a
+    manifest records of a package's function."""
+    counts = collections.Counter(op.op_type for op in function.operations if op.op_type != "const")
+    return dict(sorted(counts.items()))
+
+
 def live_ops(mlmodel: Any) -> collections.Counter[str]:
     """Op types of every function in the program, constants excluded."""
     counts: collections.Counter[str] = collections.Counter()
     for function in mlmodel._mil_program.functions.values():
-        for op in function.operations:
-            if op.op_type != "const":
-                counts[op.op_type] += 1
+        counts.update(function_ops(function))
     return counts

@@ -42,7 +42,8 @@ class ConvertResult:
     live_ops: int = 0
     live_ops_per_layer: float = 0.0
     notes: list[str] = field(default_factory=list)
-    variants: list[Any] = field(default_factory=list)  # compress.emit.VariantResult, in order
+    # compression.variant_steps.VariantResult, in order
+    variants: list[Any] = field(default_factory=list)
     failed_gate: str | None = None  # the kind of gate that blocked the artifact, if one did
 
     @property

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from converter.pipeline.publish import write_json_atomic
 from converter.pipeline.steps import Advance
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
@@ -20,7 +21,7 @@ from graph_passes.cached_decoder import CachedDecoder
 from parity.gate_registry import GateResult, gate
 from parity.kv_fp32 import PROFILE as FP32_LEVEL
 from parity.kv_fp32 import LayerCapture, cached_fp32_level, reference
-from parity.kv_gates import KvParity, check_kv
+from parity.kv_gates import RULE, KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
 from parity.kv_sequence import torch_fp16_errors
 from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
@@ -232,3 +233,21 @@ KV_LEVELS = [
     ),
     level_row("kv-cache", "mil-fp16", "reference (the original model's full recompute, fp32)"),
 ]
+
+
+def write_kv_parity(
+    directory: Path, kv: KvParity, sizes: list[dict[str, Any]], **extra: Any
+) -> None:
+    """``kv_parity.json`` of a cached artifact, fp16 or variant: the cache rule it was judged
+    by, every cache gate as measured, the argmax flips, per-fixture figures, the fp16 logit
+    error and the packages' sizes (one package's, or ``{"chunks": [...]}``), with ``extra``
+    entries (a variant's: which gates it is gated on, weights stored differently)."""
+    doc = {
+        "rule": RULE,
+        "gates": [g.to_json() for g in kv.gates],
+        "flips": kv.flips,
+        "fixtures": kv.rows,
+        "fp16_logit_error": kv.drift.to_json() if kv.drift is not None else None,
+        "sizes": sizes[0] if len(sizes) == 1 else {"chunks": sizes},
+    }
+    write_json_atomic(directory / "kv_parity.json", doc | extra)

@@ -56,7 +56,13 @@ from converter.tasks.kv_layout import (
     publish_singles,
     resident_predicted,
 )
-from converter.tasks.kv_parity import KV_LEVELS, PROFILE, CacheBounds, function_gates
+from converter.tasks.kv_parity import (
+    KV_LEVELS,
+    PROFILE,
+    CacheBounds,
+    function_gates,
+    write_kv_parity,
+)
 from converter.tasks.shared import Program, load, need, write_parity_reports
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
@@ -307,17 +313,7 @@ def kv_parity(run: KvRun, advance: Advance) -> Stop | None:
         )
     report.implementations["mil-fp16"] = "anec MIL evaluator, fp16 profile, through the cache"
     drift = need(run.kv.drift, "the fp16 drift")
-    write_json_atomic(
-        run.job.directory / "kv_parity.json",
-        {
-            "rule": RULE,
-            "gates": [g.to_json() for g in run.kv.gates],
-            "flips": run.kv.flips,
-            "fixtures": run.kv.rows,
-            "fp16_logit_error": drift.to_json(),
-            "sizes": run.sizes if len(run.chunk_sizes) == 1 else {"chunks": run.chunk_sizes},
-        },
-    )
+    write_kv_parity(run.job.directory, run.kv, run.chunk_sizes)
     levels = KV_LEVELS if fp32 else KV_LEVELS[2:]
     write_parity_reports(run.job.directory, report, None,
                          {"recipe": run.recipe.name, "kv_cache_rule": RULE}, levels,
@@ -425,8 +421,9 @@ def compress(run: KvRun, published: Path, out_dir: Path, force: bool, progress: 
     compression = run.recipe.compression
     if compression is None or run.held_out is None:
         return []
+    from converter.compression.cached_programs import KvBuild
     from converter.compression.decoder_variants import DecoderSubject
-    from converter.compression.stateful import KvBuild, emit_kv_variants
+    from converter.compression.stateful import emit_kv_variants
 
     rw, recipe = need(run.rewrite, "the rewrite"), run.recipe
     target = TARGETS[recipe.target].ct_target()

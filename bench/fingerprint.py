@@ -1,0 +1,94 @@
+"""Behaviour fingerprint of the tiny recipes of every compressed kind, for a refactor's
+before / after (issue 38 item 6): a window decoder with eight variants (one meant to fail), a
+cached decoder with three and a chunked cached decoder with one (the recipes of
+tests/test_compress_pipeline.py, test_kv_compress.py, test_kv_chunks_pipeline.py).
+
+    python bench/fingerprint.py WORKDIR OUT.json         # convert and record
+    python bench/fingerprint.py --compare BEFORE.json AFTER.json
+
+Per artifact it records each package's content hash, every other file's sha256 (the log
+left out) and every gate value. ``--compare`` prints what differs; the recipe files (and so
+each manifest's recipe hash) name WORKDIR, so use the same WORKDIR twice or expect those two.
+Run the "before" from a git worktree of the old commit (``PYTHONPATH`` at it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+def record(workdir: Path) -> dict[str, Any]:
+    """Convert the three tiny recipes under ``workdir``: artifact -> what it holds."""
+    sys.path.insert(0, str(TESTS))
+    import test_compress_pipeline as window
+    import test_kv_chunks_pipeline as chunks
+    import test_kv_compress as cached
+    from tiny_models import convert_tiny_llama
+
+    from converter.pipeline.hashing import mlpackage_content_hash
+
+    cases = {
+        "win": (window.COMPRESSION, "tiny"),
+        "tkv": (cached.CACHE + cached.COMPRESSION, "tkv"),
+        "tch": (chunks.CACHE + chunks.COMPRESSION, "tch"),
+    }
+    out: dict[str, Any] = {}
+    for key, (extra, name) in cases.items():
+        result, folder = convert_tiny_llama(workdir / key, extra, name)
+        print(f"{key}: anec convert exit {result.exit_code}", flush=True)
+        for artifact in sorted(p for p in folder.iterdir() if p.is_dir()):
+            doc: dict[str, Any] = {}
+            for f in sorted(artifact.rglob("*")):
+                rel = str(f.relative_to(artifact))
+                if f.suffix == ".mlpackage":
+                    doc[f"{rel} content"] = mlpackage_content_hash(f)
+                elif f.is_file() and ".mlpackage" not in rel and f.name != "convert.log":
+                    doc[rel] = hashlib.sha256(f.read_bytes()).hexdigest()
+            parity = artifact / "parity.json"
+            if parity.is_file():
+                gates = json.loads(parity.read_text())["gates"]
+                doc["gates"] = {f"{g['name']} [{g.get('implementation')}]": g["value"]
+                                for g in gates}  # fmt: skip
+            out[f"{key}/{artifact.name}"] = doc
+    return out
+
+
+def compare(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What differs, one line each."""
+    lines = [f"only in one: {a}" for a in sorted(set(before) ^ set(after))]
+    for artifact in sorted(set(before) & set(after)):
+        b, a = before[artifact], after[artifact]
+        for key in sorted(set(b) | set(a)):
+            if key == "gates":
+                for gate in sorted(set(b.get(key, {})) | set(a.get(key, {}))):
+                    if b[key].get(gate) != a[key].get(gate):
+                        lines.append(f"{artifact}: gate {gate}: {b[key].get(gate)} -> "
+                                     f"{a[key].get(gate)}")  # fmt: skip
+            elif b.get(key) != a.get(key):
+                lines.append(f"{artifact}: {key} differs")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs=2, type=Path)
+    parser.add_argument("--compare", action="store_true")
+    args = parser.parse_args()
+    if args.compare:
+        before, after = (json.loads(p.read_text()) for p in args.paths)
+        lines = compare(before, after)
+        print("\n".join(lines) if lines else "identical")
+        return
+    workdir, out = args.paths
+    out.write_text(json.dumps(record(workdir), indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
