@@ -118,12 +118,31 @@ def report_to_html(doc: dict[str, Any], title: str = "anec parity report") -> st
 def _levels_section(levels: list[dict[str, Any]]) -> list[str]:
     if not levels:
         return []
+    if "against_original" in levels[0]:
+        return _variant_levels_section(levels)
     rows = [
         [_fmt(lv["level"]), _fmt(lv["implementation"]), _fmt(lv.get("against", "-"))]
         + [_fmt(lv["status"])]
         for lv in levels
     ]
     return ["<h2>Levels</h2>", _table(["level", "implementation", "compared with", "status"], rows)]
+
+
+def _variant_levels_section(levels: list[dict[str, Any]]) -> list[str]:
+    """A compressed variant's levels (`parity.variant`): each run's figures against the
+    original checkpoint and against the fp16 artifact."""
+
+    def figures(measured: dict[str, Any]) -> str:
+        return "<br>".join(f"{escape(k)} {_fmt(v)}" for k, v in measured.items()
+                           if isinstance(v, int | float) and not isinstance(v, bool))  # fmt: skip
+
+    rows = [
+        [_fmt(lv["implementation"]), _fmt(lv.get("description", "-")),
+         figures(lv["against_original"]), figures(lv.get("against_fp16_artifact", {}))]
+        for lv in levels
+    ]  # fmt: skip
+    header = ["implementation", "what ran", "against the original", "against the fp16 artifact"]
+    return ["<h2>Levels</h2>", _table(header, rows)]
 
 
 def _gates_section(gates: list[dict[str, Any]]) -> list[str]:

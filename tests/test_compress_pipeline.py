@@ -194,6 +194,11 @@ def test_parity_reports_both_levels_against_both_baselines(run: tuple[Result, Pa
     assert len(rows) == 12 and all(0 < r["rel_error"] < 0.05 for r in rows)
     assert [r["rel_error"] for r in rows] == sorted((r["rel_error"] for r in rows), reverse=True)
     assert "peak kept" in (out / "tiny-int8" / "parity.txt").read_text()
+    # the HTML report too, as every artifact's: its levels against both baselines, its gates
+    html = (out / "tiny-int8" / "parity.html").read_text()
+    assert "<title>anec parity report: tiny-int8</title>" in html
+    assert "against the fp16 artifact" in html and "mil-fp16" in html
+    assert "min_top1_agreement" in html and "argmax_agreement " in html
 
 
 def test_default_keep_patterns_cover_norms_embeddings_and_head() -> None:

@@ -37,11 +37,12 @@ from converter.coreml.program import function_ops, save_package
 from converter.pipeline.hashing import sha256_file
 from converter.pipeline.manifest import FileEntry, Manifest
 from converter.pipeline.manifest_fields import package_entry
-from converter.pipeline.publish import stage_artifact, write_json_atomic, write_text_atomic
+from converter.pipeline.publish import stage_artifact, write_json_atomic
 from converter.pipeline.runlog import write_log_into
 from converter.pipeline.steps import Advance, Step, run_steps
 from converter.recipe.compression_section import Variant
 from converter.tasks.kv_parity import write_kv_parity
+from converter.tasks.shared import write_parity_files
 from parity.memory import release_memory
 
 
@@ -282,7 +283,8 @@ def _cache_gates(run: VariantRun, advance: Advance) -> None:
 
 
 def _reports(run: VariantRun, advance: Advance) -> None:
-    """parity.json, parity.txt (a cached decoder's kv_parity.json) and manifest.json."""
+    """parity.json, parity.txt, parity.html (a cached decoder's kv_parity.json) and
+    manifest.json."""
     assert run.size is not None
     run.parity.gates += run.cache_gates
     parity_doc, parity_txt = run.ctx.subject.report(run.parity)
@@ -297,7 +299,7 @@ def _reports(run: VariantRun, advance: Advance) -> None:
     }
     sections = [parity_txt, cache_txt, run.size.to_text(), ne_stream_text(run.stream)]
     sections += [errors_text(run.errors), run.inspected.text if run.inspected else ""]
-    write_reports(run.directory, doc, "\n\n".join(s for s in sections if s))
+    write_parity_files(run.directory, doc, "\n\n".join(s for s in sections if s))
     manifest = _manifest(
         run.fp16_dir, run.directory, run.vname, run.variant, run.packages[0], run.ops[0],
         run.records, run.size, run.method.manifest(run.variant) | run.extra,
@@ -371,9 +373,3 @@ def _manifest(
             "compression": compression,
         }
     )
-
-
-def write_reports(directory: Path, doc: dict[str, Any], text: str) -> None:
-    """``parity.json`` and ``parity.txt`` of a variant, atomically."""
-    write_json_atomic(directory / "parity.json", doc)
-    write_text_atomic(directory / "parity.txt", text + "\n")

@@ -186,5 +186,6 @@ def write_parity_files(directory: Path, doc: dict[str, Any], text: str) -> None:
     ``doc``) atomically into ``directory``: every model kind's report files."""
     write_json_atomic(directory / "parity.json", doc)
     write_text_atomic(directory / "parity.txt", text + "\n")
-    title = f"anec parity report: {doc['recipe']}" if "recipe" in doc else "anec parity report"
+    name = doc.get("variant", doc.get("recipe"))  # a compressed variant's: its own name
+    title = f"anec parity report: {name}" if name else "anec parity report"
     write_text_atomic(directory / "parity.html", report_to_html(doc, title))
