@@ -570,3 +570,22 @@ def test_write_npy_writes_np_save_bytes_a_block_at_a_time(
     np.save(expected, table.astype(cast) if cast else table, allow_pickle=False)
     assert (tmp_path / "t.npy").read_bytes() == expected.getvalue()
     assert entry.dtype == (dtype or "float32") and entry.shape == [1001, 37]
+
+
+def test_a_signal_deferred_over_the_staging_mkdir_leaves_no_staging_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM arriving while the staging directory is made is raised as that section
+    ends, still inside ``__enter__`` (where ``with`` calls no ``__exit__``): the stage is
+    removed all the same."""
+    real = os.mkdir
+
+    def mkdir_then_signal(path: str | os.PathLike[str], mode: int = 0o777) -> None:
+        real(path, mode)
+        if Path(path).name.startswith(".anec-staging-"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_signal)
+    with pytest.raises(Interrupted), signals_as_interrupts(), stage_artifact(tmp_path, "m"):
+        pytest.fail("the deferred signal must be raised before the body runs")
+    assert entries(tmp_path) == []

@@ -197,15 +197,21 @@ class ArtifactStage:
         self._check_not_exists()
         stage = fsops.unique_sibling(self.out_dir, STAGING_PREFIX, self.name)
         # Critical: a signal between mkdir and recording the stage would orphan it.
-        with _critical():
-            try:
-                os.mkdir(stage, 0o777)  # honours the umask, unlike mkdtemp's 0o700
-            except OSError as e:
-                raise InputError(
-                    f"output directory {self.out_dir} is not writable: {fsops.os_reason(e)}"
-                ) from e
-            self._stage = stage
-            self._state = "open"
+        try:
+            with _critical():
+                try:
+                    os.mkdir(stage, 0o777)  # honours the umask, unlike mkdtemp's 0o700
+                except OSError as e:
+                    raise InputError(
+                        f"output directory {self.out_dir} is not writable: {fsops.os_reason(e)}"
+                    ) from e
+                self._stage = stage
+                self._state = "open"
+        except BaseException as e:
+            # A signal deferred over the mkdir is raised as the section ends, still inside
+            # __enter__, where the with statement calls no __exit__: clean up here.
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
         return self
 
     def __exit__(
