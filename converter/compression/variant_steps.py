@@ -10,7 +10,6 @@ lives in ``emit`` (single program) and ``stateful`` (cached decoder).
 
 from __future__ import annotations
 
-import json
 import resource
 import shutil
 import time
@@ -300,17 +299,16 @@ def _reports(run: VariantRun, advance: Advance) -> None:
     sections = [parity_txt, cache_txt, run.size.to_text(), ne_stream_text(run.stream)]
     sections += [errors_text(run.errors), run.inspected.text if run.inspected else ""]
     write_parity_files(run.directory, doc, "\n\n".join(s for s in sections if s))
+    base = Manifest.model_validate_json((run.fp16_dir / "manifest.json").read_text())
     manifest = _manifest(
-        run.fp16_dir, run.directory, run.vname, run.variant, run.packages[0], run.ops[0],
-        run.records, run.size, run.method.manifest(run.variant) | run.extra,
-        run.ctx.subject.not_compressed,
+        base, run.directory, run.vname, run.variant, run.packages[0], run.ops[0], run.records,
+        run.size, run.method.manifest(run.variant) | run.extra, run.ctx.subject.not_compressed,
     )  # fmt: skip
     if run.cached is not None:
         write_kv_parity(run.directory, run.kv, run.sizes, gated=list(STRUCTURAL),
                         weights_differing_between_functions=run.odd)  # fmt: skip
-        fp16_doc = json.loads((run.fp16_dir / "manifest.json").read_text(encoding="utf-8"))
-        function = fp16_doc["package"]["function"]  # the packages' default function
-        manifest = with_chunks(manifest, run.packages, run.ops, run.sizes, function)
+        # every package's default function as the fp16 artifact's (decode)
+        manifest = with_chunks(manifest, run.packages, run.ops, run.sizes, base.package.function)
         shutil.rmtree(run.cached.scratch)
     write_json_atomic(run.directory / "manifest.json", manifest.model_dump(mode="json"))
 
@@ -336,7 +334,7 @@ def ne_stream_text(stream: dict[str, Any]) -> str:
 
 
 def _manifest(
-    fp16_dir: Path,
+    base: Manifest,
     stage: Path,
     vname: str,
     variant: Variant,
@@ -347,8 +345,8 @@ def _manifest(
     extra: dict[str, Any],
     not_compressed: str,
 ) -> Manifest:
-    """The fp16 artifact's manifest with this variant's name, package, report and records."""
-    base = Manifest.model_validate(json.loads((fp16_dir / "manifest.json").read_text()))
+    """The fp16 artifact's manifest ``base`` with this variant's name, package, report and
+    records."""
     kept = [r for r in records if r.method == "fp16"]
     compression = {
         "variant": variant.model_dump(mode="json"),
