@@ -1,10 +1,16 @@
-"""Behaviour fingerprint of the tiny recipes of every compressed kind, for a refactor's
-before / after (issue 38 item 6): a window decoder with eight variants (one meant to fail), a
-cached decoder with three and a chunked cached decoder with one (the recipes of
-tests/test_compress_pipeline.py, test_kv_compress.py, test_kv_chunks_pipeline.py).
+"""Behaviour fingerprint of a tiny recipe of every kind, for a refactor's before / after
+(issue 38 item 6): a window decoder with eight variants (one meant to fail), a cached decoder
+with three and a chunked cached decoder with one (the recipes of
+tests/test_compress_pipeline.py, test_kv_compress.py, test_kv_chunks_pipeline.py); a
+ModernBERT classifier (one program, tests/test_reproducible.py), a BERT sentence encoder with
+three variants (tests/test_compress_encoder.py), the same as a host-embedding island and tail,
+and a decision model (tests/test_reproducible.py).
 
     python bench/fingerprint.py WORKDIR OUT.json         # convert and record
+    python bench/fingerprint.py --recipe recipes/R.yaml [--recipe ...] WORKDIR OUT.json
     python bench/fingerprint.py --compare BEFORE.json AFTER.json
+
+``--recipe`` converts those recipes (shipped ones, at full size) instead of the tiny ones.
 
 Per artifact it records each package's content hash, every other file's sha256 (the log
 left out) and every gate value. ``--compare`` prints what differs; the recipe files (and so
@@ -24,25 +30,64 @@ from typing import Any
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 
 
-def record(workdir: Path) -> dict[str, Any]:
-    """Convert the three tiny recipes under ``workdir``: artifact -> what it holds."""
+def record(workdir: Path, recipes: list[Path]) -> dict[str, Any]:
+    """Convert ``recipes`` (or, none given, the tiny ones) under ``workdir``: artifact -> what
+    it holds."""
     sys.path.insert(0, str(TESTS))
+    if recipes:
+        return _holdings([(r.stem, _convert(r, workdir / r.stem)) for r in recipes])
+    return _holdings(_tiny(workdir))
+
+
+def _convert(recipe: Path, out: Path) -> Path:
+    from tiny_models import run_anec
+
+    result = run_anec("convert", recipe, "--out", out, "--json")
+    print(f"{recipe}: anec convert exit {result.exit_code}", flush=True)
+    return out
+
+
+def _tiny(workdir: Path) -> list[tuple[str, Path]]:
+    """Convert the tiny recipes under ``workdir``: (key, out folder) each."""
+    import test_compress_encoder as encoder
     import test_compress_pipeline as window
     import test_kv_chunks_pipeline as chunks
     import test_kv_compress as cached
+    import test_reproducible as kinds
     from tiny_models import convert_tiny_llama
-
-    from converter.pipeline.hashing import mlpackage_content_hash
 
     cases = {
         "win": (window.COMPRESSION, "tiny"),
         "tkv": (cached.CACHE + cached.COMPRESSION, "tkv"),
         "tch": (chunks.CACHE + chunks.COMPRESSION, "tch"),
     }
-    out: dict[str, Any] = {}
+    folders = []
     for key, (extra, name) in cases.items():
         result, folder = convert_tiny_llama(workdir / key, extra, name)
         print(f"{key}: anec convert exit {result.exit_code}", flush=True)
+        folders.append((key, folder))
+    (workdir / "enc").mkdir(parents=True, exist_ok=True)
+    island = encoder._recipe(workdir / "enc", "sentence-similarity", [], "ti")
+    doc = json.loads(island.read_text())  # the same encoder as a host embedding, island, tail
+    doc["encoder"] = {"partition": "host-embedding"}
+    del doc["compression"]
+    island.write_text(json.dumps(doc))
+    recipes = {
+        "cls": kinds._encoder(workdir / "enc"),
+        "sim": encoder._recipe(workdir / "enc", "sentence-similarity", encoder.VARIANTS),
+        "isl": island,
+        "dec": kinds._decision(workdir / "enc"),
+    }
+    return folders + [(key, _convert(recipe, workdir / key)) for key, recipe in recipes.items()]
+
+
+def _holdings(folders: list[tuple[str, Path]]) -> dict[str, Any]:
+    """Each artifact of each folder: its packages' content hashes, other files' sha256 and
+    gate values."""
+    from converter.pipeline.hashing import mlpackage_content_hash
+
+    out: dict[str, Any] = {}
+    for key, folder in folders:
         for artifact in sorted(p for p in folder.iterdir() if p.is_dir()):
             doc: dict[str, Any] = {}
             for f in sorted(artifact.rglob("*")):
@@ -80,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs=2, type=Path)
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--recipe", type=Path, action="append", default=[])
     args = parser.parse_args()
     if args.compare:
         before, after = (json.loads(p.read_text()) for p in args.paths)
@@ -87,7 +133,7 @@ def main() -> None:
         print("\n".join(lines) if lines else "identical")
         return
     workdir, out = args.paths
-    out.write_text(json.dumps(record(workdir), indent=1, sort_keys=True))
+    out.write_text(json.dumps(record(workdir, args.recipe), indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ from torch import nn
 from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.spec import EncoderModel
 
+# The island program's output and the tail's input: the folded last hidden state.
+ISLAND_OUTPUT = "hidden"
+
 
 @dataclass
 class HostEmbedding:

@@ -27,8 +27,8 @@ from parity.gate_registry import first_few
 from parity.head_outputs import run_capturing_logits
 from parity.memory import release_memory
 from parity.metrics import PositionRow, Summary, compare_positions, summarize
+from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import float64_program_copy, in_float64, with_weights
-from parity.result import rel_error
 from parity.torch_settings import TORCH_CPU
 from parity.variant import (
     Advance,
@@ -279,7 +279,7 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
     release_memory()
     baseline = float64_program_copy(module, weights, others_in_fp16=wrap is None)
     del weights
-    worst = 0.0
+    check = Fp32Check([])
     length = module.io.length
     for batch in make_batches(chosen, 1, length, held_out.pad_id):
         x, mask = module_inputs(baseline, batch, embed_table, torch.float32)
@@ -292,8 +292,8 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
             _, logits = run_module(baseline, x.half().double(), mask.half().double())
         have = got[batch.fixtures[0].name]
         want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
-        worst = max(worst, rel_error(have, want))
-    return worst, mismatched
+        check.see(Pair(have, want, "logits"))
+    return check.output.value, mismatched
 
 
 # ---- the all-positions copy of a decoder program, for scoring a variant at MIL level ----------

@@ -23,7 +23,7 @@ import logging
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -39,12 +39,12 @@ from parity.decoder_gates import module_inputs
 from parity.device_margin import IMPLEMENTATION as DEVICE_MARGIN
 from parity.device_margin import margin_gate
 from parity.fixtures import Batch
-from parity.gate_registry import Gated, GateResult, Worst, first_few, gate, worst_of
+from parity.gate_registry import Gated, GateResult, first_few, gate, worst_of
 from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
-from parity.measure import worst_gate
-from parity.metrics import compare_positions
+from parity.metrics import compare_positions, rel_error_np
 from parity.mil import Evaluation, Evaluator, Profile, get_profile, load_package
 from parity.mil.program import dtype_name
+from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import program_constants
 from parity.profile_run import ProfileRun, device_margin_run
 from parity.reference import ReferenceRun
@@ -218,7 +218,7 @@ def check_conversion(
             "MIL evaluator, profile %s: %.1f s, %d batches", profile.name, run.seconds, len(batches)
         )
         del evaluator
-    gates += _gates(runs, thresholds, bool(markers))
+    gates += _gates(runs, thresholds)
     status, runtime_run = _runtime_level(package, module, batches, references, feeds)
     implementations = {run.implementation: run.description for run in runs}
     if runtime_run is not None:
@@ -258,35 +258,15 @@ class _Level:
         seconds = time.perf_counter() - start
         description = f"anec MIL evaluator on the emitted program, profile {profile.name}: "
         implementation = f"mil-{profile.name}" + ("" if seed is None else f" seed {seed}")
-        run = _compare(implementation, description + profile.description, module, self.batches,
-                       results, self.markers, self.references, self.norms, baseline,
-                       self.progress)  # fmt: skip
+        description += profile.description
+        if baseline is None:
+            run = _compare(implementation, description, module, self.batches, results,
+                           self.markers, self.references, self.norms, self.progress)  # fmt: skip
+        else:
+            run = _fp32_run(implementation, description, module, self.batches, results,
+                            self.markers, baseline, self.progress)  # fmt: skip
         run.seconds, run.choice = seconds, choice
         return run
-
-
-def rel_error_np(
-    candidate: Any, reference: Any, norms: dict[Any, float] | None = None, key: Any = None
-) -> float:
-    """``||c - r|| / ||r||`` in fp64 (inf if c is not finite); ``norms`` keeps ``||r||`` by
-    ``key`` for a reference compared in several profiles. `parity.result.rel_error` in numpy:
-    torch's small-tensor overhead made it a tenth of this level's time on SmolLM2."""
-    c = np.asarray(candidate, dtype=np.float64)
-    r = np.asarray(reference, dtype=np.float64)
-    if not np.isfinite(c).all():
-        return math.inf
-    norms = {} if norms is None else norms
-    if key not in norms:
-        norms[key] = _norm(r)
-    return _norm(c - r) / max(norms[key], 1e-30)
-
-
-def _norm(x: np.ndarray) -> float:
-    """``||x||`` summed on this thread (einsum's loop): BLAS's dot (``np.linalg.norm``) split
-    the sum across cores, so the reports' last digits depended on the core count
-    (tests/test_reproducible.py), and it stalled on a busy second core."""
-    flat = x.ravel()
-    return math.sqrt(float(np.einsum("i,i->", flat, flat)))
 
 
 def _logit_slots(tokens: int, length: int, n_logits: int) -> tuple[list[int], slice]:
@@ -306,52 +286,91 @@ def _compare(
     markers: list[str],
     references: dict[str, ReferenceRun],
     norms: dict[Any, float],
-    baseline: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None,
     progress: Callable[[], None] = lambda: None,
 ) -> ProfileRun:
-    """Each batch's outputs and captured layer markers against the reference, or given
-    ``baseline`` (`fp64_baseline`'s states and logits per batch) against the module; ``norms``
-    (the reference's, by fixture and layer) are filled by the first profile and read by the
-    next. Position rows are kept against the reference only."""
+    """Each batch's outputs and captured layer markers against the reference; ``norms`` (the
+    reference's, by fixture and layer) are filled by the first profile and read by the
+    next."""
     length, n_logits = module.io.length, module.io.logit_positions
-    run = ProfileRun(implementation, "reference" if baseline is None else MODULE_BASELINE,
-                     description, [0.0] * len(module.layers), 0.0, True)  # fmt: skip
-    norms = norms if baseline is None else {}  # the module's norms are its own
-    for b, (batch, result) in enumerate(zip(batches, results, strict=True)):
-        seen = run.non_finite_values
-        seen += [name for name in result.non_finite if name not in seen]
+    run = ProfileRun(implementation, "reference", description, [0.0] * len(module.layers),
+                     0.0, True)  # fmt: skip
+    for batch, result in zip(batches, results, strict=True):
+        _see_finite(run, result, markers)
         logits = torch.from_numpy(join_logits(result.outputs))  # (B, n, V)
-        run.finite &= bool(torch.isfinite(logits).all())
-        if baseline is None:
-            run.finite &= all(bool(np.isfinite(result.captured[m]).all()) for m in markers)
         for r, fixture in enumerate(batch.fixtures):
             n = len(fixture.token_ids)
             real = slice(length - n, length)
             positions, out_slice = _logit_slots(n, length, n_logits)
             for i, marker in enumerate(markers):
-                h = result.captured[marker][r, :, 0, real]
-                if baseline is None:
-                    want = references[fixture.name].hidden[i].numpy()
-                    h = h.T / module.spec.stream_scale
-                else:
-                    want = baseline[b][0][i][r, :, 0, real].numpy()
-                    run.finite &= bool(np.isfinite(h).all())
+                h = result.captured[marker][r, :, 0, real].T / module.spec.stream_scale
+                want = references[fixture.name].hidden[i].numpy()
                 error = rel_error_np(h, want, norms, (fixture.name, i))
                 run.layer_rel_error[i] = max(run.layer_rel_error[i], error)
             cand = logits[r, out_slice]
-            if baseline is None:
-                want_logits = references[fixture.name].logits[positions]
-                run.positions += compare_positions(
-                    fixture.name, fixture.slice, n, positions, cand, want_logits
-                )
-            else:
-                want_logits = baseline[b][1][r, :, 0, out_slice].T
+            want_logits = references[fixture.name].logits[positions]
+            run.positions += compare_positions(
+                fixture.name, fixture.slice, n, positions, cand, want_logits
+            )
             error = rel_error_np(cand, want_logits.numpy(), norms, (fixture.name, "logits"))
             run.logits_rel_error = max(run.logits_rel_error, error)
         progress()
     if not markers:
         run.layer_rel_error = [math.inf] * len(module.layers)
     return run
+
+
+def _see_finite(run: ProfileRun, result: Evaluation, markers: list[str]) -> None:
+    """Record the ops ``result`` saw non-finite, and whether its logits and layer markers
+    (padded positions included) are finite."""
+    seen = run.non_finite_values
+    seen += [name for name in result.non_finite if name not in seen]
+    run.finite &= bool(np.isfinite(join_logits(result.outputs)).all())
+    run.finite &= all(bool(np.isfinite(result.captured[m]).all()) for m in markers)
+
+
+def _fp32_run(
+    implementation: str,
+    description: str,
+    module: BC1LDecoder,
+    batches: list[Batch],
+    results: list[Evaluation],
+    markers: list[str],
+    baseline: list[tuple[list[torch.Tensor], torch.Tensor]],
+    progress: Callable[[], None],
+) -> ProfileRun:
+    """The fp32 profile's run: `Fp32Check` of every batch's layer markers and logits against
+    `fp64_baseline`'s states and logits."""
+    run = ProfileRun(implementation, MODULE_BASELINE, description, [], 0.0, True)
+    for result in results:
+        _see_finite(run, result, markers)
+    compared = _fp32_pairs(module, batches, results, markers, baseline, progress)
+    run.fp32 = Fp32Check.of(len(module.layers), compared, layers_lost=not markers)
+    run.layer_rel_error, run.logits_rel_error = run.fp32.layer_rel_error, run.fp32.output.value
+    return run
+
+
+def _fp32_pairs(
+    module: BC1LDecoder,
+    batches: list[Batch],
+    results: list[Evaluation],
+    markers: list[str],
+    baseline: list[tuple[list[torch.Tensor], torch.Tensor]],
+    progress: Callable[[], None],
+) -> Iterator[Pair]:
+    """Each fixture's layer states and returned logits, at real positions, beside the
+    baseline's; ``progress`` after each batch."""
+    length, n_logits = module.io.length, module.io.logit_positions
+    for (states, want_logits), batch, result in zip(baseline, batches, results, strict=True):
+        logits = join_logits(result.outputs)  # (B, n, V)
+        for r, fixture in enumerate(batch.fixtures):
+            n = len(fixture.token_ids)
+            real = slice(length - n, length)
+            for i, marker in enumerate(markers):
+                want = states[i][r, :, 0, real].numpy()
+                yield Pair(result.captured[marker][r, :, 0, real], want, f"layer {i}", i)
+            cut = _logit_slots(n, length, n_logits)[1]
+            yield Pair(logits[r, cut], want_logits[r, :, 0, cut].T.numpy(), "logits")
+        progress()
 
 
 def _choice_gate(choice: ChoiceCheck | None) -> list[GateResult]:
@@ -368,23 +387,17 @@ def _choice_gate(choice: ChoiceCheck | None) -> list[GateResult]:
     ]
 
 
-def _gates(runs: list[ProfileRun], thresholds: Thresholds, have_markers: bool) -> list[GateResult]:
+def _gates(runs: list[ProfileRun], thresholds: Thresholds) -> list[GateResult]:
     gates = []
     by_name = {run.implementation: run for run in runs}
     fp32 = by_name.get("mil-fp32")
-    if fp32 is not None:
+    if fp32 is not None and fp32.fp32 is not None:
         # Without markers no layer was compared: the value is inf (and the markers gate fails).
-        worst = Worst(0.0 if have_markers else math.inf)
-        for i, err in enumerate(fp32.layer_rel_error):
-            worst.see(err, f"layer {i}")
-        worst.see(fp32.logits_rel_error, "logits")
         detail = (
             "max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
             "positions, against the BC1L module with the program's constants in fp64"
         )
-        gates.append(
-            worst_gate("mil-fp32", "mil_fp32_layer_rel_error", thresholds, worst, detail=detail)
-        )
+        gates.append(fp32.fp32.gate(thresholds.mil_fp32_layer_rel_error, detail))
     gated = by_name.get(f"mil-{GATED_PROFILE}")
     if gated is not None:
         gates += output_gates(gated, thresholds)

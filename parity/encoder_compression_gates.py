@@ -21,8 +21,9 @@ from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch
 from parity.gate_registry import agreement, worst_of
+from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import with_weights
-from parity.result import OUTPUT, Runner, rel_error
+from parity.result import OUTPUT, Runner
 from parity.torch_settings import TORCH_CPU
 from parity.variant import (
     Advance,
@@ -274,9 +275,7 @@ def mil_fp32_against_program(program: Any, fp16_program: Any, module: BC1LEncode
     weights, mismatched = evaluator_weights(evaluator, decoded)
     base = with_constants(Evaluator(fp16_program, "fp32"), weights)
     got, want = program_runner(evaluator, module), program_runner(base, module)
-    worst = 0.0
+    check = Fp32Check([])
     for batch in batches:
-        worst = max(
-            worst, rel_error(got(batch)[1][OUTPUT].double(), want(batch)[1][OUTPUT].double())
-        )
-    return worst, len(mismatched)
+        check.see(Pair(got(batch)[1][OUTPUT], want(batch)[1][OUTPUT], "task output"))
+    return check.output.value, len(mismatched)

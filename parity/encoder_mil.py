@@ -19,7 +19,7 @@ A program the evaluator cannot prepare (an op without a kernel, a missing marker
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,16 +33,16 @@ from graph_passes.encoder import BC1LEncoder, fold
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.masks import key_mask_from_padding
-from graph_passes.partition import HostEmbedding
-from parity.conversion import rel_error_np
+from graph_passes.partition import ISLAND_OUTPUT, HostEmbedding
 from parity.decision_gates import batch_positions
 from parity.encoder_gates import embed
 from parity.fixtures import Batch
-from parity.gate_registry import GateResult, gate, worst_of
+from parity.gate_registry import GateResult, gate
 from parity.mil.errors import MILError
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile
 from parity.mil.program import load_package
+from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import program_constants
 from parity.result import OUTPUT, Outputs, Runner
 
@@ -91,31 +91,47 @@ def layer_level(
     batches: list[Batch],
     dtype: str,
     precision: str,
-) -> list[float]:
+    layer_name: Callable[[int], str] = "layer {}".format,
+) -> Fp32Check:
     """Run ``package`` (the single or island program) in the ``fp32`` profile and compare each
-    marked layer output with the module's, at real slots only: the worst relative error per
-    layer (inf where an output is not finite). Raises `MarkerError` when the program lost a
-    layer marker."""
+    marked layer output (named by ``layer_name``) with the module's, at real slots only.
+    Raises `MarkerError` when the program lost a layer marker."""
     program = load_package(package)
-    markers = find_markers(program.functions["main"], len(module.layers))
+    markers = _layer_outputs(program.functions["main"], module, host)
     evaluator = Evaluator(program, get_profile("fp32"))
     baseline = _program_copy(module, precision)
-    worst = [0.0] * len(markers)
-    for batch in batches:
-        feeds, key_mask = encoder_feed(module, host, batch, dtype)
-        result = evaluator.run(feeds, capture=markers)
-        with torch.no_grad():
-            if host is None:
-                h = embed(baseline, batch)
-            else:
-                h = fold(torch.from_numpy(feeds["inputs_embeds"].astype(np.float64)))
-            states = baseline.run_layers(h, key_mask.double())
-        real = batch.attention_mask.reshape(-1).bool().numpy()  # slot b*L + l
-        assert real.shape[0] == module.io.slots == module.io.length * module.io.batch
-        for i, marker in enumerate(markers):
-            got = np.asarray(result.captured[marker], dtype=np.float64)[0, :, 0][:, real]
-            worst[i] = max(worst[i], rel_error_np(got, states[i][0, :, 0].numpy()[:, real]))
-    return worst
+
+    def pairs() -> Iterator[Pair]:
+        for batch in batches:
+            feeds, key_mask = encoder_feed(module, host, batch, dtype)
+            result = evaluator.run(feeds, capture=markers)
+            with torch.no_grad():
+                if host is None:
+                    h = embed(baseline, batch)
+                else:
+                    h = fold(torch.from_numpy(feeds["inputs_embeds"].astype(np.float64)))
+                states = baseline.run_layers(h, key_mask.double())
+            real = batch.attention_mask.reshape(-1).bool().numpy()  # slot b*L + l
+            assert real.shape[0] == module.io.slots == module.io.length * module.io.batch
+            for i, marker in enumerate(markers):
+                got = np.asarray(result.captured[marker], dtype=np.float64)[0, :, 0][:, real]
+                yield Pair(got, states[i][0, :, 0].numpy()[:, real], layer_name(i), i)
+
+    return Fp32Check.of(len(markers), pairs())
+
+
+def _layer_outputs(function: Any, module: BC1LEncoder, host: HostEmbedding | None) -> list[str]:
+    """The names of each layer's output in ``function``. A post-norm encoder's island (no final
+    norm) returns its last layer's output itself: the program calls that value by its output
+    name, ``hidden``, not by its marker."""
+    count = len(module.layers)
+    try:
+        return find_markers(function, count)
+    except MarkerError:
+        outputs = [var.name for var in function.outputs]
+        if host is None or module.final_norm is not None or outputs != [ISLAND_OUTPUT]:
+            raise
+    return find_markers(function, count - 1) + [ISLAND_OUTPUT]
 
 
 @dataclass
@@ -129,31 +145,26 @@ class ProgramLevel:
 
 
 def program_level(
-    prepare: Callable[[], tuple[list[float], Runner]], programs: int, threshold: float,
-    layer_name: Callable[[int], str], over: str, against: str,
+    prepare: Callable[[], tuple[Fp32Check, Runner]], programs: int, threshold: float,
+    over: str, against: str,
 ) -> ProgramLevel:  # fmt: skip
     """``evaluator_runs_program`` and ``mil_fp32_layer_rel_error`` (max over ``over``, against
     ``against``) of the layer level and fp16 runner ``prepare`` makes; a program the evaluator
     cannot prepare fails the first gate."""
     runs = gate("mil-fp32", "evaluator_runs_program")
     try:
-        layer_errors, runner = prepare()
+        check, runner = prepare()
     except (MILError, MarkerError) as e:
         return ProgramLevel(
             [runs.check(0.0, detail=f"cannot run the program: {e}")], [], None, str(e)
         )
-    # A non-finite layer output is an infinite relative error (`layer_level`).
-    worst = worst_of((err, layer_name(i)) for i, err in enumerate(layer_errors))
     # Recorded when it passes too, so every artifact (and its re-check) has the same gate set.
     gates = [
         runs.check(1.0, detail=f"{programs} program(s) prepared; layer markers found"),
-        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
-            worst.value, threshold, where=worst.where,
-            detail=f"max over {over} of ||h'-h||/||h|| at real slots, against the {against} "
-            "with the program's constants in fp64",
-        ),
+        check.gate(threshold, f"max over {over} of ||h'-h||/||h|| at real slots, against the "
+                   f"{against} with the program's constants in fp64"),
     ]  # fmt: skip
-    return ProgramLevel(gates, layer_errors, runner)
+    return ProgramLevel(gates, check.layer_rel_error, runner)
 
 
 def evaluators(packages: dict[str, Path], profile: str) -> dict[str, Any]:
@@ -238,7 +249,7 @@ def tail_marker_rows_error(
     rounding is a wrong index (an offset, a wrong batch stride) in the emitted tail."""
     programs = evaluators({"island": island_package, "tail": tail_package}, "fp32")
     np_float = np.float16 if dtype == "float16" else np.float32
-    errors = []
+    check = Fp32Check([])
     for batch in batches:
         island = programs["island"].run(encoder_feed(None, host, batch, dtype)[0])
         feeds = _tail_feed(batch, spec, np.asarray(island.outputs["hidden"]).astype(np_float))
@@ -249,6 +260,5 @@ def tail_marker_rows_error(
         got = np.asarray(programs["tail"].run(feeds).outputs["marker_rows"], dtype=np.float64)
         table = feeds["hidden"].astype(np.float64)[0, :, 0, :].T  # (B*L, D)
         for r, fixture in enumerate(batch.fixtures):
-            errors.append((rel_error_np(got[r], table[slots[r]]), f"marker_rows, {fixture.name}"))
-    worst = worst_of(errors)
-    return worst.value, worst.where
+            check.see(Pair(got[r], table[slots[r]], f"marker_rows, {fixture.name}"))
+    return check.output.value, check.output.where

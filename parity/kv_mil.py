@@ -16,9 +16,8 @@ the cache; the cache gates (`parity.kv_gates`) judge the chain of calls end to e
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,10 +28,11 @@ from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import chunk_names, join_logits
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.model import Block
-from parity.conversion import fp64_head, fp64_piece, rel_error_np
-from parity.gate_registry import GateResult, Worst, gate
+from parity.conversion import fp64_head, fp64_piece
+from parity.gate_registry import GateResult, gate
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16
+from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import set_weights
 from parity.reference import Continuation
 
@@ -174,9 +174,10 @@ def _stream_in(call: Call, module: CachedDecoder, embed: Any) -> torch.Tensor:
     return x.transpose(1, 2).unsqueeze(2)
 
 
-def compare(recorder: Recorder, precision: str, worst: Worst, weights: Weights = None) -> None:
-    """Run the recorded calls through the fp64 layers and see each layer's error, the rows'
-    and (last chunk) the logits' in ``worst`` (see the module docstring)."""
+def pairs(recorder: Recorder, precision: str, weights: Weights = None) -> Iterator[Pair]:
+    """Run the recorded calls through the fp64 layers: each layer's output, the key / value
+    rows it wrote and (last chunk) the logits, beside the program's (see the module
+    docstring)."""
     modules, calls = recorder.modules, recorder.calls
     some = next(iter(modules.values()))
     window, start, n = some.window, some.start, some.num_layers
@@ -201,25 +202,24 @@ def compare(recorder: Recorder, precision: str, worst: Worst, weights: Weights =
                 k, v = kv.written()
                 real, mine = call.real, torch.from_numpy(call.real)
                 at = f"{call.where}, layer {index}"
-                worst.see(rel_error_np(call.layers[i][:, real], hs[b][0, :, 0, mine]), at)
-                worst.see(rel_error_np(call.rows[i][:, real], k[:, mine]), at + " keys")
-                worst.see(rel_error_np(call.rows[n + i][:, real], v[:, mine]), at + " values")
+                yield Pair(call.layers[i][:, real], hs[b][0, :, 0, mine], at, index)
+                yield Pair(call.rows[i][:, real], k[:, mine], at + " keys", index)
+                yield Pair(call.rows[n + i][:, real], v[:, mine], at + " values", index)
                 # The cache the next call reads: the program's own rows, as it stores them.
                 rows = call.rows[[i, n + i]][:, :, real]
                 rows = round_fp16(rows) if recorder.stores_fp16 else rows
                 cache[:, :, call.position : call.position + rows.shape[2]] = torch.from_numpy(rows)
         if some.last:
-            _compare_logits(calls, modules, hs, precision, worst, weights)
+            yield from _logit_pairs(calls, modules, hs, precision, weights)
 
 
-def _compare_logits(
+def _logit_pairs(
     calls: list[Call],
     modules: dict[str, CachedDecoder],
     hs: list[torch.Tensor],
     precision: str,
-    worst: Worst,
     weights: Weights,
-) -> None:
+) -> Iterator[Pair]:
     """The last chunk's logits: the final norm, then one LM-head chunk at a time in fp64."""
     window = next(iter(modules.values())).window
     returned = [
@@ -232,7 +232,7 @@ def _compare_logits(
         real = call.real[-want.shape[0] :]
         assert call.logits is not None
         mine = torch.from_numpy(real)
-        worst.see(rel_error_np(call.logits[real], want[mine]), f"{call.where}, logits")
+        yield Pair(call.logits[real], want[mine], f"{call.where}, logits")
 
 
 def cached_fp32_gates(
@@ -242,10 +242,9 @@ def cached_fp32_gates(
     chunk (``precision``: the program's; ``weights``: a compressed variant's decoded
     weights)."""
     problems = [p for r in recorders for p in r.problems]
-    worst = Worst(math.inf if problems else 0.0)
-    if not problems:
-        for recorder in recorders:
-            compare(recorder, precision, worst, weights)
+    layers = sum(next(iter(r.modules.values())).num_layers for r in recorders)
+    every = () if problems else (c for r in recorders for c in pairs(r, precision, weights))
+    check = Fp32Check.of(layers, every, layers_lost=bool(problems))
     # Calls per function, counted in the first chunk (every chunk runs each call).
     counts = Counter(c.function for c in recorders[0].calls)
     calls = ", ".join(f"{name} {n}" for name, n in counts.items())
@@ -254,12 +253,10 @@ def cached_fp32_gates(
             float(not problems),
             detail=problems[0] if problems else "every layer's output in every cached function",
         ),
-        gate("mil-fp32", "mil_fp32_layer_rel_error").check(
-            worst.value,
+        check.gate(
             threshold,
-            where=worst.where,
-            detail=f"the cached functions' calls ({calls}): each layer's output and written key "
-            "/ value rows (and the logits) at real positions, against the cached module with "
-            "the program's constants in fp64 reading the cache the program held",
+            f"the cached functions' calls ({calls}): each layer's output and written key / "
+            "value rows (and the logits) at real positions, against the cached module with the "
+            "program's constants in fp64 reading the cache the program held",
         ),
     ]

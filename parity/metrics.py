@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 TOP_K = 5
@@ -128,3 +130,27 @@ def slices(rows: list[PositionRow], length: int) -> dict[str, Summary]:
         "full-window": summarize(r for r in rows if r.slice == "full-window"),
         "boundary-length": summarize(r for r in rows if r.tokens in boundary),
     }
+
+
+def rel_error_np(
+    candidate: Any, reference: Any, norms: dict[Any, float] | None = None, key: Any = None
+) -> float:
+    """``||c - r|| / ||r||`` in fp64 (inf if c is not finite); ``norms`` keeps ``||r||`` by
+    ``key`` for a reference compared in several profiles. `parity.result.rel_error` in numpy:
+    torch's small-tensor overhead made it a tenth of this level's time on SmolLM2."""
+    c = np.asarray(candidate, dtype=np.float64)
+    r = np.asarray(reference, dtype=np.float64)
+    if not np.isfinite(c).all():
+        return math.inf
+    norms = {} if norms is None else norms
+    if key not in norms:
+        norms[key] = _norm(r)
+    return _norm(c - r) / max(norms[key], 1e-30)
+
+
+def _norm(x: np.ndarray) -> float:
+    """``||x||`` summed on this thread (einsum's loop): BLAS's dot (``np.linalg.norm``) split
+    the sum across cores, so the reports' last digits depended on the core count
+    (tests/test_reproducible.py), and it stalled on a busy second core."""
+    flat = x.ravel()
+    return math.sqrt(float(np.einsum("i,i->", flat, flat)))

@@ -20,6 +20,7 @@ from parity.head_outputs import ChoiceCheck
 from parity.metrics import PositionRow, Summary, summarize
 from parity.mil import Evaluator, get_profile
 from parity.mil.deviations import SEEDS
+from parity.mil_fp32 import Fp32Check
 
 
 @dataclass
@@ -37,6 +38,7 @@ class ProfileRun:
     seconds: float = 0.0  # time spent evaluating the program (all batches)
     choice: ChoiceCheck | None = None  # an argmax / top-k program: choice vs its own logits
     device_margin: DeviceMargin | None = None  # the device-margin profile's worst seeds
+    fp32: Fp32Check | None = None  # the fp32 profile's check against the module in fp64
 
     def summary(self) -> Summary:
         """Aggregates over all compared positions."""

@@ -230,6 +230,21 @@ def test_partitioned_run_matches_the_single_program(
         assert float((a - b).abs().max()) < 0.05
 
 
+def test_a_post_norm_island_compares_its_last_layer_at_its_output(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """BERT has no final norm: its island returns the last layer's output itself, which the
+    program names ``hidden``. The fp32 level compares that layer there, not as a lost marker."""
+    path = write_recipe(tmp_path, checkpoints["bert"], "bert-island", "sentence-similarity",
+                        {"partition": "host-embedding"})  # fmt: skip
+    result = convert(load_recipe(path), tmp_path / "out")
+    assert result.passed, [g for g in result.parity.gates if not g.passed]
+    parity = json.loads((tmp_path / "out" / "bert-island" / "parity.json").read_text())
+    errors = parity["mil_fp32_layer_rel_error"]
+    assert len(errors) == tiny_config("bert").num_hidden_layers
+    assert all(0.0 < e <= 1e-5 for e in errors)  # the last too: compared, at the output
+
+
 def test_bert_refuses_a_prenormalised_table(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     recipe = load_recipe(
         write_recipe(

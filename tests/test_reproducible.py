@@ -305,7 +305,7 @@ def test_parity_errors_do_not_depend_on_the_blas_thread_count() -> None:
     cores, and the reports' last digits changed with the machine's core count."""
     from threadpoolctl import threadpool_limits
 
-    from parity.conversion import rel_error_np
+    from parity.metrics import rel_error_np
 
     rng = np.random.default_rng(0)
     for shape in [(576, 64), (64, 49152)]:  # a layer's hidden state, SmolLM2's logits

@@ -240,10 +240,10 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     level = program_level(
         lambda: (
             layer_level(packages["island"], rw.module, rw.host, rw.batches, recipe.io.dtype,
-                        recipe.precision),
+                        recipe.precision, rw.module.layer_name),
             decision_mil_runner(packages, rw.host, rw.tail.spec, recipe.io.dtype),
         ),
-        len(packages), recipe.gates.mil_fp32_layer_rel_error, rw.module.layer_name,
+        len(packages), recipe.gates.mil_fp32_layer_rel_error,
         "encoder and head layers and requests", "stack",
     )  # fmt: skip
 

@@ -12,14 +12,14 @@ from converter.tasks.encoder_contract import Contract, _key_mask_io, encoder_man
 from converter.tasks.shared import Job, Program
 from graph_passes.decision import DecisionEncoder, DecisionTail
 from graph_passes.decision_spec import DecisionHead
-from graph_passes.partition import HostEmbedding
+from graph_passes.partition import ISLAND_OUTPUT, HostEmbedding
 
 _FOLDED = "BC1L layout [1, channel, 1, slot]: request b's position l in slot b*L + l"
 
 
 def _hidden(module: DecisionEncoder, dtype: str, meaning: str) -> TensorIO:
     io = module.io
-    return TensorIO("hidden", (1, module.spec.hidden_size, 1, io.slots), dtype, meaning)  # type: ignore[arg-type]
+    return TensorIO(ISLAND_OUTPUT, (1, module.spec.hidden_size, 1, io.slots), dtype, meaning)  # type: ignore[arg-type]
 
 
 def island_contract(module: DecisionEncoder, dtype: str) -> Contract:

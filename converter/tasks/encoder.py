@@ -324,8 +324,8 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
                         recipe.precision),
             output_runner(packages, rw.module, rw.host, recipe.io.dtype),
         ),
-        len(packages), recipe.gates.mil_fp32_layer_rel_error, "layer {}".format,
-        "layers and fixtures", "BC1L module",
+        len(packages), recipe.gates.mil_fp32_layer_rel_error, "layers and fixtures",
+        "BC1L module",
     )  # fmt: skip
     return gate_program(
         run, level,

@@ -24,7 +24,7 @@ from converter.tasks.shared import Job, Program
 from graph_passes.encoder import BC1LEncoder, SentenceEmbeddingTail
 from graph_passes.layer_norm import FP16_EPS_FLOOR
 from graph_passes.masks import MASKED
-from graph_passes.partition import HostEmbedding
+from graph_passes.partition import ISLAND_OUTPUT, HostEmbedding
 from graph_passes.prescale import NormScale
 
 Contract = tuple[list[TensorIO], list[TensorIO]]
@@ -71,7 +71,7 @@ def _key_mask_io(module: BC1LEncoder, dtype: str) -> TensorIO:
 
 def _folded_hidden(module: BC1LEncoder, dtype: str, meaning: str) -> TensorIO:
     io = module.io
-    return TensorIO("hidden", (1, module.spec.hidden_size, 1, io.slots), dtype, meaning)  # type: ignore[arg-type]
+    return TensorIO(ISLAND_OUTPUT, (1, module.spec.hidden_size, 1, io.slots), dtype, meaning)  # type: ignore[arg-type]
 
 
 def single_contract(module: BC1LEncoder, dtype: str) -> Contract:
