@@ -21,6 +21,7 @@ from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch
 from parity.gate_registry import agreement, worst_of
+from parity.measure import decision_kept
 from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner
@@ -195,7 +196,7 @@ class EncoderKind(VariantKind[SentencesCompared]):
             cos[name] = float(cosines(output, want).min()) if ok else float("-inf")
             psnr.append(min(psnr_db(output, want)))  # per output vector (a token's: hidden states)
             if logits:
-                kept[name] = ok and int(output.argmax()) == int(want.argmax())
+                kept[name] = ok and decision_kept(output, want)
         return SentencesCompared(psnr, finite, cosine=cos, argmax_kept=kept)
 
     def scores(self, compared: SentencesCompared, gates: Any) -> list[Score]:

@@ -28,7 +28,15 @@ from graph_passes.masks import key_mask_from_padding
 from graph_passes.partition import HostEmbedding
 from parity.fixtures import Batch, Fixture
 from parity.gate_registry import GateResult, Level, agreement, gate, stability_gates, worst_of
-from parity.measure import Measured, folded_rows, max_abs, measure_levels, top2_margin, worst_gate
+from parity.measure import (
+    Measured,
+    decision_kept,
+    folded_rows,
+    max_abs,
+    measure_levels,
+    top2_margin,
+    worst_gate,
+)
 from parity.reference import layer_states
 from parity.result import (
     OUTPUT,
@@ -190,17 +198,26 @@ def _score(row: EncoderFixtureRow, name: str, got: torch.Tensor, ref: torch.Tens
     row.rel_error[name] = rel_error(got, ref)
     row.max_abs_error[name] = max_abs(got, ref, finite)
     row.cosine[name] = float(cosines(got, ref).min()) if finite else float("-inf")
-    if kind == "logits":
-        row.argmax_kept[name] = finite and int(got.argmax()) == int(ref.argmax())
+    if kind == "logits" and ref.shape[-1] == 1:
+        # One score (a cross-encoder reranker, a regression head): an argmax or a softmax over
+        # one label can never change. Its probability is the sigmoid, as sentence-transformers'
+        # CrossEncoder applies to one label; its decision the sign (p > 0.5), which an error
+        # below |score| cannot flip.
+        row.argmax_kept[name] = finite and decision_kept(got, ref)
+        row.max_abs_dprob[name] = max_abs(got.sigmoid(), ref.sigmoid(), finite)
+        row.certified[name] = finite and float(ref.abs().min()) > row.max_abs_error[name]
+    elif kind == "logits":
+        row.argmax_kept[name] = finite and decision_kept(got, ref)
         row.max_abs_dprob[name] = max_abs(got.softmax(-1), ref.softmax(-1), finite)
         row.certified[name] = finite and top2_margin(ref) > 2 * row.max_abs_error[name]
 
 
 def _gates(name: str, m: Measured, rows: list[EncoderFixtureRow], kind: EncoderOutput,
-           t: Thresholds) -> list[GateResult]:  # fmt: skip
+           t: Thresholds, labels: int) -> list[GateResult]:  # fmt: skip
     """The gates of one implementation: torch fp32 on its layers and task output (cosine for
     sentence embeddings, relative error otherwise); fp16 candidates on cosine (embeddings,
-    hidden states) or argmax and |dp| (logits), finiteness and determinism."""
+    hidden states) or argmax and |dp| (logits of ``labels`` labels; one: its sign and
+    sigmoid), finiteness and determinism."""
     fp32 = name == "torch-fp32"
     level: Level = "torch-fp32" if fp32 else level_of(name)
     gates = []
@@ -225,13 +242,16 @@ def _gates(name: str, m: Measured, rows: list[EncoderFixtureRow], kind: EncoderO
     if kind == "logits" and not fp32:
         kept, flipped = agreement({row.name: row.argmax_kept[name] for row in rows})
         certified = sum(row.certified[name] for row in rows)
+        one = labels == 1
         gates.append(gate(level, "fp16_argmax_agreement").check(
             kept, t.fp16_argmax_agreement, implementation=name, where=flipped,
-            detail=f"{certified}/{len(rows)} certified (top1 - top2 > 2 max|dlogit|)",
+            detail=("the score's sign (one label); " if one else "")
+            + f"{certified}/{len(rows)} certified "
+            + ("(|score| > max|dscore|)" if one else "(top1 - top2 > 2 max|dlogit|)"),
         ))  # fmt: skip
         gates.append(worst_gate(
             level, "fp16_max_abs_dprob", t, worst_of((r.max_abs_dprob[name], r.name) for r in rows),
-            name, "softmax at T=1 over the labels",
+            name, "sigmoid of the one score" if one else "softmax at T=1 over the labels",
         ))  # fmt: skip
     return gates if fp32 else gates + stability_gates(level, name, m.finite, m.deterministic)
 
@@ -249,6 +269,7 @@ def check_encoder(
     ``torch_levels=False`` only the extra candidates run (when the torch levels already
     passed in an earlier call)."""
     kind = module.io.output
+    labels = int(next(iter(references.values())).output.shape[-1])
     layers = [LayerRow(i) for i in range(len(module.layers))]
     fixtures = [f for b in batches for f in b.fixtures]
     rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
@@ -265,7 +286,7 @@ def check_encoder(
 
     gates = measure_levels(
         runners, extra, batches, folded_rows(module.io.length), layers, score,
-        lambda name, m: _gates(name, m, list(rows.values()), kind, thresholds),
+        lambda name, m: _gates(name, m, list(rows.values()), kind, thresholds, labels),
     )  # fmt: skip
     first = first_diverging(layers, thresholds)
     return ParityReport(gates, layers, [], first, {

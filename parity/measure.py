@@ -106,6 +106,15 @@ def top2_margin(want: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+def decision_kept(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``got`` makes ``want``'s decision over the last axis: the argmax; for one value
+    (a cross-encoder's score, where an argmax never changes) its sign, p > 0.5 under the
+    sigmoid."""
+    if want.shape[-1] == 1:
+        return bool(((got > 0) == (want > 0)).all())
+    return int(got.argmax()) == int(want.argmax())
+
+
 # A model kind's score of one implementation (named first) on one fixture, as `Score`.
 KindScore = Callable[[str, Fixture, int, Outputs], list[torch.Tensor]]
 # A model kind's gates on one implementation (named first) once it is measured.

@@ -245,6 +245,21 @@ def test_a_post_norm_island_compares_its_last_layer_at_its_output(
     assert all(0.0 < e <= 1e-5 for e in errors)  # the last too: compared, at the output
 
 
+def test_a_cross_encoder_converts_and_is_gated_on_its_score(tmp_path: Path) -> None:
+    """A reranker's head (one label): the MIL level judges the score's sign and sigmoid."""
+    hf_model(tiny_config("bert", num_labels=1), classify=True).save_pretrained(tmp_path / "ce")
+    path = write_recipe(tmp_path, tmp_path / "ce", "ce", "text-classification",
+                        {"partition": "single"})  # fmt: skip
+    result = convert(load_recipe(path), tmp_path / "out")
+    assert result.passed, [g for g in result.parity.gates if not g.passed]
+    manifest = json.loads((tmp_path / "out" / "ce" / "manifest.json").read_text())
+    assert manifest["outputs"][0]["shape"] == [BATCH, 1]
+    parity = json.loads((tmp_path / "out" / "ce" / "parity.json").read_text())
+    mil = {g["name"]: g for g in parity["gates"] if g["implementation"] == "mil-fp16"}
+    assert "sign" in mil["fp16_argmax_agreement"]["detail"]
+    assert "sigmoid" in mil["fp16_max_abs_dprob"]["detail"]
+
+
 def test_bert_refuses_a_prenormalised_table(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     recipe = load_recipe(
         write_recipe(

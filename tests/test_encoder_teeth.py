@@ -22,9 +22,9 @@ from graph_passes.encoder import BC1LEncoder
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.rope import Rope
 from graph_passes.spec import EncoderModel
-from parity.encoder_gates import check_encoder
+from parity.encoder_gates import check_encoder, encoder_runner
 from parity.fixtures import make_batches
-from parity.result import ParityReport
+from parity.result import OUTPUT, ParityReport
 
 PER_LAYER = "fp32_layer_rel_error"
 
@@ -207,3 +207,35 @@ def test_apple_layer_norm_order_fails_on_bert(monkeypatch: pytest.MonkeyPatch) -
     t = bert()
     monkeypatch.setattr(LayerNorm, "forward", apple_order_forward)
     assert_fails_at(check(t), 0)
+
+
+# ---- one score: a cross-encoder reranker's head ------------------------------------------------
+
+
+def cross_encoder() -> TinyEncoder:
+    """Tiny perturbed BERT with one label: a cross-encoder's relevance score."""
+    if "ce" not in _CACHE:
+        _CACHE["ce"] = build_encoder(tiny_config("bert", num_labels=1), "logits")
+    return _CACHE["ce"]
+
+
+@pytest.mark.parametrize(("scale", "fails"), [
+    (-1.0, {"fp16_argmax_agreement", "fp16_max_abs_dprob"}),  # every decision flipped
+    (3.0, {"fp16_max_abs_dprob"}),  # the same signs, other probabilities
+])  # fmt: skip
+def test_a_wrong_score_fails_the_fp16_gates(scale: float, fails: set[str]) -> None:
+    """An argmax or softmax over one label can never change, so a one-score head is judged by
+    its sign and its sigmoid: a program returning a scaled score must fail."""
+    t = cross_encoder()
+    correct = check(t)
+    assert correct.passed, [g for g in correct.gates if not g.passed]
+    base = encoder_runner(t.module, torch.float32)
+
+    def scaled(batch: Any) -> Any:
+        return None, {OUTPUT: scale * base(batch)[1][OUTPUT]}
+
+    report, _ = check_encoder(t.module, t.batches, t.references, THRESHOLDS,
+                              {"mil-fp16": scaled}, torch_levels=False)  # fmt: skip
+    assert {g.name for g in report.gates if not g.passed} == fails
+    sign = next(g for g in report.gates if g.name == "fp16_argmax_agreement")
+    assert "sign" in sign.detail
