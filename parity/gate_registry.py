@@ -230,8 +230,14 @@ def stability_gates(level: Level, implementation: str, finite: bool, determinist
 
 _LE, _GE, _EQ = Comparison.AT_MOST, Comparison.AT_LEAST, Comparison.EQUALS
 _FINITE = "every output (and, where captured, every layer state), padded positions included"
-_ARGMAX = "share of real positions (encoder logits: fixtures) whose argmax matches the original"
-_DPROB = "largest |p' - p|, softmax at T=1 over the vocabulary or labels, real positions"
+_ARGMAX = (
+    "share of real positions (encoder logits: fixtures) whose argmax (one label: the score's "
+    "sign) matches the original"
+)
+_DPROB = (
+    "largest |p' - p|, softmax at T=1 over the vocabulary or labels (one label: its sigmoid), "
+    "real positions"
+)
 _COSINE = "worst cosine to the original's output, per sentence embedding or real token"
 _COSINE32 = "encoders (sentence embeddings): worst cosine to the original's, in fp32"
 _VARIANT = "compression.variants[].gates."
