@@ -20,8 +20,8 @@ from graph_passes.encoder import BC1LEncoder
 from parity.encoder_gates import cosines, encoder_runner, fp16_module, real_part
 from parity.encoder_mil import OUTPUT_NAMES, encoder_feed, pieces_runner
 from parity.fixtures import Batch
-from parity.gate_registry import agreement, worst_of
-from parity.measure import decision_kept
+from parity.gate_registry import Worst, agreement, worst_of
+from parity.measure import decision_kept, label_probabilities, max_abs
 from parity.mil_fp32 import Fp32Check, Pair
 from parity.model_copies import with_weights
 from parity.result import OUTPUT, Runner
@@ -100,6 +100,7 @@ class SentencesCompared(Compared):
 
     cosine: dict[str, float] = field(default_factory=dict)
     argmax_kept: dict[str, bool] = field(default_factory=dict)  # classifiers only
+    dprob: dict[str, float] = field(default_factory=dict)  # classifiers: max |p' - p|
 
     @property
     def min_cosine(self) -> float:
@@ -116,15 +117,24 @@ class SentencesCompared(Compared):
         """Share of sentences whose predicted label is kept (classifiers only)."""
         return agreement(self.argmax_kept)[0] if self.argmax_kept else None
 
+    @property
+    def max_abs_dprob(self) -> Worst:
+        """The worst sentence's largest probability change, and which (classifiers only)."""
+        return worst_of((d, sentence) for sentence, d in self.dprob.items())
+
     def figures(self) -> dict[str, Any]:
-        """The cosine figures, then every sentence's cosine."""
-        return {
+        """The cosine figures (a classifier's: and its largest |dp|), then every sentence's
+        cosine."""
+        found = {
             "min_cosine": self.min_cosine,
             "mean_cosine": self.mean_cosine,
             "argmax_agreement": self.argmax_agreement,
             "finite": self.finite,
             "cosine": self.cosine,
         }
+        if self.dprob:
+            found["max_abs_dprob"] = self.max_abs_dprob.value
+        return found
 
     def row(self) -> str:
         """Sentences, min and mean cosine, argmax agreement and the PSNR."""
@@ -187,7 +197,7 @@ class EncoderKind(VariantKind[SentencesCompared]):
         """Cosines (and argmax agreement for logits) of each sentence of ``got`` against the
         original checkpoint's outputs (``baseline`` None) or ``baseline``."""
         logits = self.module.io.output == "logits"
-        cos, kept, finite, psnr = {}, {}, True, []
+        cos, kept, dprob, finite, psnr = {}, {}, {}, True, []
         for name, output in got.items():
             ref = self.held_out.references[name].output if baseline is None else baseline[name]
             want = ref.double()
@@ -197,7 +207,9 @@ class EncoderKind(VariantKind[SentencesCompared]):
             psnr.append(min(psnr_db(output, want)))  # per output vector (a token's: hidden states)
             if logits:
                 kept[name] = ok and decision_kept(output, want)
-        return SentencesCompared(psnr, finite, cosine=cos, argmax_kept=kept)
+                dprob[name] = max_abs(label_probabilities(output.double()),
+                                      label_probabilities(want), ok)  # fmt: skip
+        return SentencesCompared(psnr, finite, cosine=cos, argmax_kept=kept, dprob=dprob)
 
     def scores(self, compared: SentencesCompared, gates: Any) -> list[Score]:
         """Min cosine, argmax agreement (a classifier, when the variant sets it), finiteness."""
@@ -211,7 +223,12 @@ class EncoderKind(VariantKind[SentencesCompared]):
         if c.argmax_agreement is not None and gates.min_top1_agreement is not None:
             found.append(Score("min_top1_agreement", c.argmax_agreement,
                                gates.min_top1_agreement, detail="predicted label of each "
-                               "held-out sentence, against the original checkpoint"))  # fmt: skip
+                               "held-out sentence (one label: the score's sign), against the "
+                               "original checkpoint"))  # fmt: skip
+        if c.dprob and gates.max_abs_dprob is not None:
+            found.append(Score("max_abs_dprob", c.max_abs_dprob.value, gates.max_abs_dprob,
+                               c.max_abs_dprob.where, "softmax over the labels (one label: "
+                               "its sigmoid), held-out sentences"))  # fmt: skip
         return found + [Score("finite_outputs", float(c.finite))]
 
     def program_check(self, program: Any, decoded: dict[str, np.ndarray],

@@ -32,6 +32,7 @@ from parity.measure import (
     Measured,
     decision_kept,
     folded_rows,
+    label_probabilities,
     max_abs,
     measure_levels,
     top2_margin,
@@ -198,18 +199,16 @@ def _score(row: EncoderFixtureRow, name: str, got: torch.Tensor, ref: torch.Tens
     row.rel_error[name] = rel_error(got, ref)
     row.max_abs_error[name] = max_abs(got, ref, finite)
     row.cosine[name] = float(cosines(got, ref).min()) if finite else float("-inf")
-    if kind == "logits" and ref.shape[-1] == 1:
+    if kind == "logits":
         # One score (a cross-encoder reranker, a regression head): an argmax or a softmax over
-        # one label can never change. Its probability is the sigmoid, as sentence-transformers'
-        # CrossEncoder applies to one label; its decision the sign (p > 0.5), which an error
-        # below |score| cannot flip.
+        # one label can never change, so its decision is the sign (p > 0.5 under the sigmoid),
+        # which an error below |score| cannot flip.
+        one = ref.shape[-1] == 1
         row.argmax_kept[name] = finite and decision_kept(got, ref)
-        row.max_abs_dprob[name] = max_abs(got.sigmoid(), ref.sigmoid(), finite)
-        row.certified[name] = finite and float(ref.abs().min()) > row.max_abs_error[name]
-    elif kind == "logits":
-        row.argmax_kept[name] = finite and decision_kept(got, ref)
-        row.max_abs_dprob[name] = max_abs(got.softmax(-1), ref.softmax(-1), finite)
-        row.certified[name] = finite and top2_margin(ref) > 2 * row.max_abs_error[name]
+        row.max_abs_dprob[name] = max_abs(label_probabilities(got), label_probabilities(ref),
+                                          finite)  # fmt: skip
+        margin = float(ref.abs().min()) if one else top2_margin(ref) / 2
+        row.certified[name] = finite and margin > row.max_abs_error[name]
 
 
 def _gates(name: str, m: Measured, rows: list[EncoderFixtureRow], kind: EncoderOutput,

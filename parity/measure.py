@@ -106,6 +106,12 @@ def top2_margin(want: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+def label_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """A classifier's probabilities over the last axis: the softmax at T=1; for one label (a
+    cross-encoder's score) its sigmoid, as sentence-transformers' CrossEncoder reads it."""
+    return logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
+
+
 def decision_kept(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether ``got`` makes ``want``'s decision over the last axis: the argmax; for one value
     (a cross-encoder's score, where an argmax never changes) its sign, p > 0.5 under the

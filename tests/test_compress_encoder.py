@@ -41,9 +41,10 @@ def _one_thread() -> Iterator[None]:
 
 
 def _recipe(
-    root: Path, task: str, variants: list[dict[str, Any]], name: str = "tb", **extra: Any
-) -> Path:
-    model = hf_model(tiny_config("bert"), classify=task == "text-classification")
+    root: Path, task: str, variants: list[dict[str, Any]], name: str = "tb", labels: int = 3,
+    **extra: Any,
+) -> Path:  # fmt: skip
+    model = hf_model(tiny_config("bert", num_labels=labels), task == "text-classification")
     model.save_pretrained(root / name)
     doc = {
         "name": name,
@@ -208,6 +209,25 @@ def test_a_classifier_variant_is_gated_on_argmax_too(tmp_path: Path) -> None:
     for level in ("torch-fp16", "mil-fp16"):
         assert gates[("min_top1_agreement", level)]["value"] == 1.0
         assert gates[("min_cosine", level)]["value"] >= 0.99
+
+
+def test_a_one_score_variant_is_gated_on_its_sigmoid(tmp_path: Path) -> None:
+    """A cross-encoder's one score: a cosine of one value is only its sign, so the score's
+    magnitude is judged by max_abs_dprob on its sigmoid."""
+    gates = {"min_cosine": 0.99, "min_top1_agreement": 0.5}
+    variants = [
+        {"suffix": "int8", "method": "int8", "granularity": "per-channel",
+         "gates": {**gates, "max_abs_dprob": 0.02}},
+        {"suffix": "lut2", "method": "lut", "bits": 2, "gates": {**gates, "max_abs_dprob": 1e-4}},
+    ]  # fmt: skip
+    recipe = load_recipe(_recipe(tmp_path, "text-classification", variants, "ce", labels=1))
+    int8, lut2 = _variants(recipe, tmp_path / "out")
+    assert int8.passed and not lut2.passed
+    for level in ("torch-fp16", "mil-fp16"):
+        kept = _gates(int8.directory)[("max_abs_dprob", level)]
+        assert 0.0 < kept["value"] <= 0.02 and "sigmoid" in kept["detail"]
+        moved = _gates(lut2.directory)[("max_abs_dprob", level)]
+        assert not moved["passed"]
 
 
 def test_encoder_variant_rules_name_the_field(tmp_path: Path) -> None:

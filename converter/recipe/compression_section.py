@@ -78,7 +78,9 @@ class VariantGates(StrictModel):
     Decoders: top-1 agreement and mean KL(p_original || p_variant) at every level (torch, MIL);
     ``max_abs_dprob`` is optional (reported always). Encoders: ``min_cosine`` of the task
     output (sentence embedding, hidden states per token, logits) against the original; a
-    classifier also ``min_top1_agreement`` (its predicted label).
+    classifier also ``min_top1_agreement`` (its predicted label; one label: the score's
+    sign) and, optional, ``max_abs_dprob`` (softmax over the labels; one label: its sigmoid:
+    the gate that sees a one-score head's magnitude, which a cosine of one value does not).
     """
 
     min_top1_agreement: float | None = Field(default=None, gt=0, le=1, strict=True)

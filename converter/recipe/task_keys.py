@@ -144,8 +144,8 @@ TASK_KEYS: tuple[TaskKey, ...] = (
     ),
     TaskKey(
         ("compression", "variants", EACH, "gates", "max_abs_dprob"),
-        DECODER_TASKS,
-        "a variant's largest change of a next-token probability",
+        _LOGIT_TASKS,
+        "a variant's largest change of a next-token or label probability",
     ),
 )
 
