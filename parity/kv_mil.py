@@ -28,7 +28,7 @@ from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import chunk_names, join_logits
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.model import Block
-from parity.conversion import fp64_head, fp64_piece
+from parity.decoder_fp32 import fp64_head, fp64_piece
 from parity.gate_registry import GateResult, gate
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16

@@ -24,7 +24,7 @@ from graph_passes.attention import WindowKeys
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.masks import causal_window_mask
 from graph_passes.rope import Positions, inverse_frequencies, rope_tables
-from parity.conversion import fp64_head
+from parity.decoder_fp32 import fp64_head
 from parity.model_copies import cast_copy
 from parity.reference import Continuation, SpilledRows
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from graph_passes.logits_layout import join_logits
 from parity.device_margin import (
     IMPLEMENTATION,
     DeviceMargin,
@@ -18,7 +21,7 @@ from parity.device_margin import (
 )
 from parity.head_outputs import ChoiceCheck
 from parity.metrics import PositionRow, Summary, summarize
-from parity.mil import Evaluator, get_profile
+from parity.mil import Evaluation, Evaluator, get_profile
 from parity.mil.deviations import SEEDS
 from parity.mil_fp32 import Fp32Check
 
@@ -39,6 +42,14 @@ class ProfileRun:
     choice: ChoiceCheck | None = None  # an argmax / top-k program: choice vs its own logits
     device_margin: DeviceMargin | None = None  # the device-margin profile's worst seeds
     fp32: Fp32Check | None = None  # the fp32 profile's check against the module in fp64
+
+    def see(self, result: Evaluation, markers: list[str]) -> None:
+        """Record the ops ``result`` saw non-finite, and whether its logits and layer
+        markers (padded positions included) are finite."""
+        seen = self.non_finite_values
+        seen += [name for name in result.non_finite if name not in seen]
+        self.finite &= bool(np.isfinite(join_logits(result.outputs)).all())
+        self.finite &= all(bool(np.isfinite(result.captured[m]).all()) for m in markers)
 
     def summary(self) -> Summary:
         """Aggregates over all compared positions."""

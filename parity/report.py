@@ -12,7 +12,8 @@ import dataclasses
 from typing import Any
 
 from graph_passes.stream_scale import FP16_MAX, LIMIT, StreamScaling
-from parity.conversion import MODULE_BASELINE, RUNTIME, ConversionReport, ProfileRun
+from parity.conversion import RUNTIME, ConversionReport, ProfileRun
+from parity.decoder_fp32 import MODULE_BASELINE
 from parity.device_margin import DeviceMargin
 from parity.gate_registry import GateResult, first_few, json_number
 from parity.metrics import slices
