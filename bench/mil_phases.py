@@ -52,6 +52,12 @@ def main() -> None:
     timed(conversion, "load_package", lambda *a: "load_package")
     timed(conversion, "fp64_baseline", lambda *a: "fp64 module baseline")
     timed(conversion, "rel_error_np", lambda *a: "rel_error_np")
+    try:  # a tree with the one fp32 check compares the fp32 profile's values there
+        import parity.mil_fp32 as mil_fp32
+
+        timed(mil_fp32, "rel_error_np", lambda *a: "rel_error_np")
+    except ImportError:
+        pass
     timed(evaluator.Evaluator, "_prepare", lambda ev: f"prepare {ev.profile.name}")
     runs = "run_many" if hasattr(evaluator.Evaluator, "run_many") else "run"
     timed(evaluator.Evaluator, runs, lambda ev, *a: f"evaluate {ev.profile.name}")

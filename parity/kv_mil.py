@@ -1,6 +1,6 @@
 """The cached functions' MIL fp32 level: each call, layer by layer, against the module in fp64.
 
-The window program is held to ``mil_fp32_layer_rel_error`` per layer (`parity.conversion`);
+The window program is held to ``mil_fp32_layer_rel_error`` per layer (`parity.decoder_fp32`);
 this holds prefill, decode and extend - each chunk of a chunked chain - to the same gate. Per
 fixture the prompt is prefilled, then each other function is called once on the next tokens of
 its greedy continuation, in the MIL evaluator's fp32 profile; a `Recorder` keeps each layer's
