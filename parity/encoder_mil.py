@@ -185,7 +185,7 @@ def pieces_runner(
         feeds = feed(batch)
         out = (evaluators.get("main") or evaluators["island"]).run(feeds).outputs
         if tail_feed is not None and "tail" in evaluators:
-            out = evaluators["tail"].run(tail_feed(batch, feeds, out["hidden"])).outputs
+            out = evaluators["tail"].run(tail_feed(batch, feeds, out[ISLAND_OUTPUT])).outputs
         return None, {k: torch.from_numpy(np.asarray(out[v], np.float32)) for k, v in names.items()}
 
     return run
@@ -205,7 +205,7 @@ def output_runner(
     return pieces_runner(
         pieces if pieces is not None else evaluators(packages, "fp16"),
         lambda batch: encoder_feed(module, host, batch, dtype)[0],
-        lambda _, feeds, hidden: {"hidden": hidden, "key_mask": feeds["key_mask"]},
+        lambda _, feeds, hidden: {ISLAND_OUTPUT: hidden, "key_mask": feeds["key_mask"]},
         {OUTPUT: OUTPUT_NAMES[module.io.output]},
     )
 
@@ -215,7 +215,7 @@ def output_runner(
 
 def _tail_feed(batch: Batch, spec: DecisionHeadSpec, hidden: Any) -> Feeds:
     """A decision tail's inputs: the island's hidden state and (marker heads) the positions."""
-    feeds = {"hidden": hidden}
+    feeds = {ISLAND_OUTPUT: hidden}
     positions = batch_positions(batch, spec)
     if positions is not None:
         feeds["candidate_positions"] = positions.numpy().astype(np.int32)
@@ -252,13 +252,13 @@ def tail_marker_rows_error(
     check = Fp32Check([])
     for batch in batches:
         island = programs["island"].run(encoder_feed(None, host, batch, dtype)[0])
-        feeds = _tail_feed(batch, spec, np.asarray(island.outputs["hidden"]).astype(np_float))
+        feeds = _tail_feed(batch, spec, np.asarray(island.outputs[ISLAND_OUTPUT]).astype(np_float))
         b, length = batch.input_ids.shape
         starts = np.arange(b)[:, None] * length
         positions = feeds.get("candidate_positions")
         slots = starts if positions is None else positions + starts  # CLS: each row's first
         got = np.asarray(programs["tail"].run(feeds).outputs["marker_rows"], dtype=np.float64)
-        table = feeds["hidden"].astype(np.float64)[0, :, 0, :].T  # (B*L, D)
+        table = feeds[ISLAND_OUTPUT].astype(np.float64)[0, :, 0, :].T  # (B*L, D)
         for r, fixture in enumerate(batch.fixtures):
             check.see(Pair(got[r], table[slots[r]], f"marker_rows, {fixture.name}"))
     return check.output.value, check.output.where
