@@ -268,7 +268,8 @@ def check_encoder(
     ``torch_levels=False`` only the extra candidates run (when the torch levels already
     passed in an earlier call)."""
     kind = module.io.output
-    labels = int(next(iter(references.values())).output.shape[-1])
+    # A classifier's label count (one: a score, judged by its sign and sigmoid).
+    labels = next(int(r.output.shape[-1]) for r in references.values()) if kind == "logits" else 0
     layers = [LayerRow(i) for i in range(len(module.layers))]
     fixtures = [f for b in batches for f in b.fixtures]
     rows = {f.name: EncoderFixtureRow(f.name, f.slice, len(f.token_ids)) for f in fixtures}
