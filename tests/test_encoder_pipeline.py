@@ -254,6 +254,7 @@ def test_a_cross_encoder_converts_and_is_gated_on_its_score(tmp_path: Path) -> N
     assert result.passed, [g for g in result.parity.gates if not g.passed]
     manifest = json.loads((tmp_path / "out" / "ce" / "manifest.json").read_text())
     assert manifest["outputs"][0]["shape"] == [BATCH, 1]
+    assert "sigmoid" in manifest["outputs"][0]["meaning"]
     parity = json.loads((tmp_path / "out" / "ce" / "parity.json").read_text())
     mil = {g["name"]: g for g in parity["gates"] if g["implementation"] == "mil-fp16"}
     assert "sign" in mil["fp16_argmax_agreement"]["detail"]

@@ -51,12 +51,10 @@ def output_io(module: BC1LEncoder, dtype: str) -> TensorIO:
         )
     classifier = module.spec.classifier
     assert classifier is not None
-    return TensorIO(
-        "logits",
-        (io.batch, classifier.num_labels),
-        dtype,  # type: ignore[arg-type]
-        f"classifier logits, labels in order: {', '.join(classifier.labels)}",
-    )
+    meaning = f"classifier logits, labels in order: {', '.join(classifier.labels)}"
+    if classifier.num_labels == 1:  # a cross-encoder's relevance score, a regression head
+        meaning = f"one score ({classifier.labels[0]}), a logit: its probability is its sigmoid"
+    return TensorIO("logits", (io.batch, classifier.num_labels), dtype, meaning)  # type: ignore[arg-type]
 
 
 def _key_mask_io(module: BC1LEncoder, dtype: str) -> TensorIO:
