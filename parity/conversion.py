@@ -219,8 +219,9 @@ def _compare(
     run = ProfileRun(implementation, "reference", description, [0.0] * len(module.layers),
                      0.0, True)  # fmt: skip
     for batch, result in zip(batches, results, strict=True):
-        run.see(result, markers)
-        logits = torch.from_numpy(join_logits(result.outputs))  # (B, n, V)
+        joined = join_logits(result.outputs)  # (B, n, V)
+        run.see(result, joined, markers)
+        logits = torch.from_numpy(joined)
         for r, fixture in enumerate(batch.fixtures):
             n = len(fixture.token_ids)
             real = slice(length - n, length)

@@ -104,36 +104,25 @@ def fp32_run(
     baseline: list[tuple[list[torch.Tensor], torch.Tensor]],
     progress: Callable[[], None],
 ) -> ProfileRun:
-    """The fp32 profile's run: `Fp32Check` of every batch's layer markers and logits against
-    `fp64_baseline`'s states and logits."""
+    """The fp32 profile's run: `Fp32Check` of each fixture's layer states and returned logits,
+    at real positions, against `fp64_baseline`'s; ``progress`` after each batch."""
     run = ProfileRun(implementation, MODULE_BASELINE, description, [], 0.0, True)
-    for result in results:
-        run.see(result, markers)
-    compared = _fp32_pairs(module, batches, results, markers, baseline, progress)
-    run.fp32 = Fp32Check.of(len(module.layers), compared, layers_lost=not markers)
+    length, n_logits = module.io.length, module.io.logit_positions
+
+    def pairs() -> Iterator[Pair]:
+        for (states, want_logits), batch, result in zip(baseline, batches, results, strict=True):
+            logits = join_logits(result.outputs)  # (B, n, V)
+            run.see(result, logits, markers)
+            for r, fixture in enumerate(batch.fixtures):
+                n = len(fixture.token_ids)
+                real = slice(length - n, length)
+                for i, marker in enumerate(markers):
+                    want = states[i][r, :, 0, real].numpy()
+                    yield Pair(result.captured[marker][r, :, 0, real], want, f"layer {i}", i)
+                cut = logit_slots(n, length, n_logits)[1]
+                yield Pair(logits[r, cut], want_logits[r, :, 0, cut].T.numpy(), "logits")
+            progress()
+
+    run.fp32 = Fp32Check.of(len(module.layers), pairs(), layers_lost=not markers)
     run.layer_rel_error, run.logits_rel_error = run.fp32.layer_rel_error, run.fp32.output.value
     return run
-
-
-def _fp32_pairs(
-    module: BC1LDecoder,
-    batches: list[Batch],
-    results: list[Evaluation],
-    markers: list[str],
-    baseline: list[tuple[list[torch.Tensor], torch.Tensor]],
-    progress: Callable[[], None],
-) -> Iterator[Pair]:
-    """Each fixture's layer states and returned logits, at real positions, beside the
-    baseline's; ``progress`` after each batch."""
-    length, n_logits = module.io.length, module.io.logit_positions
-    for (states, want_logits), batch, result in zip(baseline, batches, results, strict=True):
-        logits = join_logits(result.outputs)  # (B, n, V)
-        for r, fixture in enumerate(batch.fixtures):
-            n = len(fixture.token_ids)
-            real = slice(length - n, length)
-            for i, marker in enumerate(markers):
-                want = states[i][r, :, 0, real].numpy()
-                yield Pair(result.captured[marker][r, :, 0, real], want, f"layer {i}", i)
-            cut = logit_slots(n, length, n_logits)[1]
-            yield Pair(logits[r, cut], want_logits[r, :, 0, cut].T.numpy(), "logits")
-        progress()

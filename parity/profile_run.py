@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graph_passes.logits_layout import join_logits
 from parity.device_margin import (
     IMPLEMENTATION,
     DeviceMargin,
@@ -43,12 +42,12 @@ class ProfileRun:
     device_margin: DeviceMargin | None = None  # the device-margin profile's worst seeds
     fp32: Fp32Check | None = None  # the fp32 profile's check against the module in fp64
 
-    def see(self, result: Evaluation, markers: list[str]) -> None:
-        """Record the ops ``result`` saw non-finite, and whether its logits and layer
-        markers (padded positions included) are finite."""
+    def see(self, result: Evaluation, logits: np.ndarray, markers: list[str]) -> None:
+        """Record the ops ``result`` saw non-finite, and whether its ``logits`` (its outputs
+        joined) and layer markers (padded positions included) are finite."""
         seen = self.non_finite_values
         seen += [name for name in result.non_finite if name not in seen]
-        self.finite &= bool(np.isfinite(join_logits(result.outputs)).all())
+        self.finite &= bool(np.isfinite(logits).all())
         self.finite &= all(bool(np.isfinite(result.captured[m]).all()) for m in markers)
 
     def summary(self) -> Summary:
