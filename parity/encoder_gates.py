@@ -100,11 +100,15 @@ def reference_sentence_embedding(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def run_encoder_reference(
-    model: nn.Module, token_ids: tuple[int, ...], output: EncoderOutput
+    model: nn.Module, fixture: Fixture, output: EncoderOutput
 ) -> EncoderReference:
-    """Run the unpadded fixture at positions 0..n-1 as the checkpoint itself would."""
+    """Run the unpadded fixture at positions 0..n-1 (with its segment ids, when a text pair
+    gave it some) as the checkpoint itself would."""
+    inputs = {"input_ids": torch.tensor([fixture.token_ids], dtype=torch.int64)}
+    if fixture.token_types:
+        inputs["token_type_ids"] = torch.tensor([fixture.token_types], dtype=torch.int64)
     with layer_states(encoder_layers(model)) as hidden, torch.no_grad():
-        result = model(input_ids=torch.tensor([token_ids], dtype=torch.int64))
+        result = model(**inputs)
     if output == "logits":
         out = result.logits[0]
     else:
@@ -123,7 +127,7 @@ def encoder_inputs(
     """The single program's inputs for a batch: ids [, token types], key mask."""
     key_mask = key_mask_from_padding(batch.attention_mask).to(dtype)
     if module.embedding.types is not None:
-        return batch.input_ids, torch.zeros_like(batch.input_ids), key_mask
+        return batch.input_ids, batch.segments, key_mask
     return batch.input_ids, key_mask
 
 
@@ -135,8 +139,8 @@ def fp16_module(module: BC1LEncoder) -> BC1LEncoder:
 
 
 def embed(module: BC1LEncoder, batch: Batch) -> torch.Tensor:
-    """The module's embedding of a batch's ids (all-zero token types, where it has them)."""
-    types = torch.zeros_like(batch.input_ids) if module.embedding.types is not None else None
+    """The module's embedding of a batch's ids (and segment ids, where it has token types)."""
+    types = batch.segments if module.embedding.types is not None else None
     return module.embed(batch.input_ids, types)
 
 
@@ -163,7 +167,7 @@ def host_runner(host: HostEmbedding, island: nn.Module, head: Head) -> Runner:
 
     def run(batch: Batch) -> tuple[list[torch.Tensor] | None, Outputs]:
         key_mask = key_mask_from_padding(batch.attention_mask).half()
-        rows = host(batch.input_ids, None).half()
+        rows = host(batch.input_ids, batch.segments).half()
         with torch.no_grad():
             return None, head(island(rows, key_mask), key_mask, batch)
 

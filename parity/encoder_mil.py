@@ -69,9 +69,9 @@ def encoder_feed(
         assert module is not None  # a program taking token ids: the module says which
         feeds["input_ids"] = batch.input_ids.numpy().astype(np.int32)
         if module.embedding.types is not None:
-            feeds["token_type_ids"] = np.zeros_like(feeds["input_ids"])
+            feeds["token_type_ids"] = batch.segments.numpy().astype(np.int32)
     else:
-        feeds["inputs_embeds"] = host(batch.input_ids, None).numpy().astype(np_float)
+        feeds["inputs_embeds"] = host(batch.input_ids, batch.segments).numpy().astype(np_float)
     feeds["key_mask"] = key_mask
     return feeds, torch.from_numpy(key_mask.astype(np.float32))
 

@@ -172,5 +172,5 @@ def build_encoder(
     fixtures = build_fixtures([], seqs, None, length, config.vocab_size, padded_variants=False)
     batches = make_batches(fixtures, batch, length, PAD_ID, right=True)
     set_encoder_prescales(module, batches)
-    references = {f.name: run_encoder_reference(model, f.token_ids, output) for f in fixtures}
+    references = {f.name: run_encoder_reference(model, f, output) for f in fixtures}
     return TinyEncoder(model, canonical, module, fixtures, batches, references)

@@ -6,6 +6,7 @@ batches. Thresholds are the issue's, fixed before measuring. Slow tier.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections import Counter
@@ -30,6 +31,7 @@ from converter.tasks.shared import Program
 from graph_passes.layer_norm import LayerNorm
 from graph_passes.partition import host_embedding
 from parity.encoder_gates import check_encoder, run_encoder_reference
+from parity.fixtures import build_fixtures, make_batches
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,15 +97,48 @@ def test_manifest_records_the_fp16_epsilon_deviation(artifact: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def minilm() -> Iterator[tuple[Any, Any, Any]]:
+def checkpoint() -> Any:
     recipe = load_recipe(locate_recipe("minilm-l6-embed"))
-    ckpt = load_checkpoint(recipe.resolve_source(), recipe.task)
-    rw = rewrite_encoder(recipe, ckpt, recipe.encoder or EncoderOptions())
+    return load_checkpoint(recipe.resolve_source(), recipe.task)
+
+
+@pytest.fixture(scope="module")
+def minilm(checkpoint: Any) -> Iterator[tuple[Any, Any, Any]]:
+    recipe = load_recipe(locate_recipe("minilm-l6-embed"))
+    rw = rewrite_encoder(recipe, checkpoint, recipe.encoder or EncoderOptions())
     refs = {
-        f.name: run_encoder_reference(ckpt.model, f.token_ids, "sentence-embedding")
+        f.name: run_encoder_reference(checkpoint.model, f, "sentence-embedding")
         for f in rw.fixtures
     }
     yield recipe, rw, refs
+
+
+PAIRS = [
+    ("how do bees make honey", "Bees turn nectar into honey by evaporation in the hive."),
+    ("capital of france", "Paris is the capital and largest city of France."),
+    ("what is a compiler", "The weather was mild for most of the week."),
+]
+
+
+def test_text_pairs_are_checked_with_their_segment_ids(
+    minilm: tuple[Any, Any, Any], checkpoint: Any
+) -> None:
+    """A pair's second segment gets MiniLM's trained token-type row 1: the module fed the
+    pair's segment ids matches the checkpoint; fed all zeros (what a runtime dropping
+    token_type_ids computes) it fails the fp32 cosine gate."""
+    recipe, rw, _ = minilm
+    length, vocab = recipe.shapes.sequence_length, rw.canonical.spec.embedding.vocab_size
+    fixtures = build_fixtures([], [], checkpoint.tokenizer, length, vocab, False, PAIRS, 2)
+    assert all(set(f.token_types) == {0, 1} for f in fixtures)
+    refs = {f.name: run_encoder_reference(checkpoint.model, f, "sentence-embedding")
+            for f in fixtures}  # fmt: skip
+    batches = make_batches(fixtures, recipe.shapes.batch, length, 0, right=True)
+    report, _ = check_encoder(rw.module, batches, refs, thresholds(recipe))
+    assert report.passed, [g for g in report.gates if not g.passed]
+    zeros = [dataclasses.replace(b, token_type_ids=None) for b in batches]
+    report, _ = check_encoder(rw.module, zeros, refs, thresholds(recipe))
+    failed = {(g.name, g.implementation) for g in report.gates if not g.passed}
+    assert ("fp32_min_cosine", "torch-fp32") in failed
 
 
 def test_biases_are_non_zero_so_the_affine_order_matters(minilm: tuple[Any, Any, Any]) -> None:

@@ -3,6 +3,7 @@ program and the partition (host embedding -> NE island -> tail), manifests and g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from tiny_models import one_torch_thread
 from converter.errors import InputError
 from converter.pipeline.run import convert
 from converter.recipe import load_recipe
+from graph_passes.archs import adapt_encoder
 from graph_passes.encoder import BC1LEncoder, EncoderIO
 from graph_passes.partition import host_embedding
 from parity.encoder_mil import output_runner
@@ -201,8 +203,6 @@ def test_partitioned_run_matches_the_single_program(
     the single package on the same batches."""
     from transformers import AutoModelForSequenceClassification
 
-    from graph_passes.archs import adapt_encoder
-
     model = AutoModelForSequenceClassification.from_pretrained(checkpoints["modernbert"])
     canonical = adapt_encoder(model.config, model.state_dict())
     module = BC1LEncoder(canonical, EncoderIO(BATCH, LENGTH, "token-ids", "logits"))
@@ -259,6 +259,81 @@ def test_a_cross_encoder_converts_and_is_gated_on_its_score(tmp_path: Path) -> N
     mil = {g["name"]: g for g in parity["gates"] if g["implementation"] == "mil-fp16"}
     assert "sign" in mil["fp16_argmax_agreement"]["detail"]
     assert "sigmoid" in mil["fp16_max_abs_dprob"]["detail"]
+
+
+WORDS = ["how", "do", "bees", "make", "honey", "nectar", "hive", "capital", "of", "france",
+         "paris", "city", "what", "is", "a", "compiler"]  # fmt: skip
+
+
+def cross_encoder_checkpoint(path: Path) -> Path:
+    """A one-label BERT with a WordPiece tokenizer, its token-type row 1 far from row 0 and its
+    classifier scaled (a random tiny head scores every input about alike) so a pair's second
+    segment moves the score as a trained reranker's does."""
+    from transformers import BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    path.mkdir()
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    model = hf_model(tiny_config("bert", num_labels=1), classify=True)
+    with torch.no_grad():
+        types = model.bert.embeddings.token_type_embeddings.weight
+        shift = torch.randn(types.shape[1], generator=torch.Generator().manual_seed(5))
+        types[1] = types[0] + 4 * shift
+        model.classifier.weight *= 20
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("partition", ["single", "host-embedding"])
+def test_a_cross_encoder_is_checked_on_text_pairs(tmp_path: Path, partition: str) -> None:
+    """``fixtures.pairs``: query and passage tokenized as one input with segment ids, which the
+    reference, the torch levels and the emitted program (or the host embedding feeding the
+    island) all receive; the program fed all-zero segment ids (a runtime dropping
+    token_type_ids) fails the MIL fp16 gates."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from parity.encoder_gates import check_encoder, run_encoder_reference
+    from parity.result import Thresholds
+
+    ckpt = cross_encoder_checkpoint(tmp_path / "ce")
+    pairs = [("how do bees make honey", "nectar hive"), ("capital of france", "paris city"),
+             ("what is a compiler", "honey")]  # fmt: skip
+    path = write_recipe(tmp_path, ckpt, "ce", "text-classification", {"partition": partition})
+    doc = json.loads(path.read_text())
+    doc["fixtures"] = {"pairs": pairs, "padded_variants": False}
+    path.write_text(json.dumps(doc))
+    result = convert(load_recipe(path), tmp_path / "out")
+    assert result.passed, [g for g in result.parity.gates if not g.passed]
+    art = tmp_path / "out" / "ce"
+    parity = json.loads((art / "parity.json").read_text())
+    assert [r["name"] for r in parity["encoder_fixtures"]] == ["pair[0]", "pair[1]", "pair[2]"]
+
+    model = AutoModelForSequenceClassification.from_pretrained(ckpt).eval()
+    canonical = adapt_encoder(model.config, model.state_dict())
+    module = BC1LEncoder(canonical, EncoderIO(BATCH, LENGTH, "token-ids", "logits"))
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    fixtures = build_fixtures([], [], tokenizer, LENGTH, 300, False, pairs, 2)
+    refs = {f.name: run_encoder_reference(model, f, "logits") for f in fixtures}
+    if partition == "single":
+        manifest = json.loads((art / "manifest.json").read_text())
+        types = next(t for t in manifest["inputs"] if t["name"] == "token_type_ids")
+        assert "text pair" in types["meaning"]
+        program = output_runner({"main": art / "ce.mlpackage"}, module, None, "float16")
+    else:
+        pieces = {p: art / f"ce.{p}.mlpackage" for p in ("island", "tail")}
+        host = host_embedding(canonical, LENGTH, prenormalize=False)
+        program = output_runner(pieces, module, host, "float16")
+    thresholds = Thresholds(**load_recipe(path).gates.parity_thresholds())
+    for segments, passes in ((True, True), (False, False)):
+        batches = make_batches(fixtures, BATCH, LENGTH, 0, right=True)
+        if not segments:
+            batches = [dataclasses.replace(b, token_type_ids=None) for b in batches]
+        report, _ = check_encoder(module, batches, refs, thresholds, {"mil-fp16": program},
+                                  torch_levels=False)  # fmt: skip
+        mil = [g for g in report.gates if g.implementation == "mil-fp16"]
+        values = [(g.name, g.value, g.threshold) for g in mil]
+        assert mil and all(g.passed for g in mil) == passes, values
 
 
 def test_bert_refuses_a_prenormalised_table(checkpoints: dict[str, Path], tmp_path: Path) -> None:

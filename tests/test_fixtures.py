@@ -106,3 +106,42 @@ def test_make_batches_exact_multiple_has_no_filler() -> None:
     fixtures = build_fixtures([], [[1], [2], [3]], None, L, VOCAB, False)
     (batch,) = make_batches(fixtures, 3, L, pad_id=0)
     assert batch.input_ids[:, -1].tolist() == [1, 2, 3]
+
+
+def _pair_tokenizer(first: str, second: str | None = None) -> dict[str, list[int]]:
+    """A two-segment tokenizer in BERT's layout: CLS a SEP [b SEP], segment 0 then 1."""
+    a = [2, *(ord(c) % VOCAB for c in first), 3]
+    b = [] if second is None else [*(ord(c) % VOCAB for c in second), 3]
+    return {"input_ids": a + b, "token_type_ids": [0] * len(a) + [1] * len(b)}
+
+
+def test_pairs_keep_their_segment_ids_in_the_batches() -> None:
+    fixtures = build_fixtures(["ab"], [], _pair_tokenizer, L, VOCAB, True, [("q", "pp")], 2)
+    names = [f.name for f in fixtures]
+    assert names == ["prompt[0]", "prompt[0]/full-window", "pair[0]", "pair[0]/full-window"]
+    pair, window = fixtures[2:]
+    assert pair.token_types == (0, 0, 0, 1, 1, 1)
+    assert window.token_types == (0, 0, 0, 1, 1, 1, 0, 0)  # repeated with its tokens
+    assert fixtures[0].token_types == ()  # one text: segment 0 throughout
+    (right,) = make_batches(fixtures, 2, L, pad_id=0, right=True)[1:]
+    assert right.segments[0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]  # padding: segment 0
+    (left,) = make_batches(fixtures[2:3], 1, L, pad_id=0)
+    assert left.segments[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    (single,) = make_batches(fixtures[:1], 2, L, pad_id=0)
+    assert single.token_type_ids is None and not single.segments.any()
+
+
+def test_pairs_on_a_model_without_token_types_carry_none() -> None:
+    (pair,) = build_fixtures([], [], _pair_tokenizer, L, VOCAB, False, [("q", "p")], 0)
+    assert pair.token_types == ()
+    assert pair.token_ids == (2, ord("q") % VOCAB, 3, ord("p") % VOCAB, 3)
+
+
+def test_a_segment_id_outside_the_type_table_is_refused_by_name() -> None:
+    with pytest.raises(InputError, match=r"fixtures\.pair\[0\]: segment ids \[1\].*\(0\.\.0\)"):
+        build_fixtures([], [], _pair_tokenizer, L, VOCAB, False, [("q", "p")], 1)
+
+
+def test_pairs_without_a_tokenizer_are_refused() -> None:
+    with pytest.raises(InputError, match=r"fixtures\.pairs.*no tokenizer"):
+        build_fixtures([], [], None, L, VOCAB, False, [("q", "p")], 2)

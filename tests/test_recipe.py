@@ -131,7 +131,7 @@ ERROR_CASES = [
      "target", "expected one of iOS15, iOS16"),
     ("no-fixtures", edit('  prompts: ["The capital of France is"]\n  token_ids: [[1, 2, 3]]',
                          "  padded_variants: true"), 16,
-     "fixtures", "expected at least one entry in prompts or token_ids"),
+     "fixtures", "expected at least one entry in prompts, pairs or token_ids"),
     ("fixture-too-long", edit("token_ids: [[1, 2, 3]]", "token_ids: [[1, 2, 3, 4, 5, 6, 7, 8, 9]]"),
      18, "fixtures.token_ids[0]", "has 9 tokens, more than shapes.sequence_length 8"),
     ("negative-token", edit("token_ids: [[1, 2, 3]]", "token_ids: [[1, -2, 3]]"), 18,

@@ -293,3 +293,22 @@ def test_readme_lists_every_task_key() -> None:
     for key in TASK_KEYS:
         row = f"| `{key.name}` | {', '.join(key.tasks)} |"
         assert row in readme, row
+
+
+@pytest.mark.parametrize("task", ["text-generation", "decision"])
+def test_text_pairs_are_refused_where_no_encoder_reads_them(
+    write_file: WriteFile, task: str
+) -> None:
+    text = HEAD.format(task=task).replace("{token_ids:", "{pairs: [[a, b]], token_ids:")
+    issues = _issues(write_file, text)
+    assert [i for i in issues if f"fixtures.pairs: does not apply to task {task}" in i], issues
+
+
+def test_a_text_pair_needs_two_non_empty_texts(write_file: WriteFile) -> None:
+    head = HEAD.format(task="text-classification")
+    issues = _issues(write_file, head.replace("{token_ids:", "{pairs: [[query, ' ']], token_ids:"))
+    assert issues == ["x.yaml:4: fixtures.pairs[0][1]: expected a non-empty text"], issues
+    issues = _issues(write_file, head.replace("{token_ids:", "{pairs: [[query]], token_ids:"))
+    assert [i for i in issues if i.startswith("x.yaml:4: fixtures.pairs[0]")], issues
+    write_file("x.yaml", head.replace("{token_ids:", "{pairs: [[query, passage]], token_ids:"))
+    assert load_recipe("x.yaml").fixtures.pairs == [("query", "passage")]

@@ -57,7 +57,7 @@ def prepare_encoder_held_out(
     io, vocab = module.io, module.spec.embedding.vocab_size
     fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False)
     cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
-    references = {f.name: run_encoder_reference(model, f.token_ids, io.output) for f in fixtures}
+    references = {f.name: run_encoder_reference(model, f, io.output) for f in fixtures}
     batches = make_batches(fixtures, io.batch, io.length, pad_id, right=True)
     return EncoderHeldOut(fixtures, references, pad_id, cal, where, batches)
 

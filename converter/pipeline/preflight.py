@@ -205,16 +205,19 @@ def _check_sources(recipe: Recipe, tables: list[WeightTable]) -> None:
 
 
 def _check_tokenizer(recipe: Recipe, source: ResolvedSource) -> None:
-    """Prompts need the checkpoint's tokenizer; a folder without tokenizer files has none."""
-    if not recipe.fixtures.prompts or has_tokenizer(source):
+    """Prompts and text pairs need the checkpoint's tokenizer; a folder without tokenizer
+    files has none."""
+    texts = recipe.fixtures.prompts or recipe.fixtures.pairs
+    if not texts or has_tokenizer(source):
         return
+    key = "prompts" if recipe.fixtures.prompts else "pairs"
     if source.gguf_path is not None:
         raise InputError(
-            f"fixtures.prompts: {source.gguf_path} has no tokenizer (no tokenizer.ggml.model "
+            f"fixtures.{key}: {source.gguf_path} has no tokenizer (no tokenizer.ggml.model "
             "metadata); give fixtures.token_ids instead"
         )
     raise InputError(
-        f"fixtures.prompts: {source.directory} has no tokenizer (none of "
+        f"fixtures.{key}: {source.directory} has no tokenizer (none of "
         f"{', '.join(_TOKENIZER_FILES)}); add the checkpoint's tokenizer files or give "
         "fixtures.token_ids instead"
     )

@@ -129,17 +129,24 @@ class Fixtures(StrictModel):
     """Inputs the parity gates run on."""
 
     prompts: list[str] = []
+    # Encoders: [first, second] texts tokenized as one two-segment input, with their segment
+    # ids (a cross-encoder's query and passage, an NLI premise and hypothesis).
+    pairs: list[tuple[str, str]] = []
     token_ids: list[list[Annotated[int, Field(ge=0, strict=True)]]] = []
     padded_variants: bool = Field(default=True, strict=True)
 
     @model_validator(mode="after")
     def _not_empty(self) -> Fixtures:
         problems: list[tuple[Loc, str]] = []
-        if not self.prompts and not self.token_ids:
-            problems.append(((), "expected at least one entry in prompts or token_ids"))
+        if not self.prompts and not self.token_ids and not self.pairs:
+            problems.append(((), "expected at least one entry in prompts, pairs or token_ids"))
         for i, prompt in enumerate(self.prompts):
             if not prompt.strip():
                 problems.append((("prompts", i), "expected a non-empty prompt"))
+        for i, pair in enumerate(self.pairs):
+            for j, text in enumerate(pair):
+                if not text.strip():
+                    problems.append((("pairs", i, j), "expected a non-empty text"))
         for i, ids in enumerate(self.token_ids):
             if not ids:
                 problems.append((("token_ids", i), "expected a non-empty list of token ids"))

@@ -90,6 +90,11 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         "the fp16 probability gate of a cached decoder's continuations",
     ),
     TaskKey(("encoder",), ENCODER_TASKS, "partition and pooling of an encoder"),
+    TaskKey(
+        ("fixtures", "pairs"),
+        ENCODER_TASKS,
+        "two-text inputs with segment ids (a cross-encoder's query and passage)",
+    ),
     TaskKey(("encoder", "pooling"), ("sentence-similarity",), "how tokens become a sentence"),
     TaskKey(("encoder", "normalize"), ("sentence-similarity",), "L2 normalisation of a sentence"),
     TaskKey(

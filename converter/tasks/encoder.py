@@ -174,6 +174,8 @@ def rewrite_encoder(
         length,
         canonical.spec.embedding.vocab_size,
         recipe.fixtures.padded_variants,
+        recipe.fixtures.pairs,
+        canonical.spec.embedding.type_vocab_size,
     )
     pad = pad_id(ckpt.tokenizer, ckpt.config)
     batches = make_batches(fixtures, io.batch, length, pad, right=True)
@@ -229,7 +231,7 @@ def references(run: EncoderRun, advance: Advance) -> None:
     ckpt, rw = need(run.ckpt, "the checkpoint"), need(run.rewrite, "the rewrite")
     for fixture in rw.fixtures:
         run.references[fixture.name] = run_encoder_reference(
-            ckpt.model, fixture.token_ids, rw.module.io.output
+            ckpt.model, fixture, rw.module.io.output
         )
         advance()
     if run.recipe.compression is not None:  # the held-out sentences, while the model is here

@@ -84,9 +84,12 @@ def single_contract(module: BC1LEncoder, dtype: str) -> Contract:
         )
     ]
     if module.embedding.types is not None:
-        inputs.append(
-            TensorIO("token_type_ids", (io.batch, io.length), "int32", "segment ids (0 or 1)")
+        last = module.spec.embedding.type_vocab_size - 1
+        meaning = (
+            f"segment ids (0..{last}), the tokenizer's token_type_ids: 0 for one text, 0 then 1 "
+            "for a text pair (a cross-encoder's query and passage)"
         )
+        inputs.append(TensorIO("token_type_ids", (io.batch, io.length), "int32", meaning))
     return [*inputs, _key_mask_io(module, dtype)], [output_io(module, dtype)]
 
 
