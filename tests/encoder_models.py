@@ -8,6 +8,7 @@ attention, so the reference is transformers' plain softmax path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -174,3 +175,27 @@ def build_encoder(
     set_encoder_prescales(module, batches)
     references = {f.name: run_encoder_reference(model, f, output) for f in fixtures}
     return TinyEncoder(model, canonical, module, fixtures, batches, references)
+
+
+WORDS = ["how", "do", "bees", "make", "honey", "nectar", "hive", "capital", "of", "france",
+         "paris", "city", "what", "is", "a", "compiler"]  # fmt: skip
+
+
+def cross_encoder_checkpoint(path: Path) -> Path:
+    """A one-label BERT with a WordPiece tokenizer, its token-type row 1 far from row 0 and its
+    classifier scaled (a random tiny head scores every input about alike) so a pair's second
+    segment moves the score as a trained reranker's does."""
+    from transformers import BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    path.mkdir()
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    model = hf_model(tiny_config("bert", num_labels=1), classify=True)
+    with torch.no_grad():
+        types = model.bert.embeddings.token_type_embeddings.weight
+        shift = torch.randn(types.shape[1], generator=torch.Generator().manual_seed(5))
+        types[1] = types[0] + 4 * shift
+        model.classifier.weight *= 20
+    model.save_pretrained(path)
+    return path

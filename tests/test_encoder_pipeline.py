@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from encoder_models import hf_model, random_sequences, tiny_config
+from encoder_models import cross_encoder_checkpoint, hf_model, random_sequences, tiny_config
 from tiny_models import one_torch_thread
 
 from converter.errors import InputError
@@ -259,30 +259,6 @@ def test_a_cross_encoder_converts_and_is_gated_on_its_score(tmp_path: Path) -> N
     mil = {g["name"]: g for g in parity["gates"] if g["implementation"] == "mil-fp16"}
     assert "sign" in mil["fp16_argmax_agreement"]["detail"]
     assert "sigmoid" in mil["fp16_max_abs_dprob"]["detail"]
-
-
-WORDS = ["how", "do", "bees", "make", "honey", "nectar", "hive", "capital", "of", "france",
-         "paris", "city", "what", "is", "a", "compiler"]  # fmt: skip
-
-
-def cross_encoder_checkpoint(path: Path) -> Path:
-    """A one-label BERT with a WordPiece tokenizer, its token-type row 1 far from row 0 and its
-    classifier scaled (a random tiny head scores every input about alike) so a pair's second
-    segment moves the score as a trained reranker's does."""
-    from transformers import BertTokenizerFast
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    path.mkdir()
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
-    model = hf_model(tiny_config("bert", num_labels=1), classify=True)
-    with torch.no_grad():
-        types = model.bert.embeddings.token_type_embeddings.weight
-        shift = torch.randn(types.shape[1], generator=torch.Generator().manual_seed(5))
-        types[1] = types[0] + 4 * shift
-        model.classifier.weight *= 20
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("partition", ["single", "host-embedding"])

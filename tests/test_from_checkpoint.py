@@ -260,3 +260,26 @@ def test_an_artifacts_recipe_names_the_checkpoint_by_its_absolute_path(
         **recipe_data(recipe),
         "source": again.source.model_dump(exclude_none=True),
     }
+
+
+def test_a_cross_encoder_gets_query_passage_pairs(tmp_path: Path) -> None:
+    """A one-label classifier is a reranker: its recipe adds text pairs to the single texts, so
+    the gates see its second segment (token-type row 1) as it runs."""
+    ckpt = encoder_models.cross_encoder_checkpoint(tmp_path / "ce")
+    out = tmp_path / "ce.yaml"
+    result = run_anec("recipes", "new", ckpt, "--length", "16", "-o", out)
+    assert result.exit_code == 0, result.output
+    recipe = load_recipe(out)
+    assert recipe.task == "text-classification"
+    assert recipe.fixtures.prompts and recipe.fixtures.pairs
+    assert "one label" in out.read_text()  # the note says why
+    # A classifier of several labels with no CrossEncoder key reads single texts only.
+    plain = tmp_path / "plain"
+    classifier = encoder_models.hf_model(encoder_models.tiny_config("bert"), classify=True)
+    classifier.save_pretrained(plain)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ckpt / name).exists():
+            (plain / name).write_bytes((ckpt / name).read_bytes())
+    result = run_anec("recipes", "new", plain, "--length", "16", "-o", tmp_path / "plain.yaml")
+    assert result.exit_code == 0, result.output
+    assert not load_recipe(tmp_path / "plain.yaml").fixtures.pairs

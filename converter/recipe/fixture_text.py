@@ -25,6 +25,14 @@ TEXT = (
     "Le chat dort sur le canapé depuis ce matin.",
     "A draft model proposes several tokens and the larger model checks them in one pass.",
 )
+# Query and passage pairs for a cross-encoder, relevant and not; each passage is cut to fit.
+PAIRS = (
+    ("how do I reset my password", "Open the sign-in page and choose 'Forgot password' to get "
+     "a reset link by email."),
+    ("what is the capital of France", "Paris is the capital and largest city of France."),
+    ("will it rain this afternoon", "The museum is open every day except Monday."),
+    ("Wie wird das Wetter morgen?", "Morgen soll es den ganzen Tag regnen."),
+)  # fmt: skip
 MAX_FIXTURES = 6  # parity time grows with each fixture; six cover the kinds of text above
 _SEED = 20240601  # token-id fixtures: fixed, so a recipe is the same every time it is made
 _ID_LENGTH_SHARES = (0.3, 0.5, 0.7, 1.0)  # of the window: padded rows and one full window
@@ -51,6 +59,19 @@ def fixture_prompts(tokenizer: Any, length: int) -> list[str]:
         if len(prompts) == MAX_FIXTURES:
             break
     return prompts
+
+
+def fixture_pairs(tokenizer: Any, length: int) -> list[tuple[str, str]]:
+    """The `PAIRS` whose query and (cut) passage fit ``length`` tokens together."""
+    pairs = []
+    for query, passage in PAIRS:
+        words = passage.split(" ")
+        for n in range(len(words), 0, -1):
+            text = " ".join(words[:n])
+            if len(tokenizer(query, text)["input_ids"]) <= length:
+                pairs.append((query, text))
+                break
+    return pairs
 
 
 def fixture_token_ids(vocab_size: int, length: int, seed: int = _SEED) -> list[list[int]]:

@@ -30,7 +30,7 @@ from converter.recipe import (
     validate_recipe,
 )
 from converter.recipe.checkpoint_facts import CheckpointFacts, read_facts
-from converter.recipe.fixture_text import fixture_prompts, fixture_token_ids
+from converter.recipe.fixture_text import fixture_pairs, fixture_prompts, fixture_token_ids
 from converter.recipe.refs import CheckpointRef, RecipeRef, parse_ref
 
 
@@ -252,6 +252,11 @@ def _fixtures(facts: CheckpointFacts, length: int, notes: Any) -> dict[str, Any]
     if not prompts:
         raise InputError(f"--length {length}: no fixture text fits the window; choose more")
     notes["fixtures"] = [f"anec's fixture text, cut to {length} tokens by the checkpoint tokenizer"]
+    pairs = fixture_pairs(facts.tokenizer, length) if facts.pair_note else []
+    if pairs:
+        notes["fixtures"].append(f"and query / passage pairs with their segment ids: "
+                                 f"{facts.pair_note}")  # fmt: skip
+        return {"prompts": prompts, "pairs": [list(p) for p in pairs]}
     return {"prompts": prompts}
 
 
