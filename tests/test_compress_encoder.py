@@ -269,3 +269,49 @@ def test_emit_refuses_a_method_the_task_lacks(tmp_path: Path) -> None:
     subject = EncoderSubject(None, None, 1e-5)  # type: ignore[arg-type]
     with pytest.raises(InputError, match=r"variants\[0\]\.method: w8a8 is implemented for"):
         emit(compression, "tb", tmp_path, subject, tmp_path)
+
+
+def test_a_cross_encoder_variant_is_judged_on_held_out_text_pairs(tmp_path: Path) -> None:
+    """``held_out: {corpus, sentences, pairs: true}``: consecutive sentences as text pairs,
+    with their segment ids in the reference and in both the variant's torch and MIL runs."""
+    from encoder_models import cross_encoder_checkpoint
+
+    from converter.compression.corpus import slice_fixtures
+    from converter.recipe.compression_section import Corpus
+
+    ckpt = cross_encoder_checkpoint(tmp_path / "ce")
+    variant = {
+        "suffix": "int8",
+        "method": "int8",
+        "granularity": "per-channel",
+        "gates": {"min_cosine": 0.99, "min_top1_agreement": 0.5, "max_abs_dprob": 0.05},
+    }
+    doc = {
+        "name": "ce", "task": "text-classification",
+        "source": {"kind": "hf-dir", "path": str(ckpt)},
+        "shapes": {"batch": BATCH, "sequence_length": 64},
+        "fixtures": {"pairs": [["how do bees make honey", "nectar hive"]],
+                     "padded_variants": False},
+        "encoder": {"partition": "single"},
+        "compression": {"held_out": {"corpus": "pydoc_data", "sentences": 4, "pairs": True},
+                        "variants": [variant]},
+    }  # fmt: skip
+    (tmp_path / "ce.yaml").write_text(json.dumps(doc))
+    (result,) = _variants(load_recipe(tmp_path / "ce.yaml"), tmp_path / "out")
+    assert result.passed, [(k, g["value"]) for k, g in _gates(result.directory).items()
+                           if not g["passed"]]  # fmt: skip
+    report = json.loads((result.directory / "parity.json").read_text())
+    assert report["held_out"]["source"].endswith("consecutive sentences as text pairs")
+    assert report["held_out"]["sentences"] == 4
+    gates = _gates(result.directory)
+    for level in ("torch-fp16", "mil-fp16"):
+        # The checkpoint's row 1 moves a pair's score by tenths (`cross_encoder_checkpoint`).
+        assert 0.0 < gates[("max_abs_dprob", level)]["value"] <= 0.05
+    # The slice itself: four pairs, each with its second segment marked.
+    from transformers import AutoTokenizer
+
+    corpus = Corpus(corpus="pydoc_data", sentences=4, pairs=True)
+    fixtures, _ = slice_fixtures(corpus, "held_out", AutoTokenizer.from_pretrained(ckpt), 64,
+                                 300, False, 2)  # fmt: skip
+    assert [f.name for f in fixtures] == [f"held_out[{i}]" for i in range(4)]
+    assert all(f.token_types and f.token_types[-1] == 1 for f in fixtures)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from dataclasses import replace
 from typing import Any
 
 from converter.errors import InputError
@@ -125,30 +126,59 @@ def encoder_texts(corpus: Any, part: str, tokenizer: Any, length: int) -> list[s
     return out[:want]
 
 
+def encoder_pairs(corpus: Any, part: str, tokenizer: Any, length: int) -> list[tuple[str, str]]:
+    """The first ``corpus.sentences`` pairs of consecutive sentences of ``part`` (each sentence
+    with the one after it: mostly the same paragraph's) whose joint tokens fit ``length``."""
+    where = f"compression.{part}"
+    if tokenizer is None:
+        raise InputError(f"{where}: a corpus needs the checkpoint's tokenizer; it has none")
+    sentences = part_sentences(part)
+    out = [
+        (a, b) for a, b in zip(sentences, sentences[1:], strict=False)
+        if len(tokenizer(a, b)["input_ids"]) <= length
+    ]  # fmt: skip
+    if len(out) < corpus.sentences:
+        raise InputError(
+            f"{where}.sentences: {corpus.sentences} pairs asked, the corpus {corpus.corpus} "
+            f"has {len(out)} that fit {length} tokens"
+        )
+    return out[: corpus.sentences]
+
+
+Text = str | list[int] | tuple[str, str]  # one text, token ids, or a text pair
+
+
 def resolve(
     items: Any, part: str, tokenizer: Any, length: int, decoder: bool
-) -> tuple[list[str | list[int]], str]:
-    """A held-out or calibration list as texts / token-id lists, and a line saying what it is
-    (a recipe's own list: ``recipe``)."""
+) -> tuple[list[Text], str]:
+    """A held-out or calibration list as texts / token-id lists / text pairs, and a line
+    saying what it is (a recipe's own list: ``recipe``)."""
     if isinstance(items, list | tuple):  # not a ``recipe.compression.Corpus``
         return list(items), "the recipe's own texts"
-    texts: list[str | list[int]] = (
-        list(decoder_texts(items, part, tokenizer, length))
-        if decoder
-        else list(encoder_texts(items, part, tokenizer, length))
-    )
-    return texts, source(items, part)
+    texts: list[Text]
+    if decoder:
+        texts = list(decoder_texts(items, part, tokenizer, length))
+    elif items.pairs:
+        texts = list(encoder_pairs(items, part, tokenizer, length))
+    else:
+        texts = list(encoder_texts(items, part, tokenizer, length))
+    where = source(items, part)
+    return texts, where + (", consecutive sentences as text pairs" if items.pairs else "")
 
 
 def slice_fixtures(
-    items: Any, part: str, tokenizer: Any, length: int, vocab_size: int, decoder: bool
-) -> tuple[list[Any], str]:
+    items: Any, part: str, tokenizer: Any, length: int, vocab_size: int, decoder: bool,
+    type_vocab_size: int = 0,
+) -> tuple[list[Any], str]:  # fmt: skip
     """A held-out or calibration slice (`resolve`) as fixtures named ``<part>[i]`` (each
-    checked to fit ``length`` and the vocabulary), and the line saying what it is."""
-    from parity.fixtures import Fixture, build_fixtures
+    checked to fit ``length``, the vocabulary and a pair's segment ids the model's
+    ``type_vocab_size`` token types), and the line saying what it is."""
+    from parity.fixtures import build_fixtures
 
     texts, where = resolve(items, part, tokenizer, length, decoder)
     prompts = [t for t in texts if isinstance(t, str)]
-    ids = [t for t in texts if not isinstance(t, str)]
-    built = build_fixtures(prompts, ids, tokenizer, length, vocab_size, padded_variants=False)
-    return [Fixture(f"{part}[{i}]", f.token_ids, f.slice) for i, f in enumerate(built)], where
+    pairs = [t for t in texts if isinstance(t, tuple)]
+    ids = [t for t in texts if isinstance(t, list)]
+    built = build_fixtures(prompts, ids, tokenizer, length, vocab_size, False, pairs,
+                           type_vocab_size)  # fmt: skip
+    return [replace(f, name=f"{part}[{i}]") for i, f in enumerate(built)], where

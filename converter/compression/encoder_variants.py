@@ -55,8 +55,10 @@ def prepare_encoder_held_out(
     the original model on each, alone and unpadded; tokenize the calibration sentences (a
     list, or the corpus's other part: disjoint from the held-out one by construction)."""
     io, vocab = module.io, module.spec.embedding.vocab_size
-    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False)
-    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False)
+    types = module.spec.embedding.type_vocab_size
+    fixtures, where = slice_fixtures(texts, "held_out", tokenizer, io.length, vocab, False, types)
+    cal, _ = slice_fixtures(calibration or [], "calibration", tokenizer, io.length, vocab, False,
+                            types)  # fmt: skip
     references = {f.name: run_encoder_reference(model, f, io.output) for f in fixtures}
     batches = make_batches(fixtures, io.batch, io.length, pad_id, right=True)
     return EncoderHeldOut(fixtures, references, pad_id, cal, where, batches)

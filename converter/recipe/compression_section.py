@@ -47,6 +47,9 @@ class Corpus(StrictModel):
     corpus: Literal["pydoc_data"]
     positions: int | None = Field(default=None, ge=1, strict=True)
     sentences: int | None = Field(default=None, ge=1, strict=True)
+    # Encoders: ``sentences`` text pairs, each sentence with the next (a cross-encoder's input
+    # form, with its segment ids), instead of single sentences.
+    pairs: bool = Field(default=False, strict=True)
 
     @model_validator(mode="after")
     def _check(self) -> Corpus:

@@ -133,6 +133,16 @@ TASK_KEYS: tuple[TaskKey, ...] = (
         "how many sentences a calibration corpus gives an encoder",
     ),
     TaskKey(
+        ("compression", "held_out", "pairs"),
+        ENCODER_TASKS,
+        "a held-out corpus's sentences as text pairs (a cross-encoder's input form)",
+    ),
+    TaskKey(
+        ("compression", "calibration", "pairs"),
+        ENCODER_TASKS,
+        "a calibration corpus's sentences as text pairs",
+    ),
+    TaskKey(
         ("compression", "variants", EACH, "gates", "min_cosine"),
         ENCODER_TASKS,
         "a variant's cosine gate on encoder outputs",
