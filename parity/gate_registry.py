@@ -11,7 +11,7 @@ keyed by gate name. One name may be registered at several levels (``fp16_argmax_
 gates torch fp16 and the MIL fp16 program alike), and they share the threshold.
 
 Adding a gate: register it in `_REGISTRY` below, check it where the value is measured, and
-list it in the README's gate table (a test compares the table with this registry).
+list it in docs/parity.md's gate table (a test compares the table with this registry).
 """
 
 from __future__ import annotations

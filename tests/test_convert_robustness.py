@@ -447,33 +447,34 @@ def test_gguf_header_of_the_packaged_smollm2() -> None:
 
 
 def _readme_peaks() -> dict[str, float]:
-    """Measured peaks (GiB) from the README's recipe table, by recipe file name."""
+    """Measured peaks (GiB) from the recipe table of docs/recipes.md, by recipe file name."""
     rows = re.findall(
         r"^\| `recipes/([\w.-]+\.yaml)` \|.*\| ([0-9.]+) GiB, measured [^|]*\|$",
-        (REPO_ROOT / "README.md").read_text(encoding="utf-8"),
+        (REPO_ROOT / "docs" / "recipes.md").read_text(encoding="utf-8"),
         re.MULTILINE,
     )
     return {name: float(gib) for name, gib in rows}
 
 
 def _readme_estimates() -> tuple[float, float, float, float, list[float]]:
-    """The README's estimate formula (base GiB, fp32 weight, table and cached decoders'
+    """docs/recipes.md's estimate formula (base GiB, fp32 weight, table and cached decoders'
     logit multiples) and the two figures it gives."""
-    text = " ".join((REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
+    text = " ".join((REPO_ROOT / "docs" / "recipes.md").read_text(encoding="utf-8").split())
     match = re.search(
         r"estimates the peak as ([0-9.]+) GiB \+ ([0-9.]+) x the fp32 weights \+ ([0-9.]+) x "
         r"the fp32 embedding table \(([0-9.]+) and ([0-9.]+) GiB for the first two[;)].*?"
         r"a cached decoder adds ([0-9.]+) x the bytes of one continuation's fp32 logits",
         text,
     )
-    assert match, "README: the sentence giving the memory estimate's formula is missing"
+    assert match, "docs/recipes.md: the sentence giving the memory estimate's formula is missing"
     base, multiple, table, first, second, logits = (float(g) for g in match.groups())
     return base, multiple, table, logits, [first, second]
 
 
-# The README's table is the source of truth for measured peaks: when a change moves a peak
-# and the README is updated, this test checks the estimate against the new figure. Parameters
-# and embedding-table elements, as the preflight reads them from the weight files' headers.
+# The recipe table of docs/recipes.md is the source of truth for measured peaks: when a change
+# moves a peak and the table is updated, this test checks the estimate against the new figure.
+# Parameters and embedding-table elements, as the preflight reads them from the weight files'
+# headers.
 _MEASURED_SHAPES = {
     "smollm2-135m-draft.yaml": (SMOLLM2_PARAMETERS, 49_152 * 576),
     "qwen2.5-0.5b-draft.yaml": (QWEN_PARAMETERS, 151_936 * 896),
@@ -490,11 +491,12 @@ _CACHE_LOGITS = {
 }
 
 
-def test_memory_estimate_covers_the_peaks_the_readme_records() -> None:
+def test_memory_estimate_covers_the_peaks_the_recipes_doc_records() -> None:
     """Never under the measured peak (`/usr/bin/time -v anec convert ...`), so a machine the
-    preflight lets through has the room; and the README's formula and figures are the code's."""
+    preflight lets through has the room; and docs/recipes.md's formula and figures are the
+    code's."""
     peaks = _readme_peaks()
-    assert set(_MEASURED_SHAPES) <= set(peaks), f"README recipe table peaks: {peaks}"
+    assert set(_MEASURED_SHAPES) <= set(peaks), f"docs/recipes.md recipe table peaks: {peaks}"
     base, multiple, table, logits, figures = _readme_estimates()
     for recipe, (parameters, elements) in _MEASURED_SHAPES.items():
         rows = _CACHE_LOGITS.get(recipe, 0)

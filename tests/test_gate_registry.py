@@ -1,6 +1,6 @@
 """The gate registry (parity/gate_registry.py): every gate anec runs is registered once, named by
 the
-recipe key that sets its threshold, checked through one comparison, and listed in the README."""
+recipe key that sets its threshold, checked through one comparison, and listed in docs/parity.md."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def test_a_recipe_key_that_does_not_exist_is_named() -> None:
         recipe_field("compression.variants[].gates.min_top5")
 
 
-def test_the_readme_lists_every_registered_gate() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_parity_doc_lists_every_registered_gate() -> None:
+    readme = (ROOT / "docs" / "parity.md").read_text(encoding="utf-8")
     assert markdown_table() in readme, (
-        "README gate table is stale: python -m converter.recipe.gate_table"
+        "docs/parity.md gate table is stale: python -m converter.recipe.gate_table"
     )
     for g in registered():
         assert f"| {g.level} | `{g.name}` |" in readme, g.key
@@ -128,8 +128,8 @@ def test_registry_keys_are_unique_level_and_name() -> None:
     }
 
 
-def test_the_readme_says_what_each_registered_level_is_the_first_to_catch() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_parity_doc_says_what_each_registered_level_is_the_first_to_catch() -> None:
+    readme = (ROOT / "docs" / "parity.md").read_text(encoding="utf-8")
     section = readme.split("### What each level is the first to catch", 1)[1].split("###", 1)[0]
     rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines()
             if line.startswith("| `")}  # fmt: skip

@@ -6,7 +6,8 @@ one state-style package and as a chain of three one-layer packages. Unmutated, e
 the fp32 cache level passes far inside its bounds. Each mutant of the host loop - the code a
 runtime engine reimplements from the manifest - fails the fp32 level naming the fixture, the
 function and its call, the layer and the position where it first went wrong; `FP16_CATCHES`
-records which fp16 gate, if any, would have caught it alone (the README's mutant table).
+records which fp16 gate, if any, would have caught it alone (the mutant table of
+docs/draft-decoders.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The registered gates against the recipe schema: where each threshold is set, its default,
-and the README's gate table built from both.
+and the gate table built from both (docs/parity.md).
 
-``python -m converter.recipe.gate_table`` prints the table the README's "Gates" section holds (a
-test
-keeps the two equal).
+``python -m converter.recipe.gate_table`` prints the table docs/parity.md's "Gates" section
+holds (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ def _field(model: type[BaseModel], key: str) -> FieldInfo:
 
 
 def default_threshold(g: Gate) -> float | None:
-    """The threshold a recipe that does not set it gets (None: no default, see the README)."""
+    """The threshold a recipe that does not set it gets (None: no default, see docs/parity.md)."""
     if g.recipe_key is None:
         return g.fixed
     default = recipe_field(g.recipe_key).get_default(call_default_factory=True)
@@ -69,7 +68,7 @@ def _cell(text: str) -> str:
 
 
 def markdown_table(gates: list[Gate] | None = None) -> str:
-    """The README's gate table: one row per registered gate."""
+    """The gate table of docs/parity.md: one row per registered gate."""
     lines = [
         "| level | gate | comparison | default | recipe key | meaning |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -87,5 +86,5 @@ def markdown_table(gates: list[Gate] | None = None) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # pragma: no cover - regenerates the README's table
+if __name__ == "__main__":  # pragma: no cover - regenerates docs/parity.md's table
     print(markdown_table())

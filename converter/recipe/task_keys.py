@@ -48,7 +48,8 @@ class TaskKey:
 
     @property
     def name(self) -> str:
-        """The key as the README and messages write it (``compression.variants[].gates...``)."""
+        """The key as docs/recipes.md and messages write it
+        (``compression.variants[].gates...``)."""
         return ".".join(self.path).replace(f".{EACH}", "[]")
 
 
