@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ import torch
 
 from graph_passes.decoder import BC1LDecoder
 from graph_passes.logits_layout import join_logits
+from graph_passes.markers import MarkerError, find_markers
 from parity.conversion import input_dtypes, program_feed
 from parity.decoder_gates import module_inputs, run_module
 from parity.fixtures import Fixture, make_batches
@@ -228,13 +230,15 @@ class DecoderKind(VariantKind[PositionsCompared]):
 
         module, held_out, table = self.module, self.held_out, self.embed_table
         wrap = changes.wrap if changes is not None else None
-        error, mismatched = mil_fp32_check(
+        fp32, mismatched = mil_fp32_check(
             program, module, decoded, held_out, table, FP32_WINDOWS, wrap
         )
+        error = fp32.overall.value
         if changes is None or changes.check is None:
-            check = Score("mil_fp32_layer_rel_error", error, self.mil_fp32_threshold, "logits",
-                          "the variant program in fp32 against the torch module with the same "
-                          "decoded weights: compression is in the weights only")  # fmt: skip
+            check = Score("mil_fp32_layer_rel_error", error, self.mil_fp32_threshold,
+                          fp32.overall.where, "each layer's output and the logits of the variant "
+                          "program in fp32 against the torch module with the same decoded "
+                          "weights: compression is in the weights only")  # fmt: skip
         else:
             evaluator = Evaluator(program, "fp32")
             (batch,) = make_batches(held_out.windows[:1], 1, module.io.length, held_out.pad_id)
@@ -248,8 +252,9 @@ class DecoderKind(VariantKind[PositionsCompared]):
 
 def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndarray],
                    held_out: HeldOut, embed_table: torch.Tensor, windows: int,
-                   wrap: Wrap | None = None) -> tuple[float, list[str]]:  # fmt: skip
-    """The program in fp32 against torch fp32 with the same weights, and decoder agreement.
+                   wrap: Wrap | None = None) -> tuple[Fp32Check, list[str]]:  # fmt: skip
+    """The program in fp32 against torch in fp64 with the same weights, per layer (its layer
+    markers) and on the logits, and decoder agreement.
 
     The fp32 profile keeps a decompressed weight in fp32 where the program declares fp16 (an
     int8 weight's ``scale * (q - z)``), so torch gets the evaluator's own decoded values;
@@ -268,8 +273,13 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
     # go before the evaluator runs and the torch copy is made (bench/README.md).
     decoded.clear()
     release_memory()
+    n_layers, length = len(module.layers), module.io.length
+    try:
+        markers = find_markers(program.functions["main"], n_layers)
+    except MarkerError:
+        markers = []  # no layer to compare: each layer's error is inf
     chosen = held_out.windows[:windows]
-    got = mil_logits(evaluator, module, held_out, embed_table, chosen)  # feeds: fp32 inputs
+    got = _program_run(evaluator, module, held_out, embed_table, chosen, markers)
     # One more copy of the model, made only once the evaluator's other constants are freed,
     # holding the evaluator's decoded weights themselves, and fp64 one piece at a time: at
     # Qwen2.5-0.5B size a whole fp64 copy is 4 GB, the evaluator's constants 2 GB
@@ -279,21 +289,45 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
     release_memory()
     baseline = float64_program_copy(module, weights, others_in_fp16=wrap is None)
     del weights
-    check = Fp32Check([])
+
+    def pairs() -> Iterator[Pair]:
+        for batch in make_batches(chosen, 1, length, held_out.pad_id):
+            x, mask = module_inputs(baseline, batch, embed_table, torch.float32)
+            # the program's inputs are fp16: feed torch the same rounded values; fp64 so
+            # torch's own fp32 rounding does not count against the program
+            with (
+                in_float64(baseline),
+                wrap(baseline) if wrap is not None else contextlib.nullcontext(),
+            ):
+                states, logits = run_module(baseline, x.half().double(), mask.half().double())
+            fixture = batch.fixtures[0]
+            layers, have = got[fixture.name]
+            real = slice(length - len(fixture.token_ids), length)
+            for i, layer in enumerate(layers):
+                yield Pair(layer, states[i][0, :, 0, real].numpy(), f"{fixture.name}, layer {i}", i)
+            want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
+            yield Pair(have, want, f"{fixture.name}, logits")
+
+    return Fp32Check.of(n_layers, pairs(), layers_lost=not markers), mismatched
+
+
+def _program_run(evaluator: Any, module: BC1LDecoder, held_out: HeldOut,
+                 embed_table: torch.Tensor, windows: list[Fixture], markers: list[str]
+                 ) -> dict[str, tuple[list[np.ndarray], torch.Tensor]]:  # fmt: skip
+    """Each window's layer outputs (D, real positions) at ``markers`` and the logits the
+    program returns for it (as `mil_logits`)."""
+    out = {}
     length = module.io.length
-    for batch in make_batches(chosen, 1, length, held_out.pad_id):
-        x, mask = module_inputs(baseline, batch, embed_table, torch.float32)
-        # the program's inputs are fp16: feed torch the same rounded values; fp64 so torch's
-        # own fp32 rounding does not count against the program
-        with (
-            in_float64(baseline),
-            wrap(baseline) if wrap is not None else contextlib.nullcontext(),
-        ):
-            _, logits = run_module(baseline, x.half().double(), mask.half().double())
-        have = got[batch.fixtures[0].name]
-        want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
-        check.see(Pair(have, want, "logits"))
-    return check.output.value, mismatched
+    for batch in make_batches(windows, module.io.batch, length, held_out.pad_id):
+        feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, embed_table)
+        result = run_capturing_logits(evaluator, feed, markers)
+        logits = join_logits(result.outputs)  # (B, n, V)
+        for r, fixture in enumerate(batch.fixtures):
+            n = len(fixture.token_ids)
+            m = min(logits.shape[1], n)  # left-padded: real ones last
+            layers = [np.asarray(result.captured[k][r, :, 0, length - n :]) for k in markers]
+            out[fixture.name] = (layers, torch.from_numpy(np.ascontiguousarray(logits[r, -m:])))
+    return out
 
 
 # ---- the all-positions copy of a decoder program, for scoring a variant at MIL level ----------

@@ -389,9 +389,10 @@ _REGISTRY: tuple[Gate, ...] = (
     Gate("finite_outputs", "compression", _EQ, "every held-out output of the variant",
          fixed=1.0),
     Gate("mil_fp32_layer_rel_error", "compression", _LE,
-         "worst ||y' - y|| / ||y|| of the output, the variant program in fp32 against the same "
-         "decoded weights in the torch module (decoders; not for int8 activations) or in the "
-         "uncompressed program (encoders)", "gates.mil_fp32_layer_rel_error"),
+         "worst ||y' - y|| / ||y||, the variant program in fp32 against the same decoded weights: "
+         "each layer's output and the logits against the torch module in fp64 (decoders; not "
+         "for int8 activations), the output against the uncompressed program (encoders)",
+         "gates.mil_fp32_layer_rel_error"),
     Gate("activation_quantizers_alike", "compression", _EQ,
          "int8 activations: quantizers whose torch fake-quantization of the program's own "
          "input differs from the program's output in any bit", fixed=0.0),

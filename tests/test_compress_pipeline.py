@@ -473,3 +473,45 @@ def test_scaled_rows_are_an_exact_rewrite_with_every_byte_counted(
     scales = manifest.compression["row_scales"]
     assert scales["log2_min"] < 0  # the tiny weights' rows are scaled up (max |w| < 1)
     assert manifest.package.live_ops["mul"] >= 12
+
+
+INT8_ONLY = """\
+compression:
+  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
+  variants:
+    - suffix: int8
+      method: int8
+      granularity: per-channel
+      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
+"""
+
+
+def test_the_variant_fp32_level_compares_each_layer(
+    run: tuple[Result, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mil-fp32 holds a variant's program to its decoded weights per layer, not only on the
+    logits: the shared conversion's int8 variant passes, every layer compared; a baseline
+    whose layer 1 holds other weights than the program's is worst there, and the gate names
+    that layer."""
+    import torch
+
+    import parity.compression_gates as compression_gates
+
+    _, out = run
+    report = json.loads((out / "tiny-int8" / "parity.json").read_text())
+    (fp32,) = [g for g in report["gates"] if g["name"] == "mil_fp32_layer_rel_error"]
+    assert fp32["passed"] and fp32["where"].split(", ")[-1].startswith(("layer ", "logits"))
+    copy = compression_gates.float64_program_copy
+
+    def altered(*args: object, **kwargs: object) -> torch.nn.Module:
+        baseline = copy(*args, **kwargs)  # type: ignore[arg-type]
+        with torch.no_grad():
+            baseline.get_parameter("layers.1.mlp.down.weight").mul_(1.01)
+        return baseline
+
+    monkeypatch.setattr(compression_gates, "float64_program_copy", altered)
+    result, again = convert_tiny_llama(tmp_path, INT8_ONLY)
+    assert result.exit_code == 1, result.output
+    report = json.loads((again / "tiny-int8.failed" / "parity.json").read_text())
+    (fp32,) = [g for g in report["gates"] if g["name"] == "mil_fp32_layer_rel_error"]
+    assert not fp32["passed"] and fp32["where"].endswith(", layer 1"), fp32
