@@ -6,9 +6,10 @@ weights).
 A subject runs the program and its fp64 baseline in its own way: a window decoder through its
 layer markers and logits, an encoder or decision island through its markers, a decision tail
 on its gather, a cached chain call by call reading the cache the program held, a compressed
-decoder variant through its markers and logits, an encoder variant on its outputs. What it yields is the same: `Pair`s, the program's value beside the
-baseline's. `Fp32Check` keeps the worst relative error of each layer, of the outputs and of
-all, and makes the level's gate, ``mil_fp32_layer_rel_error``.
+decoder variant through its markers and logits, an encoder variant on its outputs. What it
+yields is the same: `Pair`s, the program's value beside the baseline's. `Fp32Check` keeps the
+worst relative error of each layer, of the outputs and of all, and makes the level's gate,
+``mil_fp32_layer_rel_error``.
 """
 
 from __future__ import annotations

@@ -296,6 +296,11 @@ def test_a_cross_encoder_is_checked_on_text_pairs(tmp_path: Path, partition: str
         types = next(t for t in manifest["inputs"] if t["name"] == "token_type_ids")
         assert "text pair" in types["meaning"]
         program = output_runner({"main": art / "ce.mlpackage"}, module, None, "float16")
+        from converter.evidence.recheck import recheck
+
+        again = recheck(art, tmp_path / "again")  # anec parity: the pairs from recipe.yaml
+        assert again.exit_code == 0
+        assert again.document["encoder_fixtures"] == parity["encoder_fixtures"]
     else:
         pieces = {p: art / f"ce.{p}.mlpackage" for p in ("island", "tail")}
         host = host_embedding(canonical, LENGTH, prenormalize=False)
