@@ -92,16 +92,28 @@ def mil_logits(evaluator: Any, module: BC1LDecoder, held_out: HeldOut, embed_tab
     """The program's logits on each window (one evaluation per batch): every real position the
     program returns (the last one, or all of them for an all-positions program)."""
     windows = held_out.windows if windows is None else windows
-    out: Logits = {}
-    for batch in make_batches(windows, module.io.batch, module.io.length, held_out.pad_id):
+    runs = _window_runs(evaluator, module, held_out, embed_table, windows, [], progress)
+    return {name: logits for name, _, logits in runs}
+
+
+def _window_runs(evaluator: Any, module: BC1LDecoder, held_out: HeldOut,
+                 embed_table: torch.Tensor, windows: list[Fixture], markers: list[str],
+                 progress: Advance = lambda: None,
+                 ) -> Iterator[tuple[str, list[np.ndarray], torch.Tensor]]:  # fmt: skip
+    """Per window: its name, its outputs (D, real positions) at ``markers`` and the logits the
+    program returns for it (its real positions, the last n of them)."""
+    length = module.io.length
+    for batch in make_batches(windows, module.io.batch, length, held_out.pad_id):
         feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, embed_table)
         # an argmax / top-k program: its own logits, captured before the selection
-        logits = join_logits(run_capturing_logits(evaluator, feed).outputs)  # (B, n, V)
+        result = run_capturing_logits(evaluator, feed, markers)
+        logits = join_logits(result.outputs)  # (B, n, V)
         for r, fixture in enumerate(batch.fixtures):
-            m = min(logits.shape[1], len(fixture.token_ids))  # left-padded: real ones last
-            out[fixture.name] = torch.from_numpy(np.ascontiguousarray(logits[r, -m:]))
+            n = len(fixture.token_ids)
+            m = min(logits.shape[1], n)  # left-padded: real ones last
+            layers = [np.asarray(result.captured[k][r, :, 0, length - n :]) for k in markers]
+            yield fixture.name, layers, torch.from_numpy(np.ascontiguousarray(logits[r, -m:]))
         progress()
-    return out
 
 
 @dataclass
@@ -274,12 +286,14 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
     decoded.clear()
     release_memory()
     n_layers, length = len(module.layers), module.io.length
+    lost = ""
     try:
         markers = find_markers(program.functions["main"], n_layers)
-    except MarkerError:
-        markers = []  # no layer to compare: each layer's error is inf
+    except MarkerError as e:  # no layer to compare: each layer's error is inf
+        markers, lost = [], f"layer markers lost: {e}"
     chosen = held_out.windows[:windows]
-    got = _program_run(evaluator, module, held_out, embed_table, chosen, markers)
+    runs = _window_runs(evaluator, module, held_out, embed_table, chosen, markers)
+    got = {name: (layers, logits) for name, layers, logits in runs}
     # One more copy of the model, made only once the evaluator's other constants are freed,
     # holding the evaluator's decoded weights themselves, and fp64 one piece at a time: at
     # Qwen2.5-0.5B size a whole fp64 copy is 4 GB, the evaluator's constants 2 GB
@@ -308,26 +322,9 @@ def mil_fp32_check(program: Any, module: BC1LDecoder, decoded: dict[str, np.ndar
             want = logits[0, :, 0, logits.shape[-1] - have.shape[0] :].T
             yield Pair(have, want, f"{fixture.name}, logits")
 
-    return Fp32Check.of(n_layers, pairs(), layers_lost=not markers), mismatched
-
-
-def _program_run(evaluator: Any, module: BC1LDecoder, held_out: HeldOut,
-                 embed_table: torch.Tensor, windows: list[Fixture], markers: list[str]
-                 ) -> dict[str, tuple[list[np.ndarray], torch.Tensor]]:  # fmt: skip
-    """Each window's layer outputs (D, real positions) at ``markers`` and the logits the
-    program returns for it (as `mil_logits`)."""
-    out = {}
-    length = module.io.length
-    for batch in make_batches(windows, module.io.batch, length, held_out.pad_id):
-        feed, _, _ = program_feed(input_dtypes(evaluator), module, batch, embed_table)
-        result = run_capturing_logits(evaluator, feed, markers)
-        logits = join_logits(result.outputs)  # (B, n, V)
-        for r, fixture in enumerate(batch.fixtures):
-            n = len(fixture.token_ids)
-            m = min(logits.shape[1], n)  # left-padded: real ones last
-            layers = [np.asarray(result.captured[k][r, :, 0, length - n :]) for k in markers]
-            out[fixture.name] = (layers, torch.from_numpy(np.ascontiguousarray(logits[r, -m:])))
-    return out
+    check = Fp32Check.of(n_layers, pairs(), layers_lost=bool(lost))
+    check.overall.where = lost or check.overall.where
+    return check, mismatched
 
 
 # ---- the all-positions copy of a decoder program, for scoring a variant at MIL level ----------

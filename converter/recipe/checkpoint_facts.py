@@ -59,17 +59,19 @@ def read_facts(source: ResolvedSource) -> CheckpointFacts:
         vocab_size=int(config.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         tokenizer=tokenizer,
-        pair_note=_pair_note(config) if task == "text-classification" else "",
+        pair_note=_pair_note(config) if arch.family == "encoder" else "",
     )
 
 
 def _pair_note(config: Any) -> str:
-    """Why a classifier reads text pairs: sentence-transformers' CrossEncoder keys in its
-    config, or one label (a reranker's relevance score); "" otherwise."""
+    """Why an encoder reads text pairs: sentence-transformers' CrossEncoder keys in its
+    config, or a classifier head of one label (a reranker's relevance score); "" otherwise."""
     for key in ("sentence_transformers", "sbert_ce_default_activation_function"):
         if getattr(config, key, None) is not None:
             return f"config.json has sentence-transformers' CrossEncoder key {key}"
-    if int(getattr(config, "num_labels", 0)) == 1:
+    classes = [str(c) for c in getattr(config, "architectures", None) or []]
+    heads = any(c.endswith("ForSequenceClassification") for c in classes)
+    if heads and int(getattr(config, "num_labels", 0)) == 1:
         return "one label: a cross-encoder's relevance score"
     return ""
 

@@ -38,13 +38,15 @@ _SEED = 20240601  # token-id fixtures: fixed, so a recipe is the same every time
 _ID_LENGTH_SHARES = (0.3, 0.5, 0.7, 1.0)  # of the window: padded rows and one full window
 
 
-def _fitting(tokenizer: Any, sentence: str, length: int) -> str | None:
-    """The longest word prefix of ``sentence`` that tokenizes to at most ``length`` tokens."""
+def _fitting(tokenizer: Any, sentence: str, length: int, before: str | None = None) -> str | None:
+    """The longest word prefix of ``sentence`` that tokenizes to at most ``length`` tokens
+    (after ``before``, as a text pair's second segment, when given)."""
     words = sentence.split(" ")
     for n in range(len(words), 0, -1):
         text = " ".join(words[:n])
         text = text if n == len(words) else text.rstrip(",;:")
-        if text.strip() and len(tokenizer(text)["input_ids"]) <= length:
+        encoded = tokenizer(text) if before is None else tokenizer(before, text)
+        if text.strip() and len(encoded["input_ids"]) <= length:
             return text
     return None
 
@@ -62,16 +64,9 @@ def fixture_prompts(tokenizer: Any, length: int) -> list[str]:
 
 
 def fixture_pairs(tokenizer: Any, length: int) -> list[tuple[str, str]]:
-    """The `PAIRS` whose query and (cut) passage fit ``length`` tokens together."""
-    pairs = []
-    for query, passage in PAIRS:
-        words = passage.split(" ")
-        for n in range(len(words), 0, -1):
-            text = " ".join(words[:n])
-            if len(tokenizer(query, text)["input_ids"]) <= length:
-                pairs.append((query, text))
-                break
-    return pairs
+    """The `PAIRS` whose query and passage (cut to fit) fit ``length`` tokens together."""
+    fitting = [(query, _fitting(tokenizer, passage, length, query)) for query, passage in PAIRS]
+    return [(query, passage) for query, passage in fitting if passage is not None]
 
 
 def fixture_token_ids(vocab_size: int, length: int, seed: int = _SEED) -> list[list[int]]:

@@ -22,6 +22,7 @@ from converter.compression.methods.lut import Lut
 from converter.coreml.targets import TARGETS
 from converter.errors import InputError
 from converter.recipe import (
+    ENCODER_TASKS,
     MAX_AXIS,
     MAX_NAME_LENGTH,
     TASKS,
@@ -197,7 +198,7 @@ def make_recipe(ref: CheckpointRef, values: Mapping[str, Any]) -> Made:
     elif values.get("silu_form") is not None:
         raise InputError(f"--silu-form: applies to text-generation (a decoder's MLP), not {task}")
     length = int(data["shapes"].get("sequence_length", 64))
-    data["fixtures"] = _fixtures(facts, length, notes)
+    data["fixtures"] = _fixtures(facts, length, notes, task in ENCODER_TASKS)
     if values.get("compress"):
         data["compression"] = _compression(task, facts, values["compress"], length)
     return Made(_validate(data, values), notes)
@@ -244,7 +245,8 @@ def _decoder_choices(
         notes["target"] = [f"{CACHE_TARGET}: the first target with a {style} KV cache"]
 
 
-def _fixtures(facts: CheckpointFacts, length: int, notes: Any) -> dict[str, Any]:
+def _fixtures(facts: CheckpointFacts, length: int, notes: Any, pairs_read: bool
+              ) -> dict[str, Any]:  # fmt: skip
     if facts.tokenizer is None:
         notes["fixtures"] = ["token ids drawn from a fixed seed: the checkpoint has no tokenizer"]
         return {"token_ids": fixture_token_ids(facts.vocab_size, length)}
@@ -252,7 +254,7 @@ def _fixtures(facts: CheckpointFacts, length: int, notes: Any) -> dict[str, Any]
     if not prompts:
         raise InputError(f"--length {length}: no fixture text fits the window; choose more")
     notes["fixtures"] = [f"anec's fixture text, cut to {length} tokens by the checkpoint tokenizer"]
-    pairs = fixture_pairs(facts.tokenizer, length) if facts.pair_note else []
+    pairs = fixture_pairs(facts.tokenizer, length) if facts.pair_note and pairs_read else []
     if pairs:
         notes["fixtures"].append(f"and query / passage pairs with their segment ids: "
                                  f"{facts.pair_note}")  # fmt: skip
