@@ -4,7 +4,8 @@ with three and a chunked cached decoder with one (the recipes of
 tests/test_compress_pipeline.py, test_kv_compress.py, test_kv_chunks_pipeline.py); a
 ModernBERT classifier (one program, tests/test_reproducible.py), a BERT sentence encoder with
 three variants (tests/test_compress_encoder.py), the same as a host-embedding island and tail,
-and a decision model (tests/test_reproducible.py).
+a decision model (tests/test_reproducible.py) and a cross-encoder on text pairs with an int8
+variant (tests/test_compress_encoder.py).
 
     python bench/fingerprint.py WORKDIR OUT.json         # convert and record
     python bench/fingerprint.py --recipe recipes/R.yaml [--recipe ...] WORKDIR OUT.json
@@ -77,6 +78,7 @@ def _tiny(workdir: Path) -> list[tuple[str, Path]]:
         "sim": encoder._recipe(workdir / "enc", "sentence-similarity", encoder.VARIANTS),
         "isl": island,
         "dec": kinds._decision(workdir / "enc"),
+        "rer": encoder.reranker_recipe(workdir / "enc"),  # text pairs, an int8 variant
     }
     return folders + [(key, _convert(recipe, workdir / key)) for key, recipe in recipes.items()]
 

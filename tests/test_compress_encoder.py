@@ -271,15 +271,12 @@ def test_emit_refuses_a_method_the_task_lacks(tmp_path: Path) -> None:
         emit(compression, "tb", tmp_path, subject, tmp_path)
 
 
-def test_a_cross_encoder_variant_is_judged_on_held_out_text_pairs(tmp_path: Path) -> None:
-    """``held_out: {corpus, sentences, pairs: true}``: consecutive sentences as text pairs,
-    with their segment ids in the reference and in both the variant's torch and MIL runs."""
+def reranker_recipe(root: Path) -> Path:
+    """A tiny cross-encoder (`cross_encoder_checkpoint`) with pair fixtures and an int8
+    variant judged on four held-out pairs of corpus sentences."""
     from encoder_models import cross_encoder_checkpoint
 
-    from converter.compression.corpus import slice_fixtures
-    from converter.recipe.compression_section import Corpus
-
-    ckpt = cross_encoder_checkpoint(tmp_path / "ce")
+    ckpt = cross_encoder_checkpoint(root / "ce")
     variant = {
         "suffix": "int8",
         "method": "int8",
@@ -296,8 +293,18 @@ def test_a_cross_encoder_variant_is_judged_on_held_out_text_pairs(tmp_path: Path
         "compression": {"held_out": {"corpus": "pydoc_data", "sentences": 4, "pairs": True},
                         "variants": [variant]},
     }  # fmt: skip
-    (tmp_path / "ce.yaml").write_text(json.dumps(doc))
-    (result,) = _variants(load_recipe(tmp_path / "ce.yaml"), tmp_path / "out")
+    (root / "ce.yaml").write_text(json.dumps(doc))  # JSON is YAML
+    return root / "ce.yaml"
+
+
+def test_a_cross_encoder_variant_is_judged_on_held_out_text_pairs(tmp_path: Path) -> None:
+    """``held_out: {corpus, sentences, pairs: true}``: consecutive sentences as text pairs,
+    with their segment ids in the reference and in both the variant's torch and MIL runs."""
+    from converter.compression.corpus import slice_fixtures
+    from converter.recipe.compression_section import Corpus
+
+    (result,) = _variants(load_recipe(reranker_recipe(tmp_path)), tmp_path / "out")
+    ckpt = tmp_path / "ce"
     assert result.passed, [(k, g["value"]) for k, g in _gates(result.directory).items()
                            if not g["passed"]]  # fmt: skip
     report = json.loads((result.directory / "parity.json").read_text())
