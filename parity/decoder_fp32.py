@@ -118,9 +118,11 @@ def fp32_run(
                 real = slice(length - n, length)
                 for i, marker in enumerate(markers):
                     want = states[i][r, :, 0, real].numpy()
-                    yield Pair(result.captured[marker][r, :, 0, real], want, f"layer {i}", i)
+                    at = f"{fixture.name}, layer {i}"
+                    yield Pair(result.captured[marker][r, :, 0, real], want, at, i)
                 cut = logit_slots(n, length, n_logits)[1]
-                yield Pair(logits[r, cut], want_logits[r, :, 0, cut].T.numpy(), "logits")
+                want = want_logits[r, :, 0, cut].T.numpy()
+                yield Pair(logits[r, cut], want, f"{fixture.name}, logits")
             progress()
 
     run.fp32 = Fp32Check.of(len(module.layers), pairs(), layers_lost=not markers)
