@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from click.testing import Result
 from tiny_models import (
+    INT8_COMPRESSION,
     convert_tiny_llama,
     one_torch_thread,
     run_anec,
@@ -475,17 +476,6 @@ def test_scaled_rows_are_an_exact_rewrite_with_every_byte_counted(
     assert manifest.package.live_ops["mul"] >= 12
 
 
-INT8_ONLY = """\
-compression:
-  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
-  variants:
-    - suffix: int8
-      method: int8
-      granularity: per-channel
-      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
-"""
-
-
 def test_the_variant_fp32_level_compares_each_layer(
     run: tuple[Result, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -510,7 +500,7 @@ def test_the_variant_fp32_level_compares_each_layer(
         return baseline
 
     monkeypatch.setattr(compression_gates, "float64_program_copy", altered)
-    result, again = convert_tiny_llama(tmp_path, INT8_ONLY)
+    result, again = convert_tiny_llama(tmp_path, INT8_COMPRESSION)
     assert result.exit_code == 1, result.output
     report = json.loads((again / "tiny-int8.failed" / "parity.json").read_text())
     (fp32,) = [g for g in report["gates"] if g["name"] == "mil_fp32_layer_rel_error"]

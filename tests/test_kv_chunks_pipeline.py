@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import convert_tiny_llama, run_anec, tiny_hf_model
+from tiny_models import INT8_COMPRESSION, convert_tiny_llama, run_anec, tiny_hf_model
 
 from converter.pipeline.manifest import SCHEMA_VERSION
 from parity.mil import load_package
@@ -25,15 +25,7 @@ CACHE = (
     "  decode_steps: 64\n  package_budget_mb: 0.12\n"
 )
 # An int8 variant of the chunked decoder: each chunk package compressed with the one plan.
-COMPRESSION = """\
-compression:
-  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
-  variants:
-    - suffix: int8
-      method: int8
-      granularity: per-channel
-      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
-"""
+COMPRESSION = INT8_COMPRESSION
 
 
 @pytest.fixture(scope="module")

@@ -396,3 +396,16 @@ def assert_matches(t: Tiny, module: BC1LDecoder | None = None) -> None:
                 assert err <= MATCH_TOLERANCE, f"{t.arch} {fixture.name} layer {i}: {err:.2e}"
             err = rel(logits[r], ref_logits[-1])
             assert err <= MATCH_TOLERANCE, f"{t.arch} {fixture.name} logits: {err:.2e}"
+
+
+# One int8 variant of the tiny Llama, judged on two held-out token sequences (appended to a
+# tiny recipe).
+INT8_COMPRESSION = """\
+compression:
+  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
+  variants:
+    - suffix: int8
+      method: int8
+      granularity: per-channel
+      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
+"""
