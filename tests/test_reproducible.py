@@ -26,7 +26,7 @@ import pytest
 import torch
 from decision_models import save_checkpoint, tiny_decision, with_markers
 from encoder_models import hf_model, random_sequences, tiny_config
-from tiny_models import save_tiny_llama, tiny_hf_model, write_tiny_recipe
+from tiny_models import INT8_COMPRESSION, save_tiny_llama, tiny_hf_model, write_tiny_recipe
 
 from converter.coreml.program import CONVERSION_DATE_KEY, SPEC_FILE
 from converter.pipeline.hashing import MLPACKAGE_MANIFEST, tree_files
@@ -36,15 +36,10 @@ TIMEOUT_S = 1800
 
 # Compressed variants of the window artifact: int8, a palette, and the checkpoint's own grids
 # (block-wise int4 needs macOS 15).
-VARIANTS = """\
-target: macOS15
-compression:
-  held_out: [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [40, 41, 42, 43, 44, 45]]
-  variants:
-    - suffix: int8
-      method: int8
-      granularity: per-channel
-      gates: {min_top1_agreement: 0.9, max_mean_kl: 0.01}
+VARIANTS = (
+    "target: macOS15\n"
+    + INT8_COMPRESSION
+    + """\
     - suffix: lut4
       method: lut
       bits: 4
@@ -56,6 +51,7 @@ compression:
       group_size: 32
       gates: {min_top1_agreement: 0.9, max_mean_kl: 0.0001}
 """
+)
 # A state cache small enough to be cheap: 8 decode steps after each 5- and 8-token fixture.
 CACHE = (
     "target: macOS15\ncache:\n  style: state\n  length: 32\n  prefill: 8\n  extend: 4\n"
