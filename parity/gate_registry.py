@@ -198,6 +198,14 @@ class Worst:
         if worse or math.isnan(value):
             self.value, self.where = value, where
 
+    def then(self, later: Worst) -> Worst:
+        """The worst of this one's values and then ``later``'s, as one `Worst` seeing them
+        all in that order would hold (both started from the same value)."""
+        if math.isnan(self.value):
+            return self
+        worse = later.value < self.value if self.lowest else later.value > self.value
+        return later if worse or math.isnan(later.value) else self
+
 
 def worst_of(pairs: Iterable[tuple[float, str]], lowest: bool = False) -> Worst:
     """The worst of ``(value, where)`` pairs: the largest (from 0), or with ``lowest`` the

@@ -82,7 +82,7 @@ def run_capturing_logits(
     logit_vars = head_logit_vars(evaluator.function)
     wanted = list(capture) + list(logit_vars.values())
     result = evaluator.run(inputs, capture=wanted, states=states)
-    _add_logits(result, logit_vars, check, where)
+    add_logits(result, logit_vars, check, where)
     return result
 
 
@@ -105,13 +105,15 @@ def run_many_capturing_logits(
     for start in range(0, len(feeds), size):
         results += evaluator.run_many(feeds[start : start + size], capture=wanted)
     for i, result in enumerate(results):
-        _add_logits(result, logit_vars, check, wheres[i] if wheres else "")
+        add_logits(result, logit_vars, check, wheres[i] if wheres else "")
     return results
 
 
-def _add_logits(
+def add_logits(
     result: Any, logit_vars: dict[str, str], check: ChoiceCheck | None, where: str
 ) -> None:
+    """Put an argmax / top-k program's captured logits (``logit_vars``: output name ->
+    captured value) into ``result``'s outputs, and let ``check`` compare its choice."""
     if logit_vars:
         for name, var in logit_vars.items():
             result.outputs[name] = result.captured[var]

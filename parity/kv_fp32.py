@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from parity.kv_gates import STALE_STEPS, stale_difference
 from parity.kv_mil import Weights, function_markers, layer_piece
 from parity.kv_sequence import SequenceRun, embedded, run_sequence
 from parity.kv_session import CacheSession
+from parity.lockstep import Lockstep
 from parity.mil.profiles import FP32_HELD
 from parity.reference import Continuation, SpilledRows
 
@@ -56,12 +58,23 @@ EXTEND_BOUND = 0.01
 
 class LayerCapture:
     """Each layer's output of the last call of one chunk's functions (a
-    `parity.kv_session.CallObserver`)."""
+    `parity.kv_session.CallObserver`); with a ``lockstep``, each loop's own last call."""
 
-    def __init__(self, program: Any, modules: dict[str, CachedDecoder]) -> None:
+    def __init__(
+        self, program: Any, modules: dict[str, CachedDecoder], lockstep: Lockstep | None = None
+    ) -> None:
         self.start = next(iter(modules.values())).start
         self.markers, self.problems = function_markers(program, modules)
-        self.layers: list[np.ndarray] = []  # (D, T) each
+        self.lockstep = lockstep
+        self._layers: dict[int, list[np.ndarray]] = {}  # by loop: (D, T) each
+
+    @property
+    def layers(self) -> list[np.ndarray]:
+        """Each layer's output (D, T) of the last call (of the calling loop)."""
+        return self._layers.get(self._lane(), [])
+
+    def _lane(self) -> int:
+        return self.lockstep.lane() if self.lockstep is not None else 0
 
     def capture(self, function: str) -> list[str]:
         """The layer markers of ``function``."""
@@ -72,7 +85,9 @@ class LayerCapture:
         states: dict[str, np.ndarray] | None,
     ) -> None:  # fmt: skip
         """Keep each layer's output of this call."""
-        self.layers = [np.asarray(result.captured[m])[0, :, 0, :] for m in self.markers[function]]
+        self._layers[self._lane()] = [
+            np.asarray(result.captured[m])[0, :, 0, :] for m in self.markers[function]
+        ]
 
 
 @dataclass
@@ -92,6 +107,16 @@ class FirstOver:
             self.worst, self.worst_at = value, where
         if not self.first_at and not value <= self.bound:
             self.first_at = f"{where} ({value:.3g})"
+
+    def then(self, later: FirstOver) -> FirstOver:
+        """This one's values and then ``later``'s, as one `FirstOver` seeing them all in that
+        order would hold them (the same bound)."""
+        if math.isnan(self.worst):
+            return self
+        out = FirstOver(self.bound, self.worst, self.worst_at, self.first_at or later.first_at)
+        if later.worst > self.worst or math.isnan(later.worst):
+            out.worst, out.worst_at = later.worst, later.worst_at
+        return out
 
     @property
     def where(self) -> str:
@@ -116,6 +141,19 @@ class Judge:
     logits_rel: FirstOver
     logits_abs: FirstOver
     calls: dict[str, int] = field(default_factory=dict)  # per function, every run
+
+    def fresh(self) -> Judge:
+        """A judge with the same bounds that has seen nothing."""
+        return Judge(FirstOver(self.layer.bound), FirstOver(self.logits_rel.bound),
+                     FirstOver(self.logits_abs.bound))  # fmt: skip
+
+    def then(self, later: Judge) -> Judge:
+        """This judge's findings and then ``later``'s (`FirstOver.then`), calls summed."""
+        calls = dict(self.calls)
+        for name, n in later.calls.items():
+            calls[name] = calls.get(name, 0) + n
+        return Judge(self.layer.then(later.layer), self.logits_rel.then(later.logits_rel),
+                     self.logits_abs.then(later.logits_abs), calls)  # fmt: skip
 
     def call(
         self,
@@ -184,30 +222,25 @@ def cached_fp32_level(
     reference_of: Callable[[Continuation], SequenceRun],
     extend_tokens: int,
     thresholds: tuple[float, float],
+    lockstep: Lockstep | None = None,
 ) -> list[GateResult]:
     """Every gate of the fp32 cache level (see the module docstring); ``thresholds``: the
-    recipe's ``fp32_layer_rel_error`` and ``fp32_logits_rel_error``."""
+    recipe's ``fp32_layer_rel_error`` and ``fp32_logits_rel_error``. ``lockstep``: the one
+    the sessions' runner calls through, to run the continuations side by side
+    (`parity.lockstep`; the captures keep each loop's own layers); None: one after the
+    other."""
     problems = [p for c in captures for p in c.problems]
     judge = Judge(FirstOver(thresholds[0]), FirstOver(thresholds[1]), FirstOver(LOGIT_BOUND))
     extend_diff, stale = FirstOver(EXTEND_BOUND), FirstOver(0.0)
     if problems:  # without every layer's marker no call can be judged per layer
         judge.layer.see(math.inf, problems[0])
         continuations = []
-    for c in continuations:
-        ref = reference_of(c)
-        # Rows from the prompt's last position on, kept on disk (Gemma 3: 513 x 262,144).
-        first = len(c.prompt) - 1
-        session = make_session()
-        decoded = _decode_run(session, captures, ref, c, judge)
-        if "extend" in session.functions:
-            for p, row in _extend_run(make_session(), captures, ref, c, judge, extend_tokens):
-                diff = np.abs(row.astype(np.float64) - decoded[p - first]).max()
-                extend_diff.see(float(diff), f"{c.name} extend, position {p}")
-            clean = {p: decoded[p - first] for p in range(first, first + STALE_STEPS + 1)
-                     if p - first < len(decoded)}  # fmt: skip
-            stale.see(stale_difference(make_session(), c, "prefill", extend_tokens, clean),
-                      c.name)  # fmt: skip
-        del ref, decoded
+    bodies = [partial(_continuation, make_session, captures, reference_of, c, judge.fresh(),
+                      extend_tokens) for c in continuations]  # fmt: skip
+    found = lockstep.run(bodies) if lockstep is not None else [body() for body in bodies]
+    for part in found:  # in order, as one after the other
+        judge = judge.then(part.judge)
+        extend_diff, stale = extend_diff.then(part.extend), stale.then(part.stale)
     calls = ", ".join(f"{name} {n}" for name, n in judge.calls.items())
     detail = (f"every call ({calls}) over each fixture's whole continuation, in fp32, against "
               "the window module with the program's constants in fp64 over the whole "
@@ -229,6 +262,41 @@ def cached_fp32_level(
         g("kv_fp32_stale_max_abs_diff").check(stale.worst, implementation=IMPLEMENTATION,
                                               where=stale.where),
     ]  # fmt: skip
+
+
+@dataclass
+class _Findings:
+    """What the fp32 cache level found on one continuation, combined in order."""
+
+    judge: Judge
+    extend: FirstOver
+    stale: FirstOver
+
+
+def _continuation(
+    make_session: Callable[[], CacheSession],
+    captures: Sequence[LayerCapture],
+    reference_of: Callable[[Continuation], SequenceRun],
+    c: Continuation,
+    judge: Judge,
+    extend_tokens: int,
+) -> _Findings:
+    """The level's runs on one continuation: decode, then extend and stale."""
+    found = _Findings(judge, FirstOver(EXTEND_BOUND), FirstOver(0.0))
+    ref = reference_of(c)
+    # Rows from the prompt's last position on, kept on disk (Gemma 3: 513 x 262,144).
+    first = len(c.prompt) - 1
+    session = make_session()
+    decoded = _decode_run(session, captures, ref, c, judge)
+    if "extend" in session.functions:
+        for p, row in _extend_run(make_session(), captures, ref, c, judge, extend_tokens):
+            diff = np.abs(row.astype(np.float64) - decoded[p - first]).max()
+            found.extend.see(float(diff), f"{c.name} extend, position {p}")
+        clean = {p: decoded[p - first] for p in range(first, first + STALE_STEPS + 1)
+                 if p - first < len(decoded)}  # fmt: skip
+        found.stale.see(stale_difference(make_session(), c, "prefill", extend_tokens, clean),
+                        c.name)  # fmt: skip
+    return found
 
 
 def _decode_run(

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from parity.gate_registry import Gated, GateResult, Worst, first_few, gate
 from parity.kv_session import CacheSession
+from parity.lockstep import Lockstep
 from parity.reference import Continuation, SpilledRows
 
 LEVEL = "kv-cache"
@@ -164,6 +166,19 @@ def extend_vs_decode(
     return flips
 
 
+@dataclass
+class _Findings:
+    """What the cache gates found on one continuation, combined in order by `check_kv`."""
+
+    dprob: Worst = field(default_factory=lambda: Worst(0.0))
+    finite: bool = True
+    flips: list[str] = field(default_factory=list)
+    ext_flips: list[str] = field(default_factory=list)
+    drift: Drift = field(default_factory=Drift)
+    stale: float = 0.0
+    row: dict[str, object] = field(default_factory=dict)
+
+
 def check_kv(
     make_session: Callable[[], CacheSession],
     continuations: list[Continuation],
@@ -171,55 +186,30 @@ def check_kv(
     extend_tokens: int,
     implementation: str,
     max_dprob: float,
+    lockstep: Lockstep | None = None,
 ) -> KvParity:
     """Every fp16 cache gate on every continuation, and the logit error reported beside
-    them (see the module docstring); ``max_dprob``: the recipe's ``kv_max_abs_dprob``."""
+    them (see the module docstring); ``max_dprob``: the recipe's ``kv_max_abs_dprob``.
+    ``lockstep``: the one the sessions' runner calls through, to run the continuations side
+    by side (`parity.lockstep`); None: one after the other."""
+    bodies = [partial(_continuation, make_session, c, prefill, extend_tokens)
+              for c in continuations]  # fmt: skip
+    found = lockstep.run(bodies) if lockstep is not None else [body() for body in bodies]
     result, drift = KvParity(), Drift()
     dprob, stale = Worst(0.0), Worst(0.0)
     finite = True
     flips: list[str] = []
     ext_flips: list[str] = []
-    for c in continuations:
-        # The extend run first, kept on disk, then the decode run compared with the reference
-        # and with it position by position: Gemma 3's recipe has 513 positions x 262,144
-        # logits a run, and holding both runs set the cache parity's peak (bench/README.md).
-        first = len(c.prompt)
-        batched = SpilledRows()
-        for _, logits in extend_steps(make_session(), c, prefill, extend_tokens):
-            finite &= bool(np.isfinite(logits).all())
-            batched.append(logits)
-        clean: dict[int, np.ndarray] = {}  # the first decode steps, for the stale check
-        row_err, judged = 0.0, 0
-        for p, logits in decode_steps(make_session(), c, prefill):
-            ref = c.reference(p)
-            where = f"{c.name} position {p}"
-            finite &= bool(np.isfinite(logits).all())
-            e = float(np.abs(logits.astype(np.float64) - ref).max())
-            row_err = max(row_err, e)
-            drift.decode.append(e)
-            if e > REPORTED_OVER:
-                drift.over.append((c.name, p, e))
-            dprob.see(float(np.abs(softmax(logits) - softmax(ref)).max()), where)
-            m = margin(ref)
-            judged += m > MARGIN
-            if m > MARGIN and int(logits.argmax()) != int(ref.argmax()):
-                flips.append(f"{where}: reference {int(ref.argmax())} (margin {m:.3f}), "
-                             f"program {int(logits.argmax())}")  # fmt: skip
-            if p >= first:
-                diff = Worst(0.0)
-                ext_flips += extend_vs_decode({p: logits}, {p: batched[p - first]}, c.name, diff,
-                                              c.reference)  # fmt: skip
-                drift.extend.append(diff.value)
-            if p < first + STALE_STEPS:
-                clean[p] = logits
-        del batched
-        stale.see(stale_difference(make_session(), c, prefill, extend_tokens, clean), c.name)
-        result.rows.append(
-            {"fixture": c.name, "prompt_tokens": len(c.prompt),
-             "decode_steps": len(c.ids) - len(c.prompt), "max_abs_logit_error": row_err,
-             # positions whose reference margin exceeds MARGIN: the ones the flip gates judge
-             "flip_judged_positions": judged}
-        )  # fmt: skip
+    for c, f in zip(continuations, found, strict=True):  # in order, as one after the other
+        dprob = dprob.then(f.dprob)
+        finite &= f.finite
+        flips += f.flips
+        ext_flips += f.ext_flips
+        drift.decode += f.drift.decode
+        drift.extend += f.drift.extend
+        drift.over += f.drift.over
+        stale.see(f.stale, c.name)
+        result.rows.append(f.row)
     g = lambda name: gate(LEVEL, name)  # noqa: E731
     impl = implementation
     result.gates = [
@@ -234,6 +224,54 @@ def check_kv(
     result.flips = flips + [f"extend: {f}" for f in ext_flips]
     result.drift = drift
     return result
+
+
+def _continuation(
+    make_session: Callable[[], CacheSession], c: Continuation, prefill: str, extend_tokens: int
+) -> _Findings:
+    """The cache gates' runs on one continuation: extend, decode, stale."""
+    found = _Findings()
+    # The extend run first, kept on disk, then the decode run compared with the reference
+    # and with it position by position: Gemma 3's recipe has 513 positions x 262,144
+    # logits a run, and holding both runs set the cache parity's peak (bench/README.md).
+    first = len(c.prompt)
+    batched = SpilledRows()
+    for _, logits in extend_steps(make_session(), c, prefill, extend_tokens):
+        found.finite &= bool(np.isfinite(logits).all())
+        batched.append(logits)
+    clean: dict[int, np.ndarray] = {}  # the first decode steps, for the stale check
+    row_err, judged = 0.0, 0
+    for p, logits in decode_steps(make_session(), c, prefill):
+        ref = c.reference(p)
+        where = f"{c.name} position {p}"
+        found.finite &= bool(np.isfinite(logits).all())
+        e = float(np.abs(logits.astype(np.float64) - ref).max())
+        row_err = max(row_err, e)
+        found.drift.decode.append(e)
+        if e > REPORTED_OVER:
+            found.drift.over.append((c.name, p, e))
+        found.dprob.see(float(np.abs(softmax(logits) - softmax(ref)).max()), where)
+        m = margin(ref)
+        judged += m > MARGIN
+        if m > MARGIN and int(logits.argmax()) != int(ref.argmax()):
+            found.flips.append(f"{where}: reference {int(ref.argmax())} (margin {m:.3f}), "
+                               f"program {int(logits.argmax())}")  # fmt: skip
+        if p >= first:
+            diff = Worst(0.0)
+            found.ext_flips += extend_vs_decode({p: logits}, {p: batched[p - first]}, c.name,
+                                                diff, c.reference)  # fmt: skip
+            found.drift.extend.append(diff.value)
+        if p < first + STALE_STEPS:
+            clean[p] = logits
+    del batched
+    found.stale = stale_difference(make_session(), c, prefill, extend_tokens, clean)
+    found.row = {
+        "fixture": c.name, "prompt_tokens": len(c.prompt),
+        "decode_steps": len(c.ids) - len(c.prompt), "max_abs_logit_error": row_err,
+        # positions whose reference margin exceeds MARGIN: the ones the flip gates judge
+        "flip_judged_positions": judged,
+    }  # fmt: skip
+    return found
 
 
 def stale_difference(

@@ -32,6 +32,8 @@ import torch
 from graph_passes.cache_host import CallShape, call_inputs, write_rows
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import join_logits, top_ids
+from parity.head_outputs import ChoiceCheck
+from parity.lockstep import Lockstep
 
 # One call of one function of a package (the host loop's level, apart from the batch-level
 # `parity.result.Runner`): (function name, named inputs) -> named outputs (logits_<k>
@@ -210,7 +212,9 @@ def torch_runner(modules: dict[str, CachedDecoder], dtype: torch.dtype) -> Funct
 
 class MilFunctions:
     """The functions of a multifunction program prepared once in the MIL evaluator under one
-    profile; `session` gives a runner with a fresh (zero) state, as ``make_state()`` does."""
+    profile; `session` gives a runner with a fresh (zero) state, as ``make_state()`` does.
+    With a ``lockstep`` (`parity.lockstep`), the runners' calls go through it, so sessions
+    run in its loops run side by side."""
 
     def __init__(
         self,
@@ -220,35 +224,55 @@ class MilFunctions:
         cache_shape: tuple[int, ...],
         chunk_sizes: list[int] | None = None,
         observer: CallObserver | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
-        from parity.head_outputs import ChoiceCheck, head_logit_vars
+        from parity.head_outputs import head_logit_vars
         from parity.mil import Evaluator
 
         self.evaluators = {name: Evaluator(program, profile, name) for name in functions}
         self.cache_shape = cache_shape
         self.observer = observer
+        self.lockstep = lockstep
         # An argmax / top-k program: every call's choice against its own logits (which the
         # runner returns as logits_<k>, captured before the selection).
-        chooses = any(head_logit_vars(e.function) for e in self.evaluators.values())
-        self.check = ChoiceCheck(chunk_sizes) if chooses and chunk_sizes else None
+        self._logit_vars = {n: head_logit_vars(e.function) for n, e in self.evaluators.items()}
+        self._chunk_sizes = chunk_sizes if any(self._logit_vars.values()) else None
+        self._checks: dict[int, ChoiceCheck] = {}  # by lockstep loop, combined in loop order
+
+    @property
+    def check(self) -> ChoiceCheck | None:
+        """An argmax / top-k program's choices against its logits, every call so far (None
+        for a logits program)."""
+        if not self._chunk_sizes:
+            return None
+        every = ChoiceCheck(self._chunk_sizes)
+        for lane in sorted(self._checks):
+            every.positions += self._checks[lane].positions
+            every.mismatches += self._checks[lane].mismatches
+        return every
 
     def session(self) -> tuple[FunctionRunner, dict[str, np.ndarray]]:
         """A runner over the functions and the state values it keeps between calls (empty
         for the ``io`` style, whose cache the host keeps)."""
+        from parity.head_outputs import add_logits
+
         states: dict[str, np.ndarray] = {}
         for evaluator in self.evaluators.values():
             for name in evaluator.states:
                 states[name] = np.zeros(self.cache_shape, dtype=np.float32)
+        lockstep = self.lockstep or Lockstep()  # outside its loops it simply runs the call
 
         def run(function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            from parity.head_outputs import run_capturing_logits
-
             evaluator = self.evaluators[function]
             held = states if evaluator.states else None
             capture = self.observer.capture(function) if self.observer else []
-            result = run_capturing_logits(
-                evaluator, inputs, capture, states=held, check=self.check, where=function
-            )
+            logit_vars = self._logit_vars[function]
+            wanted = [*capture, *logit_vars.values()]
+            result = lockstep.call(evaluator, inputs, wanted, held)
+            check = None
+            if self._chunk_sizes:
+                check = self._checks.setdefault(lockstep.lane(), ChoiceCheck(self._chunk_sizes))
+            add_logits(result, logit_vars, check, function)
             if self.observer is not None:
                 self.observer.see(function, evaluator, inputs, result, held)
             return dict(result.outputs)
@@ -390,7 +414,8 @@ class ChainStates(MutableMapping[str, np.ndarray]):
 
 class MilChain:
     """The chunks' packages prepared once in the MIL evaluator under one profile;
-    `session` gives a chained runner with fresh (zero) states, as `MilFunctions` does."""
+    `session` gives a chained runner with fresh (zero) states, as `MilFunctions` does (and,
+    as it, calls through ``lockstep`` when given one)."""
 
     def __init__(
         self,
@@ -400,17 +425,20 @@ class MilChain:
         chunks: Sequence[ChunkMeta],
         chunk_sizes: list[int] | None = None,
         observers: Sequence[CallObserver | None] | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.chunks = list(chunks)
+        every = zip(programs, chunks, observers or [None] * len(chunks), strict=True)
         self.parts = [
-            MilFunctions(
-                p, profile, functions, c.cache_shape, chunk_sizes if c.last else None, observer
-            )
-            for p, c, observer in zip(
-                programs, chunks, observers or [None] * len(chunks), strict=True
-            )
+            MilFunctions(p, profile, functions, c.cache_shape, sizes, observer, lockstep)
+            for p, c, observer in every
+            for sizes in [chunk_sizes if c.last else None]
         ]
-        self.check = self.parts[-1].check  # the LM head's choice outputs are the last chunk's
+
+    @property
+    def check(self) -> ChoiceCheck | None:
+        """The last chunk's `MilFunctions.check`: the LM head's choice outputs are its."""
+        return self.parts[-1].check
 
     def session(self) -> tuple[FunctionRunner, ChainStates]:
         """A chained runner and every chunk's state values (`ChainStates`; empty for the

@@ -99,6 +99,27 @@ def test_worst_keeps_the_worst_and_never_hides_nan() -> None:
     assert lowest.where == "b"
 
 
+SEEN = [0.5, 0.2, 0.5, 0.9, 0.9, 0.1, math.nan, 0.3, math.inf, 0.0]
+
+
+@pytest.mark.parametrize("lowest", [False, True])
+def test_worst_then_holds_what_one_worst_seeing_both_in_order_holds(lowest: bool) -> None:
+    # Ties, NaN and inf on either side of every cut: the lockstep's loops combine this way.
+    start = math.inf if lowest else 0.0
+    for length in range(len(SEEN) + 1):
+        values = [(v, f"at {i}") for i, v in enumerate(SEEN[:length])]
+        for cut in range(length + 1):
+            whole, first, later = (Worst(start, lowest) for _ in range(3))
+            for v, w in values:
+                whole.see(v, w)
+            for v, w in values[:cut]:
+                first.see(v, w)
+            for v, w in values[cut:]:
+                later.see(v, w)
+            merged = first.then(later)
+            assert (str(merged.value), merged.where) == (str(whole.value), whole.where)
+
+
 def test_no_module_builds_a_gate_result_by_hand() -> None:
     # Every result comes from Gate.check: the registry is the one place a gate is declared.
     offenders = []

@@ -12,6 +12,7 @@ docs/draft-decoders.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 from tiny_models import Tiny, build_tiny, one_torch_thread
 
+import converter.tasks.kv_parity as kv_parity
 import graph_passes.cache_host as cache_host
 import parity.kv_session as kv_session
 from converter.coreml.targets import TARGETS
@@ -28,7 +30,9 @@ from converter.tasks.kv_parity import CacheBounds, function_gates
 from converter.tasks.text_generation_kv import combine_measured, convert_singles
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
+from parity.kv_fp32 import FirstOver
 from parity.kv_gates import KvParity
+from parity.mil import Evaluator
 from parity.reference import Continuation, continuation, originals
 
 CACHE, PREFILL, EXTEND, STEPS = 32, 8, 4, 12
@@ -197,3 +201,57 @@ def test_each_mutant_fails_the_fp32_cache_level_naming_function_layer_and_positi
     assert f"first over at token_ids[0] {first}, position " in where, where
     # the fp16 gates alone catch some of them, on this model, by how far its logits move
     assert {g.name for g in kv.gates if not g.passed} == fp16
+
+
+class OneAfterOther(kv_parity.Lockstep):
+    """The continuations one after the other, each call run alone: the path the lockstep
+    must not change."""
+
+    def run(self, bodies):  # type: ignore[no-untyped-def]
+        return [body() for body in bodies]
+
+
+def _everything(layers: list[GateResult], kv: KvParity) -> Any:
+    return ([g.to_json() for g in layers + kv.gates], kv.flips, kv.rows,
+            kv.drift.to_json() if kv.drift else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["one", "chain"])
+@pytest.mark.parametrize("mutant", [None, "decode writes its key one slot off"])
+def test_the_continuations_side_by_side_find_what_they_find_one_after_the_other(
+    built: Built, monkeypatch: pytest.MonkeyPatch, layout: str, mutant: str | None
+) -> None:
+    if mutant is not None:  # failing gates too: each names where it first went over
+        MUTANTS[mutant][0](monkeypatch)
+    groups: list[int] = []
+    run_many = Evaluator.run_many
+
+    def counted(self, feeds, *args, **kwargs):  # type: ignore[no-untyped-def]
+        groups.append(len(feeds))
+        return run_many(self, feeds, *args, **kwargs)
+
+    monkeypatch.setattr(Evaluator, "run_many", counted)
+    side_by_side = _everything(*built.gates(layout))
+    assert max(groups) == len(built.conts)  # the continuations' calls ran together
+    groups.clear()
+    monkeypatch.setattr(kv_parity, "Lockstep", OneAfterOther)
+    alone = _everything(*built.gates(layout))
+    assert max(groups) == 1
+    assert side_by_side == alone
+
+
+def test_first_over_then_holds_what_one_seeing_both_in_order_holds() -> None:
+    # The continuations' findings are combined in order: the first over its bound stays first.
+    seen = [0.5, 2.0, 0.2, 3.0, 3.0, math.nan, 0.1, math.inf, 1.5]
+    for length in range(len(seen) + 1):
+        values = [(v, f"at {i}") for i, v in enumerate(seen[:length])]
+        for cut in range(length + 1):
+            whole, first, later = FirstOver(1.0), FirstOver(1.0), FirstOver(1.0)
+            for v, w in values:
+                whole.see(v, w)
+            for v, w in values[:cut]:
+                first.see(v, w)
+            for v, w in values[cut:]:
+                later.see(v, w)
+            merged = first.then(later)
+            assert (str(merged.worst), merged.where) == (str(whole.worst), whole.where)

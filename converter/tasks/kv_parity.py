@@ -25,6 +25,7 @@ from parity.kv_gates import RULE, KvParity, check_kv
 from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
 from parity.kv_sequence import torch_fp16_errors
 from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
+from parity.lockstep import Lockstep
 from parity.mil.program import load_function_set, load_package
 from parity.reference import Continuation
 from parity.report import level_row
@@ -110,8 +111,9 @@ def cache_fp32_level(
     weights: Weights = None,
 ) -> list[GateResult]:
     """The fp32 cache level (`parity.kv_fp32`) on ``programs`` (one per chunk)."""
-    captures = [LayerCapture(p, c) for p, c in zip(programs, chunks, strict=True)]
-    mil = _mil_functions(programs, chunks, FP32_LEVEL, captures)
+    lockstep = Lockstep()
+    captures = [LayerCapture(p, c, lockstep) for p, c in zip(programs, chunks, strict=True)]
+    mil = _mil_functions(programs, chunks, FP32_LEVEL, captures, lockstep)
     functions = chunks[0]
 
     def reference_of(c: Continuation) -> Any:
@@ -119,7 +121,7 @@ def cache_fp32_level(
 
     return cached_fp32_level(
         _sessions(mil, functions, table, advance), captures, continuations, reference_of,
-        extend, (bounds.fp32_layer_rel_error, bounds.fp32_logits_rel_error),
+        extend, (bounds.fp32_layer_rel_error, bounds.fp32_logits_rel_error), lockstep,
     )  # fmt: skip
 
 
@@ -137,9 +139,10 @@ def cache_gates(
     """Every fp16 cache gate on the multifunction ``packages`` (one per chunk, in call order,
     run as one chain; ``programs``: them loaded) in the MIL evaluator's fp16 profile, and
     whether each stores its weights once (``sizes`` from `combine_measured`, per chunk)."""
-    mil = _mil_functions(programs, chunks, "fp16")
+    lockstep = Lockstep()
+    mil = _mil_functions(programs, chunks, "fp16", lockstep=lockstep)
     kv = check_kv(_sessions(mil, chunks[0], table, advance), continuations, "prefill", extend,
-                  "mil-fp16", max_dprob)  # fmt: skip
+                  "mil-fp16", max_dprob, lockstep)  # fmt: skip
     if mil.check is not None:
         kv.gates.append(
             gate("kv-cache", "kv_head_choice_mismatches").check(
@@ -169,19 +172,20 @@ def _mil_functions(
     chunks: list[dict[str, CachedDecoder]],
     profile: str,
     observers: list[Any] | None = None,
+    lockstep: Lockstep | None = None,
 ) -> MilFunctions | MilChain:
     """The package's functions (one package per chunk, run as one chain) in the MIL
-    evaluator under ``profile``."""
+    evaluator under ``profile``, calling through ``lockstep`` when given."""
     functions = chunks[0]
     first = functions[DEFAULT_FUNCTION]
     heads = first.window.chunk_sizes
     if len(chunks) == 1:
         observer = observers[0] if observers else None
         return MilFunctions(
-            programs[0], profile, list(functions), first.cache_shape(), heads, observer
+            programs[0], profile, list(functions), first.cache_shape(), heads, observer, lockstep
         )
     metas = [chunk_meta(c[DEFAULT_FUNCTION]) for c in chunks]
-    return MilChain(programs, profile, list(functions), metas, heads, observers)
+    return MilChain(programs, profile, list(functions), metas, heads, observers, lockstep)
 
 
 def _sessions(
