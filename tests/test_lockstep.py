@@ -87,3 +87,18 @@ def test_the_first_failing_loop_stops_the_others_and_its_error_is_raised() -> No
     with pytest.raises(ValueError, match="loop 1 failed"):
         lockstep.run([lambda i=i: loop(i) for i in range(3)])
     assert finished == []  # the others were stopped, not run to their end
+
+
+def test_at_most_lanes_loops_run_at_once_the_next_taking_a_free_lane() -> None:
+    lockstep, evaluator = Lockstep(lanes=2), Counting()
+
+    def loop(calls: int) -> int:
+        for k in range(calls):
+            lockstep.call(evaluator, {"x": np.array(float(k))})
+        return calls
+
+    assert lockstep.run([lambda n=n: loop(n) for n in (1, 3, 2)]) == [1, 3, 2]
+    # Loops 0 and 1, then 1 and 2 once loop 0 has ended: never more than two calls at once.
+    assert evaluator.groups == [2, 2, 2]
+    with pytest.raises(ValueError, match="at least 1"):
+        Lockstep(lanes=0)

@@ -18,6 +18,7 @@ from converter.device.evidence_file import PROGRAM, Prepared, implementation
 from converter.drafts.host_loop import Runtime, artifact_checkpoint, coreml_backend, mil_backend
 from parity.gate_registry import GateResult
 from parity.kv_gates import check_kv
+from parity.lockstep import Lockstep
 from parity.reference import Continuation
 
 
@@ -55,7 +56,9 @@ def prepare_cached(artifact: Path) -> Prepared:
     dprob = float((runtime.manifest["recipe"].get("gates") or {}).get("kv_max_abs_dprob", 0.03))
 
     def program() -> list[GateResult]:
-        return check_kv(mil_backend(runtime), references, "prefill", extend, PROGRAM, dprob).gates
+        lockstep = Lockstep()  # the continuations side by side, as the conversion runs them
+        make = mil_backend(runtime, lockstep=lockstep)
+        return check_kv(make, references, "prefill", extend, PROGRAM, dprob, lockstep).gates
 
     def on_device(unit: str, load: ModelLoader) -> list[GateResult]:
         make = coreml_backend(runtime, unit, load)

@@ -40,6 +40,7 @@ from parity.kv_session import (
     MilFunctions,
     chain_runner,
 )
+from parity.lockstep import Lockstep
 
 
 @dataclass
@@ -273,24 +274,29 @@ def variant_weights(runtime: Runtime, names: list[str]) -> dict[str, np.ndarray]
     return weights
 
 
-def mil_backend(runtime: Runtime, profile: str = "fp16") -> Callable[[], CacheSession]:
+def mil_backend(
+    runtime: Runtime, profile: str = "fp16", lockstep: Lockstep | None = None
+) -> Callable[[], CacheSession]:
     """Sessions run by the MIL evaluator (functions prepared once, a fresh state each); a
-    chunked decoder's chunks run as one chain (`parity.kv_session`)."""
+    chunked decoder's chunks run as one chain (`parity.kv_session`); calls go through
+    ``lockstep`` when given (`parity.lockstep`)."""
     from parity.mil.program import load_function_set, load_package
 
     mil: MilFunctions | MilChain
     if runtime.chunks:
         programs = [load_package(p) for p in runtime.packages]
-        mil = MilChain(programs, profile, list(runtime.functions), runtime.chunks)
+        mil = MilChain(
+            programs, profile, list(runtime.functions), runtime.chunks, lockstep=lockstep
+        )
     elif runtime.function_packages:  # one state stands for the host's exact copies
         mil = MilFunctions(
             load_function_set(runtime.function_packages), profile, list(runtime.functions),
-            tuple(runtime.kv["cache"]["shape"]),
+            tuple(runtime.kv["cache"]["shape"]), lockstep=lockstep,
         )  # fmt: skip
     else:
         mil = MilFunctions(
             load_package(runtime.package), profile, list(runtime.functions),
-            tuple(runtime.kv["cache"]["shape"]),
+            tuple(runtime.kv["cache"]["shape"]), lockstep=lockstep,
         )  # fmt: skip
 
     def make() -> CacheSession:
