@@ -1,6 +1,6 @@
 """The cache gates alone, on an emitted cached decoder, in the MIL evaluator: time and peak.
 
-    python bench/cache_gates.py ARTIFACT [--fixtures N] [--one-after-other]
+    python bench/cache_gates.py ARTIFACT [--fixtures N] [--one-after-other [--rounds R]]
 
 Rebuilds the artifact's reference continuations from its checkpoint (as ``anec device-check``
 does), then runs `parity.kv_gates.check_kv` through the MIL evaluator's fp16 profile, as the
@@ -9,8 +9,9 @@ in lockstep: `parity.lockstep`), without the conversion around it. Prints the wa
 gates, the process's resident memory before them and its largest value while they ran
 (sampled every 50 ms from /proc/self/status, so a shorter spike can be missed), and every
 gate's value: the same values as the artifact's kv_parity.json. ``--one-after-other`` runs the
-gates a second time with the continuations one after the other, each call alone, in the same
-process, and says whether every gate, flip and row is the same.
+gates with the continuations one after the other (each call alone) before each side-by-side
+run, ``--rounds`` times (the host's speed drifts between runs: alternating shows it), in the
+same process, and says whether every gate, flip and row is the same.
 
 For issue 25 item 5 (the 5-minute SmolLM2 KV conversion): the evaluator's per-call costs,
 measured on the cache gates' own calls, in one process, apart from the conversion's memory.
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument(
         "--one-after-other", action="store_true", help="also run them one after the other"
     )
+    parser.add_argument("--rounds", type=int, default=1, help="with --one-after-other")
     args = parser.parse_args()
 
     from converter.device.cached_check import continuations
@@ -56,14 +58,17 @@ def main() -> None:
     def one_after_other() -> KvParity:
         return check_kv(mil_backend(runtime), references, "prefill", extend, "mil-fp16", 0.03)
 
-    first = timed(side_by_side, f"{len(references)} fixtures side by side")
-    for g in first.gates:
+    n = len(references)
+    for _ in range(args.rounds if args.one_after_other else 1):
+        alone = timed(one_after_other, f"{n} fixtures one after the other") \
+            if args.one_after_other else None  # fmt: skip
+        result = timed(side_by_side, f"{n} fixtures side by side")
+        if alone is not None:
+            same = [g.to_json() for g in result.gates] == [g.to_json() for g in alone.gates]
+            same &= (result.flips, result.rows) == (alone.flips, alone.rows)
+            print(f"every gate, flip and row the same: {same}")
+    for g in result.gates:
         print(f"  {g.text()}")
-    if args.one_after_other:
-        second = timed(one_after_other, f"{len(references)} fixtures one after the other")
-        same = [g.to_json() for g in first.gates] == [g.to_json() for g in second.gates]
-        same &= (first.flips, first.rows) == (second.flips, second.rows)
-        print(f"every gate, flip and row the same: {same}")
 
 
 def timed(run: Callable[[], T], label: str) -> T:

@@ -32,7 +32,7 @@ import torch
 from graph_passes.cache_host import CallShape, call_inputs, write_rows
 from graph_passes.cached_decoder import HIDDEN_IN, HIDDEN_OUT, CachedDecoder
 from graph_passes.logits_layout import join_logits, top_ids
-from parity.head_outputs import ChoiceCheck
+from parity.head_outputs import ChoiceCheck, add_logits, head_logit_vars
 from parity.lockstep import Lockstep
 
 # One call of one function of a package (the host loop's level, apart from the batch-level
@@ -226,7 +226,6 @@ class MilFunctions:
         observer: CallObserver | None = None,
         lockstep: Lockstep | None = None,
     ) -> None:
-        from parity.head_outputs import head_logit_vars
         from parity.mil import Evaluator
 
         self.evaluators = {name: Evaluator(program, profile, name) for name in functions}
@@ -254,8 +253,6 @@ class MilFunctions:
     def session(self) -> tuple[FunctionRunner, dict[str, np.ndarray]]:
         """A runner over the functions and the state values it keeps between calls (empty
         for the ``io`` style, whose cache the host keeps)."""
-        from parity.head_outputs import add_logits
-
         states: dict[str, np.ndarray] = {}
         for evaluator in self.evaluators.values():
             for name in evaluator.states:
@@ -428,12 +425,12 @@ class MilChain:
         lockstep: Lockstep | None = None,
     ) -> None:
         self.chunks = list(chunks)
-        every = zip(programs, chunks, observers or [None] * len(chunks), strict=True)
-        self.parts = [
-            MilFunctions(p, profile, functions, c.cache_shape, sizes, observer, lockstep)
-            for p, c, observer in every
-            for sizes in [chunk_sizes if c.last else None]
-        ]
+        self.parts: list[MilFunctions] = []
+        for p, c, observer in zip(programs, chunks, observers or [None] * len(chunks), strict=True):
+            sizes = chunk_sizes if c.last else None  # the LM head is the last chunk's
+            self.parts.append(
+                MilFunctions(p, profile, functions, c.cache_shape, sizes, observer, lockstep)
+            )
 
     @property
     def check(self) -> ChoiceCheck | None:
