@@ -28,10 +28,10 @@ import numpy as np
 
 T = TypeVar("T")
 # Loops live at once. Each holds its session's cache state and its call's values: SmolLM2 KV's
-# six fixtures side by side ran its cache parity 1.27x faster and held 0.70 GB more than one
-# after the other (bench/README.md, "SmolLM2 kv at full depth"); a recipe with many more
-# fixtures would hold that much per six, for little more speed (run_many of 3 / 6 / 12 decode
-# calls: 1.06x / 1.11x / 1.10x).
+# six fixtures side by side ran its cache parity 1.1-1.3x faster and held 0.70 GB more than one
+# after the other (bench/README.md, "SmolLM2 kv at full depth" and "cache_gates.py"); a recipe
+# with many more fixtures would hold that much per six, for little more speed (run_many of
+# 3 / 6 / 12 decode calls: 1.06x / 1.11x / 1.10x).
 LANES = 6
 
 
