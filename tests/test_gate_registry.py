@@ -7,13 +7,16 @@ from __future__ import annotations
 import ast
 import math
 import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from converter.recipe import Gates
 from converter.recipe.gate_table import markdown_table, recipe_field
 from parity.gate_registry import REGISTRY, Comparison, Level, Worst, gate, registered
+from parity.kv_fp32 import FirstOver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,25 +102,30 @@ def test_worst_keeps_the_worst_and_never_hides_nan() -> None:
     assert lowest.where == "b"
 
 
-SEEN = [0.5, 0.2, 0.5, 0.9, 0.9, 0.1, math.nan, 0.3, math.inf, 0.0]
+# Ties, NaN and inf on either side of every cut, and (for FirstOver's bound 1.0) values over
+# and under the bound: the lockstep's loops' findings are combined this way, in order.
+SEEN = [0.5, 2.0, 0.2, 0.5, 3.0, 3.0, 0.1, math.nan, 0.3, math.inf, 0.0]
+KEEPERS: dict[str, Callable[[], Any]] = {
+    "worst": lambda: Worst(0.0),
+    "lowest": lambda: Worst(math.inf, lowest=True),
+    "first over": lambda: FirstOver(1.0),
+}
 
 
-@pytest.mark.parametrize("lowest", [False, True])
-def test_worst_then_holds_what_one_worst_seeing_both_in_order_holds(lowest: bool) -> None:
-    # Ties, NaN and inf on either side of every cut: the lockstep's loops combine this way.
-    start = math.inf if lowest else 0.0
+@pytest.mark.parametrize("kind", list(KEEPERS))
+def test_then_holds_what_one_keeper_seeing_both_in_order_holds(kind: str) -> None:
+    def state(keeper: Any) -> tuple[str, str]:
+        value = keeper.value if isinstance(keeper, Worst) else keeper.worst
+        return str(value), keeper.where
+
     for length in range(len(SEEN) + 1):
         values = [(v, f"at {i}") for i, v in enumerate(SEEN[:length])]
         for cut in range(length + 1):
-            whole, first, later = (Worst(start, lowest) for _ in range(3))
-            for v, w in values:
-                whole.see(v, w)
-            for v, w in values[:cut]:
-                first.see(v, w)
-            for v, w in values[cut:]:
-                later.see(v, w)
-            merged = first.then(later)
-            assert (str(merged.value), merged.where) == (str(whole.value), whole.where)
+            whole, first, later = (KEEPERS[kind]() for _ in range(3))
+            for keeper, part in ((whole, values), (first, values[:cut]), (later, values[cut:])):
+                for v, w in part:
+                    keeper.see(v, w)
+            assert state(first.then(later)) == state(whole), (kind, cut, values)
 
 
 def test_no_module_builds_a_gate_result_by_hand() -> None:

@@ -12,7 +12,6 @@ docs/draft-decoders.md).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from converter.tasks.kv_parity import CacheBounds, function_gates
 from converter.tasks.text_generation_kv import combine_measured, convert_singles
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
-from parity.kv_fp32 import FirstOver
 from parity.kv_gates import KvParity
 from parity.mil import Evaluator
 from parity.reference import Continuation, continuation, originals
@@ -238,20 +236,3 @@ def test_the_continuations_side_by_side_find_what_they_find_one_after_the_other(
     alone = _everything(*built.gates(layout))
     assert max(groups) == 1
     assert side_by_side == alone
-
-
-def test_first_over_then_holds_what_one_seeing_both_in_order_holds() -> None:
-    # The continuations' findings are combined in order: the first over its bound stays first.
-    seen = [0.5, 2.0, 0.2, 3.0, 3.0, math.nan, 0.1, math.inf, 1.5]
-    for length in range(len(seen) + 1):
-        values = [(v, f"at {i}") for i, v in enumerate(seen[:length])]
-        for cut in range(length + 1):
-            whole, first, later = FirstOver(1.0), FirstOver(1.0), FirstOver(1.0)
-            for v, w in values:
-                whole.see(v, w)
-            for v, w in values[:cut]:
-                first.see(v, w)
-            for v, w in values[cut:]:
-                later.see(v, w)
-            merged = first.then(later)
-            assert (str(merged.worst), merged.where) == (str(whole.worst), whole.where)
