@@ -43,7 +43,7 @@ from parity.kv_gates import STALE_STEPS, stale_difference
 from parity.kv_mil import Weights, function_markers, layer_piece
 from parity.kv_sequence import SequenceRun, embedded, run_sequence
 from parity.kv_session import CacheSession
-from parity.lockstep import Lockstep
+from parity.lockstep import Lockstep, run_loops
 from parity.mil.profiles import FP32_HELD
 from parity.reference import Continuation, SpilledRows
 
@@ -237,7 +237,7 @@ def cached_fp32_level(
         continuations = []
     bodies = [partial(_continuation, make_session, captures, reference_of, c, judge.fresh(),
                       extend_tokens) for c in continuations]  # fmt: skip
-    found = lockstep.run(bodies) if lockstep is not None else [body() for body in bodies]
+    found = run_loops(bodies, lockstep)
     for part in found:  # in order, as one after the other
         judge = judge.then(part.judge)
         extend_diff, stale = extend_diff.then(part.extend), stale.then(part.stale)

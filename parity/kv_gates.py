@@ -29,7 +29,7 @@ import numpy as np
 
 from parity.gate_registry import Gated, GateResult, Worst, first_few, gate
 from parity.kv_session import CacheSession
-from parity.lockstep import Lockstep
+from parity.lockstep import Lockstep, run_loops
 from parity.reference import Continuation, SpilledRows
 
 LEVEL = "kv-cache"
@@ -194,7 +194,7 @@ def check_kv(
     by side (`parity.lockstep`); None: one after the other."""
     bodies = [partial(_continuation, make_session, c, prefill, extend_tokens)
               for c in continuations]  # fmt: skip
-    found = lockstep.run(bodies) if lockstep is not None else [body() for body in bodies]
+    found = run_loops(bodies, lockstep)
     result, drift = KvParity(), Drift()
     dprob, stale = Worst(0.0), Worst(0.0)
     finite = True

@@ -5,7 +5,7 @@ cached function reads every weight of the program: widened from fp16 and streame
 once per call, for a single token's worth of arithmetic (py-spy, SmolLM2 KV: the widening alone
 was 94 s of its 310 s of cache parity). Run in lockstep, the calls the loops are waiting on at
 the same moment that go to the same evaluator run through `Evaluator.run_many` together: each
-weight is widened once for all of them and read while it is still in the CPU's cache. Each
+weight is widened once for all of them (and may still be in the CPU's cache for the next). Each
 result has the bits of its own run (`run_many`'s promise), so what a loop computes does not
 depend on which loops ran beside it.
 
@@ -172,3 +172,9 @@ class Lockstep:
             for c, result in zip(calls, results, strict=True):
                 result.captured = {k: v for k, v in result.captured.items() if k in c.capture}
                 c.result = result
+
+
+def run_loops(bodies: Sequence[Callable[[], T]], lockstep: Lockstep | None) -> list[T]:
+    """``bodies`` side by side through ``lockstep`` (the one their calls go through), or with
+    None one after the other in the calling thread; their values in order."""
+    return lockstep.run(bodies) if lockstep is not None else [body() for body in bodies]

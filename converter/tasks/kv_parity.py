@@ -143,13 +143,14 @@ def cache_gates(
     mil = _mil_functions(programs, chunks, "fp16", lockstep=lockstep)
     kv = check_kv(_sessions(mil, chunks[0], table, advance), continuations, "prefill", extend,
                   "mil-fp16", max_dprob, lockstep)  # fmt: skip
-    if mil.check is not None:
+    choices = mil.check  # every loop's, combined in order
+    if choices is not None:
         kv.gates.append(
             gate("kv-cache", "kv_head_choice_mismatches").check(
-                float(len(mil.check.mismatches)),
+                float(len(choices.mismatches)),
                 implementation="mil-fp16",
-                where=", ".join(mil.check.mismatches[:2]),
-                detail=f"{mil.check.positions} positions of every call the gates made",
+                where=", ".join(choices.mismatches[:2]),
+                detail=f"{choices.positions} positions of every call the gates made",
             )
         )
     if "weight_ratio" not in sizes[0]:
