@@ -12,6 +12,7 @@ docs/draft-decoders.md).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tiny_models import Tiny, build_tiny, one_torch_thread
 
 import converter.tasks.kv_parity as kv_parity
 import graph_passes.cache_host as cache_host
+import parity.beside as beside
 import parity.kv_session as kv_session
 from converter.coreml.targets import TARGETS
 from converter.tasks.kv_contract import function_calls
@@ -221,6 +223,7 @@ def test_the_continuations_side_by_side_find_what_they_find_one_after_the_other(
 ) -> None:
     if mutant is not None:  # failing gates too: each names where it first went over
         MUTANTS[mutant][0](monkeypatch)
+    monkeypatch.setattr(beside, "can_fork", lambda: False)  # every call counted here
     groups: list[int] = []
     run_many = Evaluator.run_many
 
@@ -236,3 +239,31 @@ def test_the_continuations_side_by_side_find_what_they_find_one_after_the_other(
     alone = _everything(*built.gates(layout))
     assert max(groups) == 1
     assert side_by_side == alone
+
+
+@pytest.mark.skipif(not beside.can_fork(), reason="the fp32 levels run beside on Linux, 2+ cores")
+@pytest.mark.parametrize("layout", ["one", "chain"])
+@pytest.mark.parametrize("mutant", [None, "decode writes its key one slot off"])
+def test_the_fp32_levels_in_a_child_find_what_they_find_here(
+    built: Built, monkeypatch: pytest.MonkeyPatch, layout: str, mutant: str | None
+) -> None:
+    if mutant is not None:  # the child runs the patched host loop too
+        MUTANTS[mutant][0](monkeypatch)
+    ran_in: list[int] = []
+    level = kv_parity.cache_fp32_level
+
+    def noted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        ran_in.append(os.getpid())
+        return level(*args, **kwargs)
+
+    monkeypatch.setattr(kv_parity, "cache_fp32_level", noted)
+    beside_ = _everything(*built.gates(layout))
+    assert ran_in == []  # the child's call is not seen here: it ran in the child
+    # no room in the memory budget for what the child adds: the levels run here
+    monkeypatch.setattr(kv_parity, "spare_bytes", lambda: kv_parity.child_bytes(
+        built.layouts[layout][1]) - 1)  # fmt: skip
+    here = _everything(*built.gates(layout))
+    assert ran_in == [os.getpid()]
+    assert beside_ == here
+    if mutant is not None:
+        assert any(not g["passed"] for g in beside_[0]), beside_[0]

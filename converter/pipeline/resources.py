@@ -201,6 +201,13 @@ def memory_budget() -> tuple[int, str] | None:
     return room + own_peak_bytes(), source
 
 
+def spare_bytes() -> int | None:
+    """How much more this process (and any child it starts now) may take: the memory budget
+    less this process's peak so far; None when there is no budget (no check)."""
+    budget = memory_budget()
+    return None if budget is None else max(0, budget[0] - own_peak_bytes())
+
+
 def check_memory(estimate: MemoryEstimate, what: str) -> None:
     """Raise InputError when the estimated peak exceeds the memory budget."""
     budget = memory_budget()

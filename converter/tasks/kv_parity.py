@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 
 from converter.pipeline.publish import write_json_atomic
+from converter.pipeline.resources import GIB, spare_bytes
 from converter.pipeline.steps import Advance
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
+from parity.beside import beside
 from parity.gate_registry import GateResult, gate
 from parity.kv_fp32 import PROFILE as FP32_LEVEL
 from parity.kv_fp32 import LayerCapture, cached_fp32_level, reference
@@ -68,20 +70,48 @@ def function_gates(
         if function_packages
         else [load_package(p) for p in packages]
     )
-    layers = []
-    if bounds.fp32:
+
+    def fp32_levels(advance: Advance) -> list[GateResult]:
         layers = cached_fp32_check(
             programs, chunks, continuations, table, bounds.precision,
             bounds.mil_fp32_layer_rel_error, advance, weights,
         )  # fmt: skip
-        layers += cache_fp32_level(programs, chunks, continuations, extend, table, bounds,
-                                   advance, weights)  # fmt: skip
-    kv = cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
-                     bounds.kv_max_abs_dprob, advance)  # fmt: skip
+        return layers + cache_fp32_level(programs, chunks, continuations, extend, table,
+                                         bounds, advance, weights)  # fmt: skip
+
+    # The fp32 levels and the fp16 gates share only what is loaded: on a second core the
+    # first run in a child while this process runs the second (`parity.beside`), when the
+    # memory budget has room for what the child adds.
+    fp32 = None
+    if bounds.fp32:
+        room = spare_bytes()
+        needs = child_bytes(chunks)
+        fp32 = beside(fp32_levels, advance, "the fp32 cache levels", room is None or room >= needs)
+    try:
+        kv = cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
+                         bounds.kv_max_abs_dprob, advance)  # fmt: skip
+    except BaseException:
+        if fp32 is not None:
+            fp32.cancel()
+        raise
+    layers = fp32.result() if fp32 is not None else []
     if weights is None and kv.drift is not None and kv.drift.over:
         kv.drift.torch_fp16 = _torch_fp16_at(chunks[0][DEFAULT_FUNCTION], table, continuations,
                                              kv.drift.over)  # fmt: skip
     return layers, kv
+
+
+# What the fp32 levels' child adds to memory, per parameter of the cached modules, above what it
+# shares with the conversion: 0.86 GiB for SmolLM2's 135M (6.8 bytes; `anec convert
+# recipes/smollm2-135m-draft-kv.yaml`'s log, 2026-12-07), so an fp64 copy of the weights and
+# 1 GiB of slack.
+CHILD_BYTES_PER_PARAMETER = 8
+
+
+def child_bytes(chunks: list[dict[str, CachedDecoder]]) -> int:
+    """What running the fp32 levels in a child adds at most (`CHILD_BYTES_PER_PARAMETER`)."""
+    parameters = sum(p.numel() for c in chunks for p in c[DEFAULT_FUNCTION].parameters())
+    return CHILD_BYTES_PER_PARAMETER * parameters + GIB
 
 
 def _torch_fp16_at(
