@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-import parity.beside as beside_module
-from parity.beside import ChildEnded, beside, can_fork
+import converter.pipeline.beside as beside_module
+from converter.pipeline.beside import ChildEnded, beside, can_fork
 from parity.mil.errors import OpEvaluationError
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="runs in a child on Linux, 2+ cores")

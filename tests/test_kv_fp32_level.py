@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 from tiny_models import Tiny, build_tiny, one_torch_thread
 
+import converter.pipeline.beside as beside
 import converter.tasks.kv_parity as kv_parity
 import graph_passes.cache_host as cache_host
-import parity.beside as beside
 import parity.kv_session as kv_session
 from converter.coreml.targets import TARGETS
 from converter.tasks.kv_contract import function_calls
+from converter.tasks.kv_convert import convert_singles
 from converter.tasks.kv_parity import CacheBounds, function_gates
-from converter.tasks.text_generation_kv import combine_measured, convert_singles
+from converter.tasks.text_generation_kv import combine_measured
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
 from parity.kv_gates import KvParity

@@ -17,8 +17,9 @@ from tiny_models import Tiny, build_tiny, one_torch_thread
 from converter.coreml.program import SPEC_FILE, canonicalize_spec
 from converter.coreml.targets import TARGETS
 from converter.tasks.kv_contract import function_calls
+from converter.tasks.kv_convert import convert_singles
 from converter.tasks.kv_parity import cached_fp32_check
-from converter.tasks.text_generation_kv import WEIGHTS, combine_measured, convert_singles
+from converter.tasks.text_generation_kv import WEIGHTS, combine_measured
 from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
 from parity.mil import load_package

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from converter.pipeline.beside import beside
 from converter.pipeline.publish import write_json_atomic
 from converter.pipeline.resources import GIB, spare_bytes
 from converter.pipeline.steps import Advance
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
 from graph_passes.cached_decoder import CachedDecoder
-from parity.beside import beside
 from parity.gate_registry import GateResult, gate
 from parity.kv_fp32 import PROFILE as FP32_LEVEL
 from parity.kv_fp32 import LayerCapture, cached_fp32_level, reference
@@ -80,8 +80,8 @@ def function_gates(
                                          bounds, advance, weights)  # fmt: skip
 
     # The fp32 levels and the fp16 gates share only what is loaded: on a second core the
-    # first run in a child while this process runs the second (`parity.beside`), when the
-    # memory budget has room for what the child adds.
+    # first run in a child while this process runs the second (`converter.pipeline.beside`),
+    # when the memory budget has room for what the child adds.
     fp32 = None
     if bounds.fp32:
         room = spare_bytes()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from converter.coreml.program import combine_functions, live_ops, save_package
+from converter.coreml.program import combine_functions, save_package
 from converter.coreml.targets import TARGETS, package_budget_bytes
 from converter.errors import InputError
 from converter.pipeline.manifest_fields import write_npy
@@ -45,8 +45,8 @@ from converter.tasks.kv_contract import (
     function_calls,
     function_contract,
     kv_manifest_section,
-    state_contract,
 )
+from converter.tasks.kv_convert import convert_singles
 from converter.tasks.kv_layout import (
     PER_FUNCTION,
     WEIGHTS,
@@ -68,7 +68,6 @@ from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
 from parity.kv_gates import RULE, KvParity
 from parity.kv_session import rope_rows
-from parity.memory import release_memory
 from parity.reference import Continuation, continuation, originals
 from parity.torch_settings import with_parity_torch
 
@@ -129,46 +128,6 @@ class Emitted:
     package: Path
     sizes: dict[str, Any]
     decode: Program  # the default function's contract and converted model
-
-
-def convert_singles(
-    functions: dict[str, CachedDecoder],
-    dtype: Any,
-    precision: Any,
-    target: Any,
-    scratch: Path,
-    advance: Advance = lambda: None,
-) -> tuple[dict[str, Path], dict[str, Program]]:
-    """Trace and convert each function (a state for the ``state`` style) and save each as
-    its own single-function package in ``scratch``; also each function's program (its
-    contract and live ops), the default function's with the plan table of every function
-    under its own name."""
-    from converter.coreml.program import to_mlprogram, trace
-    from converter.placement.ops import OpTable, function_table
-    from graph_passes.markers import mark_layer_outputs
-
-    scratch.mkdir(parents=True, exist_ok=True)
-    singles: dict[str, Path] = {}
-    programs: dict[str, Program] = {}
-    # The plan's op tables now, not the programs: held to the plan step, each chunk's
-    # programs kept their fp16 weights through the cache parity.
-    tables = OpTable([])
-    for name, module in functions.items():
-        inputs, outputs = function_contract(module, dtype)
-        traced = trace(module, inputs)
-        # Each layer's output named, for the per-layer MIL fp32 check (`parity.kv_mil`).
-        mark_layer_outputs(traced, module.num_layers, first=module.start)
-        mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
-        singles[name] = save_package(mlmodel, scratch / f"{name}.mlpackage")
-        tables.functions.append(function_table(name, mlmodel._mil_program.functions["main"]))
-        table = tables if name == DEFAULT_FUNCTION else None
-        programs[name] = Program(name, inputs, outputs, singles[name], None, live_ops(mlmodel),
-                                 table)  # fmt: skip
-        del mlmodel
-        release_memory()
-        advance()
-    need(programs.get(DEFAULT_FUNCTION), "the decode function")
-    return singles, programs
 
 
 def combine_measured(singles: dict[str, Path], package: Path) -> dict[str, Any]:

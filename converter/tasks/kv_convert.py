@@ -1,0 +1,125 @@
+"""Trace and convert each cached function (prefill, decode, extend, ...) to its own
+single-function package, with what the manifest and the plan need of it.
+
+``ct.convert`` runs on one core. On a host with a second core (`converter.pipeline.beside`)
+every other function converts in a forked child while this process converts the rest; each
+conversion is the same code on the same module (coremltools clears its op-name counter per
+conversion), so each package has the same bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from converter.coreml.program import live_ops, save_package
+from converter.pipeline.beside import Pending, beside, can_fork
+from converter.pipeline.resources import spare_bytes
+from converter.pipeline.steps import Advance
+from converter.placement.ops import Function, OpTable
+from converter.tasks.kv_contract import DEFAULT_FUNCTION, function_contract, state_contract
+from converter.tasks.shared import Program, need
+from graph_passes.cached_decoder import CachedDecoder
+from parity.memory import release_memory
+
+# What one function's conversion adds to memory, per parameter of its module, above what it
+# shares with the conversion's process: an upper figure (fp32 constants while coremltools
+# builds the program, its fp16 copy and the serialized package).
+CONVERT_BYTES_PER_PARAMETER = 12
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One function's package and what was read off its program before it was dropped."""
+
+    package: Path
+    table: Function  # the plan's op rows
+    live: collections.Counter[str]
+
+
+def convert_function(
+    name: str, module: CachedDecoder, dtype: Any, precision: Any, target: Any, scratch: Path
+) -> Converted:
+    """Trace and convert one function (a state for the ``state`` style) to
+    ``scratch/NAME.mlpackage``."""
+    from converter.coreml.program import to_mlprogram, trace
+    from converter.placement.ops import function_table
+    from graph_passes.markers import mark_layer_outputs
+
+    inputs, outputs = function_contract(module, dtype)
+    traced = trace(module, inputs)
+    # Each layer's output named, for the per-layer MIL fp32 check (`parity.kv_mil`).
+    mark_layer_outputs(traced, module.num_layers, first=module.start)
+    mlmodel = to_mlprogram(traced, inputs, outputs, target, precision, state_contract(module))
+    package = save_package(mlmodel, scratch / f"{name}.mlpackage")
+    done = Converted(package, function_table(name, mlmodel._mil_program.functions["main"]),
+                     live_ops(mlmodel))  # fmt: skip
+    del mlmodel
+    release_memory()
+    return done
+
+
+def convert_singles(
+    functions: dict[str, CachedDecoder],
+    dtype: Any,
+    precision: Any,
+    target: Any,
+    scratch: Path,
+    advance: Advance = lambda: None,
+) -> tuple[dict[str, Path], dict[str, Program]]:
+    """Every function converted (`convert_function`) and saved as its own single-function
+    package in ``scratch``; also each function's program (its contract and live ops), the
+    default function's with the plan table of every function under its own name."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    names = list(functions)
+    theirs = names[::2] if len(names) > 1 and _room_beside(functions) else []
+
+    def convert(name: str) -> Converted:
+        return convert_function(name, functions[name], dtype, precision, target, scratch)
+
+    def convert_theirs(advance: Advance) -> dict[str, Converted]:
+        done = {}
+        for name in theirs:
+            done[name] = convert(name)
+            advance()
+        return done
+
+    pending: Pending[dict[str, Converted]] | None = None
+    if theirs:
+        pending = beside(convert_theirs, advance, f"converting {', '.join(theirs)}")
+    converted: dict[str, Converted] = {}
+    try:
+        for name in names:
+            if name not in theirs:
+                converted[name] = convert(name)
+                advance()
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    if pending is not None:
+        converted.update(pending.result())
+    # The plan's op tables, not the programs: held to the plan step, each chunk's programs
+    # kept their fp16 weights through the cache parity.
+    tables = OpTable([converted[name].table for name in names])
+    programs: dict[str, Program] = {}
+    for name in names:
+        inputs, outputs = function_contract(functions[name], dtype)
+        table = tables if name == DEFAULT_FUNCTION else None
+        done = converted[name]
+        programs[name] = Program(name, inputs, outputs, done.package, None, done.live, table)
+    need(programs.get(DEFAULT_FUNCTION), "the decode function")
+    return {name: converted[name].package for name in names}, programs
+
+
+def _room_beside(functions: dict[str, CachedDecoder]) -> bool:
+    """Whether a child may convert beside this process: fork on a second core
+    (`can_fork`) and room in the memory budget for one more conversion."""
+    if not can_fork():
+        return False
+    room = spare_bytes()
+    first = next(iter(functions.values()))
+    parameters = sum(p.numel() for p in first.parameters())
+    return room is None or room >= CONVERT_BYTES_PER_PARAMETER * parameters
