@@ -24,6 +24,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -59,6 +60,7 @@ class Pending(Generic[T]):
         self.shared_bytes = 0
         self._value: tuple[bool, object] | None = None
         self._pid: int | None = None
+        self._started = time.perf_counter()
         self._reader: threading.Thread | None = None
 
     def result(self) -> T:
@@ -82,14 +84,18 @@ class Pending(Generic[T]):
 
     def _wait(self) -> None:
         assert self._pid is not None and self._reader is not None
+        waited = time.perf_counter()
         self._reader.join()
         _, status, usage = os.wait4(self._pid, 0)
         self._pid = None
+        ended = time.perf_counter()
         self.peak_bytes = usage.ru_maxrss * 1024  # Linux: KiB
         log.info(
-            "%s ran in a child process: peak RSS %.2f GiB, %.2f GiB of it shared with this "
-            "process at the start",
+            "%s ran in a child process for %.1f s (this process waited %.1f s for it): peak RSS "
+            "%.2f GiB, %.2f GiB of it shared with this process at the start",
             self.what,
+            ended - self._started,
+            ended - waited,
             self.peak_bytes / 2**30,
             self.shared_bytes / 2**30,
         )
@@ -117,6 +123,8 @@ def beside(
     """
     pending: Pending[T] = Pending(what)
     if not (separate and can_fork()):
+        if can_fork():
+            log.info("%s runs in this process: the memory budget has no room for a child", what)
         try:
             pending._value = (True, work(advance))
         except Exception as e:  # raised by `result`, as a child's error would be

@@ -10,6 +10,9 @@ conversion), so each package has the same bytes.
 from __future__ import annotations
 
 import collections
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,11 @@ from converter.tasks.shared import Program, need
 from graph_passes.cached_decoder import CachedDecoder
 from parity.memory import release_memory
 
+log = logging.getLogger(__name__)
+
 # What one function's conversion adds to memory, per parameter of its module, above what it
-# shares with the conversion's process: an upper figure (fp32 constants while coremltools
-# builds the program, its fp16 copy and the serialized package).
+# shares with the conversion's process: SmolLM2 KV's child converting prefill and extend grew
+# 0.46 GiB (3.7 bytes per parameter; its convert.log, 2026-12-07), so three times that.
 CONVERT_BYTES_PER_PARAMETER = 12
 
 
@@ -74,33 +79,32 @@ def convert_singles(
     default function's with the plan table of every function under its own name."""
     scratch.mkdir(parents=True, exist_ok=True)
     names = list(functions)
-    theirs = names[::2] if len(names) > 1 and _room_beside(functions) else []
+    groups = _groups(functions)  # the first converts here, each other one in a child
 
     def convert(name: str) -> Converted:
         return convert_function(name, functions[name], dtype, precision, target, scratch)
 
-    def convert_theirs(advance: Advance) -> dict[str, Converted]:
-        done = {}
-        for name in theirs:
-            done[name] = convert(name)
-            advance()
-        return done
-
-    pending: Pending[dict[str, Converted]] | None = None
-    if theirs:
-        pending = beside(convert_theirs, advance, f"converting {', '.join(theirs)}")
-    converted: dict[str, Converted] = {}
-    try:
-        for name in names:
-            if name not in theirs:
-                converted[name] = convert(name)
+    def converter_of(group: list[str]) -> Callable[[Advance], dict[str, Converted]]:
+        def run(advance: Advance) -> dict[str, Converted]:
+            done = {}
+            for name in group:
+                done[name] = convert(name)
                 advance()
+            return done
+
+        return run
+
+    children: list[Pending[dict[str, Converted]]] = []
+    try:
+        for group in groups[1:]:
+            children.append(beside(converter_of(group), advance, f"converting {', '.join(group)}"))
+        converted = converter_of(groups[0])(advance)
     except BaseException:
-        if pending is not None:
-            pending.cancel()
+        for child in children:
+            child.cancel()
         raise
-    if pending is not None:
-        converted.update(pending.result())
+    for child in children:
+        converted.update(child.result())
     # The plan's op tables, not the programs: held to the plan step, each chunk's programs
     # kept their fp16 weights through the cache parity.
     tables = OpTable([converted[name].table for name in names])
@@ -114,12 +118,18 @@ def convert_singles(
     return {name: converted[name].package for name in names}, programs
 
 
-def _room_beside(functions: dict[str, CachedDecoder]) -> bool:
-    """Whether a child may convert beside this process: fork on a second core
-    (`can_fork`) and room in the memory budget for one more conversion."""
-    if not can_fork():
-        return False
-    room = spare_bytes()
-    first = next(iter(functions.values()))
-    parameters = sum(p.numel() for p in first.parameters())
-    return room is None or room >= CONVERT_BYTES_PER_PARAMETER * parameters
+def _groups(functions: dict[str, CachedDecoder]) -> list[list[str]]:
+    """The functions dealt in turn to this process and up to one child per core, as many as
+    fork (`can_fork`) and the memory budget's room allow: with three functions on two cores,
+    a process converting two of them one after the other set the step's time."""
+    names = list(functions)
+    children = min(len(names) - 1, len(os.sched_getaffinity(0))) if can_fork() else 0
+    if children:
+        room = spare_bytes()
+        first = next(iter(functions.values()))
+        each = CONVERT_BYTES_PER_PARAMETER * sum(p.numel() for p in first.parameters())
+        if room is not None and room < children * each:
+            children = int(room // each)
+            log.info("%d children convert functions: the memory budget has room for no more",
+                     children)  # fmt: skip
+    return [names[i :: children + 1] for i in range(children + 1)]
