@@ -4,6 +4,7 @@ wanted never leaves the caller waiting."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -86,3 +87,40 @@ def test_cancel_stops_a_child_still_running() -> None:
     assert time.perf_counter() - start < 10
     with pytest.raises(ChildEnded, match="signal 15"):
         pending.result()
+
+
+@needs_fork
+def test_the_childs_log_records_reach_this_processs_handlers() -> None:
+    """The conversion log is this process's memory: a child's records must reach it."""
+    logger = logging.getLogger("anec.test.beside")
+    kept = _Keep()
+    logger.addHandler(kept)
+    logger.setLevel(logging.INFO)
+    try:
+
+        def logs(advance: beside_module.Advance) -> int:
+            logger.info("fixture %s: %d calls", "prompt[0]", 512)
+            logger.debug("below the logger's level: never sent")
+            try:
+                raise ValueError("a kernel's complaint")
+            except ValueError:
+                logger.exception("a caught error")
+            return os.getpid()
+
+        pid = beside(logs, lambda: None, "logging").result()
+    finally:
+        logger.removeHandler(kept)
+    assert pid != os.getpid()
+    assert [r.getMessage() for r in kept.records] == ["fixture prompt[0]: 512 calls",
+                                                      "a caught error"]  # fmt: skip
+    assert "ValueError: a kernel's complaint" in (kept.records[1].exc_text or "")
+    assert kept.records[0].process == pid
+
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)

@@ -34,7 +34,7 @@ Advance = Callable[[], None]
 
 log = logging.getLogger(__name__)
 
-_ADVANCE, _RESULT = b"a", b"r"
+_ADVANCE, _LOG, _RESULT = b"a", b"l", b"r"
 _LENGTH = struct.Struct("<Q")
 
 
@@ -100,14 +100,14 @@ class Pending(Generic[T]):
             self.shared_bytes / 2**30,
         )
         if self._value is None:
-            ended = (
+            how = (
                 f"killed by signal {os.WTERMSIG(status)}"
                 if os.WIFSIGNALED(status)
                 else f"exit status {os.waitstatus_to_exitcode(status)}"
             )
             killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
             hint = " (out of memory?)" if killed else ""
-            message = f"{self.what}: its process ended without a result, {ended}{hint}"
+            message = f"{self.what}: its process ended without a result, {how}{hint}"
             self._value = (False, ChildEnded(message))
 
 
@@ -146,32 +146,69 @@ def beside(
 
 
 def _run_child(work: Callable[[Advance], T], write_fd: int) -> None:
-    """Run ``work`` and send its result (or its error, with its traceback) to the parent."""
+    """Run ``work`` and send its progress, its log records and its result (or its error, with
+    its traceback) to the parent."""
     code = 1
     try:
-        out = os.fdopen(write_fd, "wb")
+        sender = _Sender(write_fd)
+        _forward_logs(sender)
         import torch
 
         torch.set_num_threads(1)  # the other core runs the parent
-
-        def advance() -> None:
-            out.write(_ADVANCE)
-            out.flush()
-
         try:
-            payload = pickle.dumps((True, work(advance)))
+            payload = pickle.dumps((True, work(lambda: sender.send(_ADVANCE))))
         except BaseException as e:  # noqa: BLE001  (everything goes back to the parent)
             e.add_note(f"in the child process:\n{traceback.format_exc().rstrip()}")
             payload = pickle.dumps((False, _portable(e)))
-        out.write(_RESULT + _LENGTH.pack(len(payload)) + payload)
-        out.flush()
+        sender.send(_RESULT, payload)
         code = 0
     finally:
         os._exit(code)  # no atexit handlers, no parent's finally blocks
 
 
+class _Sender:
+    """The child's end of the pipe: one message at a time (the work may run threads)."""
+
+    def __init__(self, fd: int) -> None:
+        self._out = os.fdopen(fd, "wb")
+        self._lock = threading.Lock()
+
+    def send(self, kind: bytes, payload: bytes | None = None) -> None:
+        sized = b"" if payload is None else _LENGTH.pack(len(payload)) + payload
+        with self._lock:
+            self._out.write(kind + sized)
+            self._out.flush()
+
+
+class _Forward(logging.Handler):
+    """Sends a record that reached a logger's handlers in the child to that logger's handlers
+    in the parent: the conversion log (`converter.pipeline.runlog`) is the parent's memory."""
+
+    def __init__(self, sender: _Sender, logger: str) -> None:
+        super().__init__()
+        self._sender, self._logger = sender, logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.msg, record.args = record.getMessage(), None  # its arguments may not pickle
+        if record.exc_info:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        self._sender.send(_LOG, pickle.dumps((self._logger, record)))
+
+
+def _forward_logs(sender: _Sender) -> None:
+    """Every logger with handlers in the child hands its records to `_Forward` instead."""
+    root = logging.getLogger()
+    loggers = [root, *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        if isinstance(logger, logging.Logger) and logger.handlers:
+            name = "" if logger is root else logger.name
+            logger.handlers = [_Forward(sender, name)]
+
+
 def _read(read_fd: int, advance: Advance, pending: Pending[T]) -> None:
-    """The parent's end of the pipe: calls ``advance`` per message, stores the result."""
+    """The parent's end of the pipe: calls ``advance`` per message, hands each log record to
+    its logger's handlers here, stores the result."""
     with os.fdopen(read_fd, "rb") as inp:
         while kind := inp.read(1):
             if kind == _ADVANCE:
@@ -179,9 +216,16 @@ def _read(read_fd: int, advance: Advance, pending: Pending[T]) -> None:
                 continue
             (length,) = _LENGTH.unpack(inp.read(_LENGTH.size))
             payload = inp.read(length)
-            if len(payload) == length:
-                ok, value = pickle.loads(payload)
-                pending._value = (True, value) if ok else (False, _rebuilt(value))
+            if len(payload) < length:
+                return  # the child died mid-message
+            if kind == _LOG:
+                name, record = pickle.loads(payload)
+                for handler in logging.getLogger(name or None).handlers:
+                    if record.levelno >= handler.level:
+                        handler.handle(record)
+                continue
+            ok, value = pickle.loads(payload)
+            pending._value = (True, value) if ok else (False, _rebuilt(value))
             return
 
 
