@@ -14,13 +14,14 @@ import pytest
 
 import converter.pipeline.beside as beside_module
 from converter.pipeline.beside import ChildEnded, beside, can_fork
+from converter.pipeline.steps import Advance
 from parity.mil.errors import OpEvaluationError
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="runs in a child on Linux, 2+ cores")
 
 
-def counting(steps: int) -> Callable[[beside_module.Advance], tuple[list[int], int]]:
-    def work(advance: beside_module.Advance) -> tuple[list[int], int]:
+def counting(steps: int) -> Callable[[Advance], tuple[list[int], int]]:
+    def work(advance: Advance) -> tuple[list[int], int]:
         for _ in range(steps):
             advance()
         return list(range(steps)), os.getpid()
@@ -48,7 +49,7 @@ def test_without_fork_the_work_runs_here_first(monkeypatch: pytest.MonkeyPatch) 
     assert value == [0, 1, 2] and pid == os.getpid()
 
 
-def failing(advance: beside_module.Advance) -> None:
+def failing(advance: Advance) -> None:
     raise OpEvaluationError("conv", "layer_3_conv", "shape (1, 2) against (1, 3)")
 
 
@@ -69,7 +70,7 @@ def test_an_error_keeps_its_type_message_and_attributes(
 
 @needs_fork
 def test_a_child_that_dies_is_an_error_naming_the_work_and_the_signal() -> None:
-    def dies(advance: beside_module.Advance) -> None:
+    def dies(advance: Advance) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     with pytest.raises(ChildEnded, match="the dying work: .*signal 9 .*out of memory"):
@@ -78,7 +79,7 @@ def test_a_child_that_dies_is_an_error_naming_the_work_and_the_signal() -> None:
 
 @needs_fork
 def test_cancel_stops_a_child_still_running() -> None:
-    def sleeps(advance: beside_module.Advance) -> None:
+    def sleeps(advance: Advance) -> None:
         time.sleep(60)
 
     pending = beside(sleeps, lambda: None, "sleeping")
@@ -98,7 +99,7 @@ def test_the_childs_log_records_reach_this_processs_handlers() -> None:
     logger.setLevel(logging.INFO)
     try:
 
-        def logs(advance: beside_module.Advance) -> int:
+        def logs(advance: Advance) -> int:
             logger.info("fixture %s: %d calls", "prompt[0]", 512)
             logger.debug("below the logger's level: never sent")
             try:

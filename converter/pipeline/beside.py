@@ -1,17 +1,17 @@
-"""Run one part of a parity step in a forked child process while this process runs another.
+"""Run one part of a step in a forked child process while this process runs another.
 
-The MIL evaluator runs on one core: its time is Python and numpy per op, not arithmetic BLAS
-could spread. A cached decoder's fp32 levels and its fp16 cache gates read the same loaded
-programs and modules and share nothing else, so on a host with a second core the fp32 levels
-run in a child (`beside`) while the parent runs the fp16 gates. The child is forked: it
-starts with the parent's programs, modules and fixtures as they are (copy-on-write, nothing
-loaded or pickled twice, a patched function stays patched), and sends back only its result.
-It computes what the parent would have, with the same code on the same values; torch runs
-one thread there (two processes on two cores) and BLAS already runs one thread in the
-evaluator (`parity.mil.evaluator.BlasThreads`).
+The MIL evaluator and ``ct.convert`` each run on one core: their time is Python per op, not
+arithmetic BLAS could spread. So on a host with a second core a cached decoder's fp32 levels
+run in a child while this process runs its fp16 cache gates (`converter.tasks.kv_parity`),
+and its functions convert in one process each (`converter.tasks.kv_convert`). The child is
+forked: it starts with this process's programs, modules and fixtures as they are
+(copy-on-write: nothing loaded or pickled twice; a patched function stays patched) and sends
+back its progress, its log records and its result. It computes what this process would have,
+with the same code on the same values; torch runs one thread there (two processes on two
+cores) and BLAS one thread in the evaluator (`parity.mil.evaluator.BlasThreads`).
 
 Only on Linux: macOS's system frameworks are not safe in a forked child, and Windows has no
-fork. There, and on a host with one core, the work runs in this process first, as before.
+fork. There, and on a host with one core, the work runs in this process, first.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import traceback
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from converter.pipeline.steps import Advance
+
 T = TypeVar("T")
-Advance = Callable[[], None]
 
 log = logging.getLogger(__name__)
 
