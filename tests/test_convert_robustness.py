@@ -41,8 +41,10 @@ from converter.pipeline.resources import (
     GIB,
     MEMORY_LIMIT_ENV,
     check_disk,
+    children_with_room,
     estimate_peak_memory,
     memory_budget,
+    own_peak_bytes,
 )
 from converter.pipeline.runlog import LOG_NAME
 from converter.recipe import load_recipe
@@ -554,6 +556,21 @@ def test_memory_limit_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MEMORY_LIMIT_ENV)
     budget = memory_budget()  # detected: on Linux at least MemAvailable exists
     assert budget is None or budget[0] > 0
+
+
+def test_children_start_only_within_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child starts only when the budget, less this process's peak, covers what it adds."""
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "off")
+    assert children_with_room(GIB, 3) == 3  # no budget, no check
+    peak = own_peak_bytes()
+    monkeypatch.setenv(
+        MEMORY_LIMIT_ENV, str(peak + 5 * GIB // 2)
+    )  # half a GiB for the peak to grow
+    assert children_with_room(GIB, 3) == 2
+    assert children_with_room(GIB, 1) == 1
+    assert children_with_room(3 * GIB, 1) == 0
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(max(1, peak // 2)))  # already past the budget
+    assert children_with_room(1, 2) == 0
 
 
 def test_artifact_size_estimate_matches_a_published_artifact(

@@ -261,8 +261,7 @@ def test_the_fp32_levels_in_a_child_find_what_they_find_here(
     beside_ = _everything(*built.gates(layout))
     assert ran_in == []  # the child's call is not seen here: it ran in the child
     # no room in the memory budget for what the child adds: the levels run here
-    monkeypatch.setattr(kv_parity, "spare_bytes", lambda: kv_parity.child_bytes(
-        built.layouts[layout][1]) - 1)  # fmt: skip
+    monkeypatch.setattr(kv_parity, "children_with_room", lambda each, count: 0)
     here = _everything(*built.gates(layout))
     assert ran_in == [os.getpid()]
     assert beside_ == here

@@ -201,11 +201,13 @@ def memory_budget() -> tuple[int, str] | None:
     return room + own_peak_bytes(), source
 
 
-def spare_bytes() -> int | None:
-    """How much more this process (and any child it starts now) may take: the memory budget
-    less this process's peak so far; None when there is no budget (no check)."""
+def children_with_room(each: int, count: int) -> int:
+    """How many of ``count`` child processes, each adding ``each`` bytes, the memory budget
+    has room for beside this process's peak so far (all of them when there is no budget)."""
     budget = memory_budget()
-    return None if budget is None else max(0, budget[0] - own_peak_bytes())
+    if budget is None:
+        return count
+    return min(count, max(0, budget[0] - own_peak_bytes()) // each)
 
 
 def check_memory(estimate: MemoryEstimate, what: str) -> None:

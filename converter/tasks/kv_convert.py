@@ -2,9 +2,9 @@
 single-function package, with what the manifest and the plan need of it.
 
 ``ct.convert`` runs on one core. On a host with a second core (`converter.pipeline.beside`)
-every other function converts in a forked child while this process converts the rest; each
-conversion is the same code on the same module (coremltools clears its op-name counter per
-conversion), so each package has the same bytes.
+the functions are dealt to this process and up to one forked child per core; each conversion
+is the same code on the same module (coremltools clears its op-name counter per conversion),
+so each package has the same bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from converter.coreml.program import live_ops, save_package
 from converter.pipeline.beside import Pending, beside, can_fork
-from converter.pipeline.resources import spare_bytes
+from converter.pipeline.resources import children_with_room
 from converter.pipeline.steps import Advance
 from converter.placement.ops import Function, OpTable
 from converter.tasks.kv_contract import DEFAULT_FUNCTION, function_contract, state_contract
@@ -99,12 +99,12 @@ def convert_singles(
         for group in groups[1:]:
             children.append(beside(converter_of(group), advance, f"converting {', '.join(group)}"))
         converted = converter_of(groups[0])(advance)
-    except BaseException:
         for child in children:
+            converted.update(child.result())
+    except BaseException:
+        for child in children:  # any still running: no child outlives the step
             child.cancel()
         raise
-    for child in children:
-        converted.update(child.result())
     # The plan's op tables, not the programs: held to the plan step, each chunk's programs
     # kept their fp16 weights through the cache parity.
     tables = OpTable([converted[name].table for name in names])
@@ -125,11 +125,10 @@ def _groups(functions: dict[str, CachedDecoder]) -> list[list[str]]:
     names = list(functions)
     children = min(len(names) - 1, len(os.sched_getaffinity(0))) if can_fork() else 0
     if children:
-        room = spare_bytes()
         first = next(iter(functions.values()))
         each = CONVERT_BYTES_PER_PARAMETER * sum(p.numel() for p in first.parameters())
-        if room is not None and room < children * each:
-            children = int(room // each)
-            log.info("%d children convert functions: the memory budget has room for no more",
-                     children)  # fmt: skip
+        room = children_with_room(each, children)
+        if room < children:
+            log.info("%d children convert functions: the memory budget has room for no more", room)
+            children = room
     return [names[i :: children + 1] for i in range(children + 1)]

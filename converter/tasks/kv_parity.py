@@ -15,7 +15,7 @@ import numpy as np
 
 from converter.pipeline.beside import beside
 from converter.pipeline.publish import write_json_atomic
-from converter.pipeline.resources import GIB, spare_bytes
+from converter.pipeline.resources import GIB, children_with_room
 from converter.pipeline.steps import Advance
 from converter.tasks.kv_chunks import chunk_meta
 from converter.tasks.kv_contract import DEFAULT_FUNCTION
@@ -84,9 +84,8 @@ def function_gates(
     # when the memory budget has room for what the child adds.
     fp32 = None
     if bounds.fp32:
-        room = spare_bytes()
-        needs = child_bytes(chunks)
-        fp32 = beside(fp32_levels, advance, "the fp32 cache levels", room is None or room >= needs)
+        room = children_with_room(child_bytes(chunks), 1) == 1
+        fp32 = beside(fp32_levels, advance, "the fp32 cache levels", room)
     try:
         kv = cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
                          bounds.kv_max_abs_dprob, advance)  # fmt: skip
