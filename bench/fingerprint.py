@@ -15,7 +15,8 @@ variant (tests/test_compress_encoder.py).
 
 Per artifact it records each package's content hash, every other file's sha256 (the log
 left out) and every gate value. ``--compare`` prints what differs; the recipe files (and so
-each manifest's recipe hash) name WORKDIR, so use the same WORKDIR twice or expect those two.
+each manifest's recipe hash) name WORKDIR, so use the same WORKDIR twice (empty: move the first
+run's aside) or expect those two.
 Run the "before" from a git worktree of the old commit (``PYTHONPATH`` at it).
 """
 
@@ -135,6 +136,8 @@ def main() -> None:
         print("\n".join(lines) if lines else "identical")
         return
     workdir, out = args.paths
+    if workdir.exists() and any(workdir.iterdir()):  # a second run would refuse every out dir
+        parser.error(f"WORKDIR {workdir} is not empty: move the last run's aside first")
     out.write_text(json.dumps(record(workdir, args.recipe), indent=1, sort_keys=True))
 
 

@@ -45,6 +45,7 @@ from parity.head_outputs import ChoiceCheck, run_many_capturing_logits
 from parity.metrics import compare_positions, rel_error_np
 from parity.mil import Evaluation, Evaluator, Profile, get_profile, load_package
 from parity.mil.program import dtype_name
+from parity.mil_level import Fp32Run, MilSubject, run_mil_level
 from parity.profile_run import ProfileRun, device_margin_run
 from parity.reference import ReferenceRun
 from parity.thresholds import Thresholds
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROFILES = ("fp32", "fp16", "fp16-acc")
 GATED_PROFILE = "fp16"
+FP32_DETAIL = (
+    "max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real positions, "
+    "against the BC1L module with the program's constants in fp64"
+)
 
 
 @dataclass
@@ -119,44 +124,56 @@ def check_conversion(
         marker_problem = ""
     except MarkerError as e:
         markers, marker_problem = [], str(e)
-    gates = [
-        gate("mil-fp32", "layer_markers_present").check(
-            float(not marker_problem),
-            detail=marker_problem or f"layer_0_out..layer_{n_layers - 1}_out found in the program",
-        )
-    ]
     feeds = [program_feed(specs, module, batch, embed_table) for batch in batches]
     level = _Level(module, batches, feeds, markers, references, progress)
     runs: list[ProfileRun] = []
-    first: Evaluator | None = None  # the fp32 profile's constants serve the others (same bits)
-    for name in profiles:
-        profile = get_profile(name) if isinstance(name, str) else name
-        evaluator = Evaluator(program, profile, like=first)
-        first = first or evaluator
+    first: list[Evaluator] = []  # the first profile's constants serve the others (same bits)
+
+    def run_profile(profile: Profile) -> ProfileRun:
+        evaluator = Evaluator(program, profile, like=first[0] if first else None)
+        first[:] = first or [evaluator]
         # mil-fp32 against the module in fp64, every other profile against the reference
-        baseline = None
         if profile.name == "fp32":
             baseline = fp64_baseline(module, precision, [(x, mask) for _, x, mask in feeds])
-        if profile.deviations:  # once per seed, the worst seed per position kept
+            run = level.measure(evaluator, baseline)
+        elif profile.deviations:  # once per seed, the worst seed per position kept
             ran = {r.implementation: r.positions for r in runs}
             measure = partial(level.measure, evaluator, None)
             fp16, acc = ran.get(f"mil-{GATED_PROFILE}", []), ran.get("mil-fp16-acc", [])
             run = device_margin_run(evaluator, measure, fp16, acc)
         else:
-            run = level.measure(evaluator, baseline)
+            run = level.measure(evaluator, None)
         runs.append(run)
         # In convert.log, not the reports: a time would make them differ run to run.
         log.info(
             "MIL evaluator, profile %s: %.1f s, %d batches", profile.name, run.seconds, len(batches)
         )
-        del evaluator
-    gates += _gates(runs, thresholds)
+        return run
+
+    chosen = [get_profile(name) if isinstance(name, str) else name for name in profiles]
+    found = f"layer_0_out..layer_{n_layers - 1}_out found in the program"
+
+    def fp32(tick: Callable[[], None]) -> Fp32Run:
+        asked = [p for p in chosen if p.name == "fp32"]
+        check = run_profile(asked[0]).fp32 if asked else None
+        return Fp32Run(check, FP32_DETAIL, marker_problem, found)
+
+    def fp16() -> list[GateResult]:
+        for profile in chosen:
+            if profile.name != "fp32":
+                run_profile(profile)
+        return _gates(runs, thresholds)
+
+    mil = run_mil_level(MilSubject(fp32, fp16, thresholds.mil_fp32_layer_rel_error))
+    first.clear()
     status, runtime_run = _runtime_level(package, module, batches, references, feeds)
     implementations = {run.implementation: run.description for run in runs}
+    if mil.error:
+        implementations["mil-fp32"] = f"failed: {mil.error}"
     if runtime_run is not None:
         implementations[RUNTIME] = runtime_run.description
     return ConversionReport(
-        gates, runs, markers, status, runtime_run, module.io.length, implementations
+        mil.gates, runs, markers, status, runtime_run, module.io.length, implementations
     )
 
 
@@ -259,16 +276,9 @@ def _choice_gate(choice: ChoiceCheck | None) -> list[GateResult]:
 
 
 def _gates(runs: list[ProfileRun], thresholds: Thresholds) -> list[GateResult]:
+    """The fp16 profiles' gates."""
     gates = []
     by_name = {run.implementation: run for run in runs}
-    fp32 = by_name.get("mil-fp32")
-    if fp32 is not None and fp32.fp32 is not None:
-        # Without markers no layer was compared: the value is inf (and the markers gate fails).
-        detail = (
-            "max over layers (and the logits) and fixtures of ||h'-h||/||h|| at real "
-            "positions, against the BC1L module with the program's constants in fp64"
-        )
-        gates.append(fp32.fp32.gate(thresholds.mil_fp32_layer_rel_error, detail))
     gated = by_name.get(f"mil-{GATED_PROFILE}")
     if gated is not None:
         gates += output_gates(gated, thresholds)

@@ -13,14 +13,13 @@ Two uses, like the decoder's `parity.conversion`:
   (`tail_marker_rows_error`).
 
 A program the evaluator cannot prepare (an op without a kernel, a missing marker) raises
-`MILError`; `program_level` records that as a failed gate, never as "not run".
+`MILError` (`MarkerError`); `run_mil_level` records that as a failed gate, never as "not run".
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,6 @@ from graph_passes.partition import ISLAND_OUTPUT, HostEmbedding
 from parity.decision_gates import batch_positions
 from parity.encoder_gates import embed
 from parity.fixtures import Batch
-from parity.gate_registry import GateResult, gate
-from parity.mil.errors import MILError
 from parity.mil.evaluator import Evaluator
 from parity.mil.profiles import get_profile
 from parity.mil.program import load_package
@@ -132,39 +129,6 @@ def _layer_outputs(function: Any, module: BC1LEncoder, host: HostEmbedding | Non
         if host is None or module.final_norm is not None or outputs != [ISLAND_OUTPUT]:
             raise
     return find_markers(function, count - 1) + [ISLAND_OUTPUT]
-
-
-@dataclass
-class ProgramLevel:
-    """The fp32 level's gates, its per-layer errors and the fp16 runner; or why not."""
-
-    gates: list[GateResult]
-    layer_rel_error: list[float]
-    runner: Runner | None = None
-    error: str = ""  # why the evaluator cannot run the program(s)
-
-
-def program_level(
-    prepare: Callable[[], tuple[Fp32Check, Runner]], programs: int, threshold: float,
-    over: str, against: str,
-) -> ProgramLevel:  # fmt: skip
-    """``evaluator_runs_program`` and ``mil_fp32_layer_rel_error`` (max over ``over``, against
-    ``against``) of the layer level and fp16 runner ``prepare`` makes; a program the evaluator
-    cannot prepare fails the first gate."""
-    runs = gate("mil-fp32", "evaluator_runs_program")
-    try:
-        check, runner = prepare()
-    except (MILError, MarkerError) as e:
-        return ProgramLevel(
-            [runs.check(0.0, detail=f"cannot run the program: {e}")], [], None, str(e)
-        )
-    # Recorded when it passes too, so every artifact (and its re-check) has the same gate set.
-    gates = [
-        runs.check(1.0, detail=f"{programs} program(s) prepared; layer markers found"),
-        check.gate(threshold, f"max over {over} of ||h'-h||/||h|| at real slots, against the "
-                   f"{against} with the program's constants in fp64"),
-    ]  # fmt: skip
-    return ProgramLevel(gates, check.layer_rel_error, runner)
 
 
 def evaluators(packages: dict[str, Path], profile: str) -> dict[str, Any]:

@@ -276,11 +276,9 @@ _REGISTRY: tuple[Gate, ...] = (
          "decision.fp32_marker_rows_rel_error"),
     # the emitted program in the MIL evaluator
     Gate("layer_markers_present", "mil-fp32", _EQ,
-         "decoders: the program (every cached function too) keeps layer_<i>_out of each "
-         "layer, so layers can be compared", fixed=1.0),
-    Gate("evaluator_runs_program", "mil-fp32", _EQ,
-         "encoders: the MIL evaluator prepares and runs the emitted program(s) with their "
-         "layer markers", fixed=1.0),
+         "the MIL evaluator prepares the emitted program(s) (every piece, every cached "
+         "function) and finds each layer's output, layer_<i>_out, so layers can be compared",
+         fixed=1.0),
     Gate("mil_fp32_layer_rel_error", "mil-fp32", _LE,
          "worst ||h' - h|| / ||h|| over layers (decoders: and logits) and fixtures, real "
          "positions, the program in fp32 against the BC1L module with the program's constants "
@@ -419,6 +417,9 @@ _REGISTRY: tuple[Gate, ...] = (
 )  # fmt: skip
 
 REGISTRY: dict[str, Gate] = {g.key: g for g in _REGISTRY}
+# Names a published artifact may carry that a gate has since replaced (old -> new): until
+# 2026-12-08 an encoder's fp32 level named its markers gate evaluator_runs_program.
+RENAMED = {"evaluator_runs_program": "layer_markers_present"}
 if len(REGISTRY) != len(_REGISTRY):  # pragma: no cover - a registration mistake
     raise RuntimeError("parity.gate_registry: a level/name is registered twice")
 

@@ -29,10 +29,10 @@ from graph_passes.logits_layout import chunk_names, join_logits
 from graph_passes.markers import MarkerError, find_markers
 from graph_passes.model import Block
 from parity.decoder_fp32 import fp64_head, fp64_piece
-from parity.gate_registry import GateResult, gate
 from parity.kv_session import CacheSession
 from parity.mil.numerics import round_fp16
 from parity.mil_fp32 import Fp32Check, Pair
+from parity.mil_level import Fp32Run
 from parity.model_copies import set_weights
 from parity.reference import Continuation
 
@@ -235,12 +235,12 @@ def _logit_pairs(
         yield Pair(call.logits[real], want[mine], f"{call.where}, logits")
 
 
-def cached_fp32_gates(
-    recorders: Sequence[Recorder], precision: str, threshold: float, weights: Weights = None
-) -> list[GateResult]:
-    """The markers gate and ``mil_fp32_layer_rel_error`` over every recorded call of every
-    chunk (``precision``: the program's; ``weights``: a compressed variant's decoded
-    weights)."""
+def cached_fp32_run(
+    recorders: Sequence[Recorder], precision: str, weights: Weights = None
+) -> Fp32Run:
+    """The fp32 check over every recorded call of every chunk, for the MIL level's gates
+    (`parity.mil_level`; ``precision``: the program's; ``weights``: a compressed variant's
+    decoded weights)."""
     problems = [p for r in recorders for p in r.problems]
     layers = sum(next(iter(r.modules.values())).num_layers for r in recorders)
     every = () if problems else (c for r in recorders for c in pairs(r, precision, weights))
@@ -248,15 +248,10 @@ def cached_fp32_gates(
     # Calls per function, counted in the first chunk (every chunk runs each call).
     counts = Counter(c.function for c in recorders[0].calls)
     calls = ", ".join(f"{name} {n}" for name, n in counts.items())
-    return [
-        gate("mil-fp32", "layer_markers_present").check(
-            float(not problems),
-            detail=problems[0] if problems else "every layer's output in every cached function",
-        ),
-        check.gate(
-            threshold,
-            f"the cached functions' calls ({calls}): each layer's output and written key / "
-            "value rows (and the logits) at real positions, against the cached module with the "
-            "program's constants in fp64 reading the cache the program held",
-        ),
-    ]
+    detail = (
+        f"the cached functions' calls ({calls}): each layer's output and written key / value "
+        "rows (and the logits) at real positions, against the cached module with the "
+        "program's constants in fp64 reading the cache the program held"
+    )
+    problem = problems[0] if problems else ""
+    return Fp32Run(check, detail, problem, "every layer's output in every cached function")

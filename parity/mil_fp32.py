@@ -8,8 +8,8 @@ layer markers and logits, an encoder or decision island through its markers, a d
 on its gather, a cached chain call by call reading the cache the program held, a compressed
 decoder variant through its markers and logits, an encoder variant on its outputs. What it
 yields is the same: `Pair`s, the program's value beside the baseline's. `Fp32Check` keeps the
-worst relative error of each layer, of the outputs and of all, and makes the level's gate,
-``mil_fp32_layer_rel_error``.
+worst relative error of each layer, of the outputs and of all; `level_gates` makes the level's
+two gates for every kind, ``layer_markers_present`` and ``mil_fp32_layer_rel_error``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from parity.metrics import rel_error_np
 
 LEVEL = "mil-fp32"
 GATE = "mil_fp32_layer_rel_error"
+MARKERS = "layer_markers_present"
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,19 @@ class Fp32Check:
         return gate(LEVEL, GATE).check(
             self.overall.value, threshold, where=self.overall.where, detail=detail
         )
+
+
+def level_gates(
+    check: Fp32Check | None, threshold: float, detail: str, problem: str = "", found: str = ""
+) -> list[GateResult]:
+    """The mil-fp32 level's gates, the same for every model kind.
+
+    ``layer_markers_present``: the evaluator prepared the program(s) and found every layer's
+    output (``found`` says what), or ``problem`` says what it could not, and no layer was
+    compared. Then, when the fp32 profile ran (``check``), ``mil_fp32_layer_rel_error``.
+    Recorded when they pass too, so every artifact and its re-check have the same gate set.
+    """
+    gates = [gate(LEVEL, MARKERS).check(float(not problem), detail=problem or found)]
+    if check is not None:
+        gates.append(check.gate(threshold, detail))
+    return gates

@@ -24,6 +24,7 @@ from graph_passes.cached_decoder import CachedDecoder, cached_functions
 from parity.gate_registry import GateResult
 from parity.mil import load_package
 from parity.mil.program import loads_sharing_equal_constants, walk_ops
+from parity.mil_level import MilSubject, run_mil_level
 from parity.reference import Continuation, continuation
 
 THRESHOLD = 1e-5
@@ -133,10 +134,9 @@ def check(
     program = load_package(package)
     mutate(program)
     table = tiny.embed_table.numpy()
-    gates = cached_fp32_check(
-        [program], [functions], conts, table, "float16", THRESHOLD, weights=weights
-    )
-    return {g.name: g for g in gates}
+    run = cached_fp32_check([program], [functions], conts, table, "float16", weights=weights)
+    level = run_mil_level(MilSubject(lambda progress: run, list, THRESHOLD))
+    return {g.name: g for g in level.gates}
 
 
 def test_every_call_of_every_function_matches_the_module_per_layer(emitted: Any) -> None:

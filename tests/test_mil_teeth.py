@@ -15,8 +15,9 @@ from converter.coreml.program import trace
 from converter.coreml.targets import TARGETS
 from converter.tasks.decoder_contract import tensor_contract
 from graph_passes.markers import MarkerError, find_markers, mark_layer_outputs
+from parity import conversion
 from parity.decoder_gates import check_decoder
-from parity.mil import load_package
+from parity.mil import UnsupportedOpError, load_package
 
 
 def _replace(op: Any, build: Callable[[], Any]) -> None:
@@ -157,6 +158,24 @@ def test_a_missing_layer_marker_is_a_failed_gate_naming_it(tmp_path: Path) -> No
     gate = next(g for g in report.gates if g.name == "layer_markers_present")
     assert not gate.passed and "layer_0_out" in gate.detail
     assert not report.passed
+
+
+def test_a_program_the_evaluator_cannot_prepare_is_a_failed_gate_naming_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder's program with an op the evaluator has no kernel for fails the markers gate,
+    as an encoder's does, instead of ending the conversion with a traceback."""
+    tiny = build_tiny("llama")
+    package = convert_with(tiny.module, None, tmp_path)
+
+    def unsupported(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedOpError("cumsum", "my_cumsum")
+
+    monkeypatch.setattr(conversion, "Evaluator", unsupported)
+    report = tiny.check_program(package)
+    assert [(g.name, g.passed) for g in report.gates] == [("layer_markers_present", False)]
+    assert "cumsum" in report.gates[0].detail and report.runs == []
+    assert report.implementations["mil-fp32"].startswith("failed: ")
 
 
 def test_markers_survive_conversion_in_fp16_and_fp32(tmp_path: Path) -> None:

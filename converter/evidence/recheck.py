@@ -27,7 +27,7 @@ from converter.recipe import Recipe, ResolvedSource, recipe_from_dict
 from converter.tasks import task_of
 from converter.tasks.shared import Job, Program
 from converter.tasks.text_generation import DecoderRun, mil_profiles
-from parity.gate_registry import GateResult, gate, registered
+from parity.gate_registry import RENAMED, GateResult, gate, registered
 from parity.html_report import report_to_html
 from parity.kv_gates import RETIRED, RULE
 from parity.mil.profiles import PROFILES
@@ -87,11 +87,13 @@ def checkpoint_source(manifest: Manifest) -> ResolvedSource:
 
 
 def published_gates(artifact: Path) -> set[GateKey]:
-    """The (name, implementation) of every gate in the artifact's published parity.json."""
+    """The (name, implementation) of every gate in the artifact's published parity.json, a
+    gate published under a name since replaced by its new name (`RENAMED`)."""
     path = artifact / "parity.json"
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        return {(str(g["name"]), str(g["implementation"])) for g in doc["gates"]}
+        names = ((str(g["name"]), str(g["implementation"])) for g in doc["gates"])
+        return {(RENAMED.get(name, name), implementation) for name, implementation in names}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: cannot read the published gates: {e}") from None
 

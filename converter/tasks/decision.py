@@ -52,7 +52,6 @@ from parity.encoder_gates import MIL_LEVEL, host_runner
 from parity.encoder_mil import (
     decision_mil_runner,
     layer_level,
-    program_level,
     tail_marker_rows_error,
 )
 from parity.fixtures import Batch, Fixture, build_fixtures, pad_id
@@ -237,15 +236,6 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
     reference."""
     rw, recipe = need(run.rewrite, "rewrite"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
-    level = program_level(
-        lambda: (
-            layer_level(packages["island"], rw.module, rw.host, rw.batches, recipe.io.dtype,
-                        recipe.precision, rw.module.layer_name),
-            decision_mil_runner(packages, rw.host, rw.tail.spec, recipe.io.dtype),
-        ),
-        len(packages), recipe.gates.mil_fp32_layer_rel_error,
-        "encoder and head layers and requests", "stack",
-    )  # fmt: skip
 
     def marker_rows() -> list[GateResult]:
         rows_error, rows_where = tail_marker_rows_error(
@@ -258,10 +248,16 @@ def mil_parity(run: DecisionRun, advance: Advance) -> Stop | None:
         )]  # fmt: skip
 
     return gate_program(
-        run, level,
+        run,
+        lambda: (
+            layer_level(packages["island"], rw.module, rw.host, rw.batches, recipe.io.dtype,
+                        recipe.precision, rw.module.layer_name),
+            decision_mil_runner(packages, rw.host, rw.tail.spec, recipe.io.dtype),
+        ),
         lambda runner: check_decision(rw.module, rw.tail, rw.batches, rw.slices, run.references,
                                       thresholds(recipe), {MIL_LEVEL: runner}, False),
-        {MIL_LEVEL: "anec MIL evaluator, profile fp16, island then tail"}, marker_rows,
+        {MIL_LEVEL: "anec MIL evaluator, profile fp16, island then tail"},
+        "encoder and head layers and requests", "stack", marker_rows,
     )  # fmt: skip
 
 

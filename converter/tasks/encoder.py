@@ -56,9 +56,11 @@ from parity.encoder_gates import (
     host_runner,
     run_encoder_reference,
 )
-from parity.encoder_mil import ProgramLevel, layer_level, output_runner, program_level
+from parity.encoder_mil import layer_level, output_runner
 from parity.fixtures import Batch, Fixture, build_fixtures, make_batches, pad_id
 from parity.gate_registry import GateResult
+from parity.mil_fp32 import Fp32Check
+from parity.mil_level import Fp32Run, MilSubject, Progress, run_mil_level
 from parity.result import OUTPUT, ParityReport, Runner, merge_rows
 from parity.thresholds import Thresholds
 from parity.torch_settings import with_parity_torch
@@ -290,26 +292,41 @@ def convert(run: EncoderRun, advance: Advance) -> None:
         )
 
 
-def gate_program(run: BC1LRun, level: ProgramLevel,
+def gate_program(run: BC1LRun, prepare: Callable[[], tuple[Fp32Check, Runner]],
                  check: Callable[[Runner], tuple[ParityReport, list[Any]]],
-                 described: dict[str, str], more: Callable[[], list[GateResult]] = list
-                 ) -> Stop | None:  # fmt: skip
-    """Record the MIL level: ``level``'s fp32 gates and, when the program runs, ``more`` gates
-    and the fp16 run as `MIL_LEVEL` through ``check`` (its rows merged into the run's), the
-    implementations ``described``; when it cannot run, `MIL_LEVEL` as failed and why. Then
-    the report files."""
+                 described: dict[str, str], over: str, against: str,
+                 more: Callable[[], list[GateResult]] = list) -> Stop | None:  # fmt: skip
+    """Record the MIL level (`parity.mil_level.run_mil_level`) of the fp32 layer check and
+    fp16 runner ``prepare`` makes: its fp32 gates (max over ``over``, against ``against``),
+    ``more`` gates, and the fp16 run as `MIL_LEVEL` through ``check`` (its rows merged into the
+    run's), the implementations ``described``; when the program cannot run, `MIL_LEVEL` as
+    failed and why. Then the report files."""
     report = need(run.report, "report")
+    programs = len(run.programs)
+    prepared: list[Runner] = []
+    detail = (f"max over {over} of ||h'-h||/||h|| at real slots, against the {against} with "
+              "the program's constants in fp64")  # fmt: skip
+
+    def fp32(progress: Progress) -> Fp32Run:
+        layers, runner = prepare()
+        prepared.append(runner)
+        found = f"{programs} program(s) prepared; layer markers found"
+        return Fp32Run(layers, detail, found=found)
+
+    def fp16() -> list[GateResult]:
+        mil_report, mil_rows = check(prepared[0])
+        merge_rows(run.rows, mil_rows)
+        return mil_report.gates
+
+    threshold = run.recipe.gates.mil_fp32_layer_rel_error
+    level = run_mil_level(MilSubject(fp32, fp16, threshold, lambda progress: more()))
     report.gates += level.gates
-    if level.runner is None:
+    if level.error:
         report.implementations[MIL_LEVEL] = f"failed: {level.error}"
         run.write_parity()
         return Stop("MIL-level")
     run.extra_json["mil_fp32_layer_rel_error"] = level.layer_rel_error
-    report.gates += more()
-    mil_report, mil_rows = check(level.runner)
-    report.gates.extend(mil_report.gates)
     report.implementations.update(described)
-    merge_rows(run.rows, mil_rows)
     run.write_parity()
     return None if report.passed else Stop("MIL-level")
 
@@ -320,21 +337,18 @@ def mil_parity(run: EncoderRun, advance: Advance) -> Stop | None:
     a failed gate."""
     rw, recipe = need(run.rewrite, "rewrite"), run.recipe
     packages = {p.piece: p.path for p in run.programs}
-    level = program_level(
+    return gate_program(
+        run,
         lambda: (
             layer_level(run.main.path, rw.module, rw.host, rw.batches, recipe.io.dtype,
                         recipe.precision),
             output_runner(packages, rw.module, rw.host, recipe.io.dtype),
         ),
-        len(packages), recipe.gates.mil_fp32_layer_rel_error, "layers and fixtures",
-        "BC1L module",
-    )  # fmt: skip
-    return gate_program(
-        run, level,
         lambda runner: check_encoder(rw.module, rw.batches, run.references, thresholds(recipe),
                                      {MIL_LEVEL: runner}, torch_levels=False),
         {"mil-fp32": "anec MIL evaluator, profile fp32, on the emitted program",
          MIL_LEVEL: "anec MIL evaluator, profile fp16, on the emitted program(s)"},
+        "layers and fixtures", "BC1L module",
     )  # fmt: skip
 
 

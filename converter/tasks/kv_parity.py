@@ -24,11 +24,12 @@ from parity.gate_registry import GateResult, gate
 from parity.kv_fp32 import PROFILE as FP32_LEVEL
 from parity.kv_fp32 import LayerCapture, cached_fp32_level, reference
 from parity.kv_gates import RULE, KvParity, check_kv
-from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_gates, record_calls
+from parity.kv_mil import PROFILE, Recorder, Weights, cached_fp32_run, record_calls
 from parity.kv_sequence import torch_fp16_errors
 from parity.kv_session import CacheSession, MilChain, MilFunctions, session_for
 from parity.lockstep import Lockstep
 from parity.mil.program import load_function_set, load_package
+from parity.mil_level import Fp32Run, MilSubject, run_mil_level
 from parity.reference import Continuation
 from parity.report import level_row
 
@@ -71,29 +72,32 @@ def function_gates(
         else [load_package(p) for p in packages]
     )
 
-    def fp32_levels(advance: Advance) -> list[GateResult]:
-        layers = cached_fp32_check(
-            programs, chunks, continuations, table, bounds.precision,
-            bounds.mil_fp32_layer_rel_error, advance, weights,
-        )  # fmt: skip
-        return layers + cache_fp32_level(programs, chunks, continuations, extend, table,
-                                         bounds, advance, weights)  # fmt: skip
+    found: list[KvParity] = []
 
-    # The fp32 levels and the fp16 gates share only what is loaded: on a second core the
-    # first run in a child while this process runs the second (`converter.pipeline.beside`),
-    # when the memory budget has room for what the child adds.
-    fp32 = None
+    def fp16() -> list[GateResult]:
+        found.append(cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
+                                 bounds.kv_max_abs_dprob, advance))  # fmt: skip
+        return found[0].gates
+
     if bounds.fp32:
+        subject = MilSubject(
+            lambda tick: cached_fp32_check(programs, chunks, continuations, table,
+                                           bounds.precision, tick, weights),
+            fp16, bounds.mil_fp32_layer_rel_error,
+            lambda tick: cache_fp32_level(programs, chunks, continuations, extend, table,
+                                          bounds, tick, weights),
+        )  # fmt: skip
+        # The fp32 part and the fp16 gates share only what is loaded: on a second core the
+        # first runs in a child while this process runs the second (`converter.pipeline.
+        # beside`), when the memory budget has room for what the child adds.
         room = children_with_room(child_bytes(chunks), 1) == 1
-        fp32 = beside(fp32_levels, advance, "the fp32 cache levels", room)
-    try:
-        kv = cache_gates(packages, programs, chunks, continuations, extend, table, sizes,
-                         bounds.kv_max_abs_dprob, advance)  # fmt: skip
-    except BaseException:
-        if fp32 is not None:
-            fp32.cancel()
-        raise
-    layers = fp32.result() if fp32 is not None else []
+        level = run_mil_level(subject, advance, lambda work: beside(
+            work, advance, "the fp32 cache levels", room))  # fmt: skip
+        layers = level.fp32_gates
+    else:  # `anec parity --profile` left the fp32 profile out: the fp16 gates alone
+        fp16()
+        layers = []
+    kv = found[0]
     if weights is None and kv.drift is not None and kv.drift.over:
         kv.drift.torch_fp16 = _torch_fp16_at(chunks[0][DEFAULT_FUNCTION], table, continuations,
                                              kv.drift.over)  # fmt: skip
@@ -240,16 +244,15 @@ def cached_fp32_check(
     continuations: list[Continuation],
     table: np.ndarray,
     precision: str,
-    threshold: float,
     advance: Advance = lambda: None,
     weights: Weights = None,
-) -> list[GateResult]:
-    """The per-layer MIL fp32 gate on every cached function of ``programs`` (one per chunk,
+) -> Fp32Run:
+    """The per-layer MIL fp32 check of every cached function of ``programs`` (one per chunk,
     `load_package`'s) (`parity.kv_mil`)."""
     recorders = [Recorder(p, c) for p, c in zip(programs, chunks, strict=True)]
     mil = _mil_functions(programs, chunks, PROFILE, recorders)
     record_calls(_sessions(mil, chunks[0], table, advance), recorders, continuations)
-    return cached_fp32_gates(recorders, precision, threshold, weights)
+    return cached_fp32_run(recorders, precision, weights)
 
 
 # The levels the cached functions are gated at (parity.html's levels table).
