@@ -137,6 +137,19 @@ def test_anec_parity_reruns_the_gates_on_the_artifact(artifact: Path, root: Path
     assert (out / "parity.html").is_file()
 
 
+def test_anec_parity_with_the_fp16_profile_alone_reruns_the_same_gate_set(
+    artifact: Path, root: Path
+) -> None:
+    """A window re-checked without the fp32 profile still records its markers gate (found in
+    the program, not run): that is no gate "re-run, not published"."""
+    out = root / "recheck-fp16"
+    result = run_anec("parity", artifact, "--out", out, "--profile", "fp16")
+    assert result.exit_code == 0, result.output
+    again = _gates(json.loads((out / "parity.json").read_text()))
+    assert again[SAME_SET]["passed"], again[SAME_SET]["detail"]
+    assert not any(name == "mil_fp32_layer_rel_error" for name, _ in again)
+
+
 def test_anec_parity_fails_a_rerun_that_dropped_a_gate(
     artifact: Path, root: Path, tmp_path: Path
 ) -> None:
