@@ -186,6 +186,9 @@ def conversion_to_json(report: ConversionReport) -> dict[str, Any]:
 def conversion_to_text(report: ConversionReport) -> str:
     """A readable summary of the conversion and runtime levels."""
     lines = ["Conversion level (the emitted program, MIL evaluator):"]
+    failed = report.implementations.get("mil-fp32", "")
+    if not report.runs and failed.startswith("failed: "):  # the program could not be prepared
+        lines.append(f"  not run: {failed.removeprefix('failed: ')}")
     for run in report.runs:
         summary = run.summary()
         line = (

@@ -18,6 +18,7 @@ from graph_passes.markers import MarkerError, find_markers, mark_layer_outputs
 from parity import conversion
 from parity.decoder_gates import check_decoder
 from parity.mil import UnsupportedOpError, load_package
+from parity.report import conversion_to_text
 
 
 def _replace(op: Any, build: Callable[[], Any]) -> None:
@@ -176,6 +177,7 @@ def test_a_program_the_evaluator_cannot_prepare_is_a_failed_gate_naming_why(
     assert [(g.name, g.passed) for g in report.gates] == [("layer_markers_present", False)]
     assert "cumsum" in report.gates[0].detail and report.runs == []
     assert report.implementations["mil-fp32"].startswith("failed: ")
+    assert "not run: no kernel for MIL op type 'cumsum'" in conversion_to_text(report)
 
 
 def test_markers_survive_conversion_in_fp16_and_fp32(tmp_path: Path) -> None:
